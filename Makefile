@@ -1,0 +1,65 @@
+# robustrl: one venv (.venv), created or reused by every target that needs it.
+SHELL := /bin/bash
+VENV ?= .venv
+PY := $(VENV)/bin/python
+# Tools installed in the venv (protoc plugins, etcd) must be on PATH for the commands below.
+export PATH := $(abspath $(VENV))/bin:$(PATH)
+# torch is pinned for installs here: that CPU build is at hand; any other version pulls CUDA.
+TORCH_PIN ?= torch==2.13.0
+EXTRAS ?= trainer,rollout,local,dev
+STAMP := $(VENV)/.installed-$(shell cat pyproject.toml | sha1sum | cut -c1-12)
+PROTO_SRC := $(wildcard protos/robustrl/v1/*.proto)
+
+.PHONY: venv demo test test-fast lint fmt protos check-protos model clean
+
+venv: $(STAMP)
+
+$(STAMP): pyproject.toml
+	@test -x $(PY) || python3 -m venv $(VENV)
+	$(PY) -m pip install -q --disable-pip-version-check --upgrade pip
+	$(PY) -m pip install -q --disable-pip-version-check "$(TORCH_PIN)" -e ".[$(EXTRAS)]"
+	@rm -f $(VENV)/.installed-*
+	@touch $@
+
+## The main job: the local stack on CPU (embedded etcd, all services), a real job.
+demo: $(STAMP)
+	$(PY) -m services.cli.demo
+
+## The whole test suite (unit, integration with a real etcd, e2e through real processes).
+test: $(STAMP)
+	$(PY) -m pytest -m "not gpu" -p no:cacheprovider
+
+test-fast: $(STAMP)
+	$(PY) -m pytest tests/unit -m "not gpu and not slow" -p no:cacheprovider
+
+lint: $(STAMP) check-protos
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/mypy
+
+fmt: $(STAMP)
+	$(VENV)/bin/ruff format .
+	$(VENV)/bin/ruff check --fix .
+
+## Regenerate the committed Python code (and .pyi stubs) from protos/.
+protos: $(STAMP)
+	rm -f robustrl/v1/*_pb2*.py robustrl/v1/*_pb2*.pyi
+	$(PY) -m grpc_tools.protoc -Iprotos \
+		--python_out=. --grpc_python_out=. \
+		--mypy_out=. --mypy_grpc_out=. \
+		$(PROTO_SRC)
+
+## Fails when the committed generated code differs from what protos/ generate.
+check-protos: $(STAMP)
+	@tmp=$$(mktemp -d); trap 'rm -rf $$tmp' EXIT; \
+	$(PY) -m grpc_tools.protoc -Iprotos --python_out=$$tmp --grpc_python_out=$$tmp \
+		--mypy_out=$$tmp --mypy_grpc_out=$$tmp $(PROTO_SRC) && \
+	for f in $$tmp/robustrl/v1/*; do \
+		cmp -s "$$f" "robustrl/v1/$$(basename $$f)" || { echo "generated code is stale: $$(basename $$f); run 'make protos'"; exit 1; }; \
+	done; \
+	for f in robustrl/v1/*_pb2*; do \
+		test -e "$$tmp/robustrl/v1/$$(basename $$f)" || { echo "stray generated file: $$f; run 'make protos'"; exit 1; }; \
+	done; echo "generated code is up to date"
+
+clean:
+	rm -rf .robustrl .pytest_cache .mypy_cache .ruff_cache

@@ -1,0 +1,1 @@
+"""robustrl services: coordinator, monitor, trainer, rollout, plus what they share."""

@@ -1,0 +1,432 @@
+"""`robustrl`: run the local stack and drive jobs.
+
+Every read command takes --json. Errors are one line on stderr and a non-zero exit:
+1 for a failed request, 2 for bad usage or input the CLI itself rejects.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import shutil
+import sys
+import time
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Any
+
+import grpc
+from google.protobuf.json_format import MessageToDict
+from rich.console import Console
+from rich.table import Table
+
+from robustrl.v1 import coordinator_pb2
+from services.cli import stack
+from services.cli.client import DEFAULT_DEADLINE, NoCoordinator, StackClient
+
+console = Console(soft_wrap=True)
+err_console = Console(stderr=True, soft_wrap=True)
+
+DEFAULT_HOME = ".robustrl"
+
+
+class UsageError(Exception):
+    """Input the CLI rejects before asking the stack (exit 2)."""
+
+
+# ----------------------------------------------------------------------------- helpers
+
+
+def home_dir(args: argparse.Namespace) -> Path:
+    return Path(args.home or os.environ.get("ROBUSTRL_HOME") or DEFAULT_HOME).resolve()
+
+
+def etcd_target(args: argparse.Namespace) -> tuple[str, str]:
+    """(endpoints, prefix): --etcd, else ROBUSTRL_ETCD_ENDPOINTS, else the local stack."""
+    prefix = os.environ.get("ROBUSTRL_ETCD_PREFIX", "/robustrl")
+    if args.etcd:
+        return args.etcd, prefix
+    if os.environ.get("ROBUSTRL_ETCD_ENDPOINTS"):
+        return os.environ["ROBUSTRL_ETCD_ENDPOINTS"], prefix
+    state = stack.StackState.load(home_dir(args))
+    if state is None or not state.procs:
+        raise UsageError(
+            f"no local stack running in {home_dir(args)} and no --etcd given; "
+            "run `robustrl up` first"
+        )
+    return state.etcd_endpoints, state.prefix
+
+
+def with_client(args: argparse.Namespace, fn: Callable[[StackClient], Awaitable[int]]) -> int:
+    endpoints, prefix = etcd_target(args)
+
+    async def run() -> int:
+        client = await StackClient.connect(endpoints, prefix)
+        try:
+            return await fn(client)
+        finally:
+            await client.close()
+
+    return asyncio.run(run())
+
+
+def job_dict(job: coordinator_pb2.Job) -> dict[str, Any]:
+    out = MessageToDict(
+        job, preserving_proto_field_name=True, always_print_fields_with_no_presence=True
+    )
+    out["phase"] = out["phase"].removeprefix("JOB_PHASE_")
+    out["spec"] = json.loads(out.pop("spec_json") or "{}")
+    for key in ("revision", "step", "weight_version"):
+        out[key] = int(out[key])
+    return out
+
+
+def emit_json(data: object) -> None:
+    print(json.dumps(data, indent=2, sort_keys=True))
+
+
+def age(seconds_since_epoch: float) -> str:
+    delta = max(0.0, time.time() - seconds_since_epoch)
+    if delta < 90:
+        return f"{delta:.0f}s"
+    if delta < 5400:
+        return f"{delta / 60:.0f}m"
+    return f"{delta / 3600:.1f}h"
+
+
+def ts_seconds(value: str) -> float:
+    from google.protobuf.timestamp_pb2 import Timestamp
+
+    ts = Timestamp()
+    ts.FromJsonString(value)
+    return ts.ToNanoseconds() / 1e9
+
+
+# ----------------------------------------------------------------------------- commands
+
+
+def cmd_up(args: argparse.Namespace) -> int:
+    home = home_dir(args)
+    home.mkdir(parents=True, exist_ok=True)
+    previous = stack.StackState.load(home)
+    if previous and any(stack.is_running(p) for p in previous.procs):
+        raise UsageError(f"a stack is already running from {home}; `robustrl down` first")
+    state = stack.StackState(home=str(home))
+    if previous:
+        state.etcd_client_port = previous.etcd_client_port
+        state.etcd_peer_port = previous.etcd_peer_port
+    state.save()
+    try:
+        etcd = stack.start_etcd(state)
+        wait_for_etcd(state, etcd)
+        services = [stack.start_service(state, "monitor", "monitor-0")]
+        for i in range(args.coordinators):
+            services.append(stack.start_service(state, "coordinator", f"coordinator-{i}"))
+        for i in range(args.trainers):
+            services.append(stack.start_service(state, "trainer", f"trainer-{i}"))
+        for i in range(args.rollouts):
+            services.append(stack.start_service(state, "rollout", f"rollout-{i}"))
+        wait_for_members(state, services, timeout=args.timeout)
+    except (stack.StackError, KeyboardInterrupt):
+        stack.stop_procs(state.procs)
+        raise
+    console.print(f"[green]stack up[/green]: etcd at {state.etcd_endpoints}, state in {home}")
+    rc = with_client(args, lambda c: print_members(c, as_json=False))
+    if args.job:
+        rc = cmd_submit(
+            argparse.Namespace(**{**vars(args), "file": args.job, "overrides": [], "id": ""})
+        )
+    return rc
+
+
+def wait_for_etcd(state: stack.StackState, etcd: stack.Proc) -> None:
+    stack.wait_until(
+        lambda: stack.etcd_healthy(state.etcd_endpoints), 30, "waiting for etcd to answer", [etcd]
+    )
+
+
+def wait_for_members(state: stack.StackState, procs: list[stack.Proc], timeout: float) -> None:
+    """Every started service registered in etcd and answering its health check."""
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    wanted = {p.name for p in procs}
+
+    async def all_healthy() -> bool:
+        client = await StackClient.connect(state.etcd_endpoints, state.prefix)
+        try:
+            members = {m.instance_id: m for m in await client.members()}
+            if not wanted <= members.keys():
+                return False
+            for name in wanted:
+                channel = grpc.aio.insecure_channel(members[name].address)
+                async with channel:
+                    reply = await health_pb2_grpc.HealthStub(channel).Check(
+                        health_pb2.HealthCheckRequest(), timeout=2
+                    )
+                if reply.status != health_pb2.HealthCheckResponse.SERVING:
+                    return False
+            return True
+        except grpc.aio.AioRpcError:
+            return False
+        finally:
+            await client.close()
+
+    stack.wait_until(lambda: asyncio.run(all_healthy()), timeout, "waiting for services", procs)
+
+
+def cmd_down(args: argparse.Namespace) -> int:
+    home = home_dir(args)
+    state = stack.StackState.load(home)
+    if state is None:
+        console.print(f"no stack recorded in {home}; nothing to stop")
+        return 0
+    services = [p for p in state.procs if p.name != "etcd"]
+    stopped = stack.stop_procs(services) + stack.stop_procs(
+        [p for p in state.procs if p.name == "etcd"]
+    )
+    if args.purge:
+        shutil.rmtree(home / "etcd", ignore_errors=True)
+        (home / stack.STATE_FILE).unlink(missing_ok=True)
+    else:
+        # Keep the ports so the next `up` reuses etcd's data: jobs survive down/up.
+        state.procs = []
+        state.save()
+    console.print(f"stopped {len(stopped)} process(es): {', '.join(stopped) or '-'}")
+    return 0
+
+
+def read_spec_file(path: str) -> str:
+    try:
+        return Path(path).read_text()
+    except OSError as exc:
+        raise UsageError(f"cannot read job spec {path}: {exc.strerror}") from exc
+
+
+def cmd_submit(args: argparse.Namespace) -> int:
+    request = coordinator_pb2.SubmitJobRequest(
+        spec=read_spec_file(args.file), overrides=args.overrides, job_id=args.id or ""
+    )
+
+    async def run(client: StackClient) -> int:
+        job = await client.write(lambda s: s.SubmitJob(request, timeout=DEFAULT_DEADLINE))
+        if args.json:
+            emit_json(job_dict(job))
+        else:
+            console.print(f"submitted job [bold]{job.job_id}[/bold]")
+        return 0
+
+    return with_client(args, run)
+
+
+def cmd_jobs(args: argparse.Namespace) -> int:
+    async def run(client: StackClient) -> int:
+        reply = await client.read(
+            lambda s: s.ListJobs(coordinator_pb2.ListJobsRequest(), timeout=DEFAULT_DEADLINE)
+        )
+        jobs = [job_dict(j) for j in reply.jobs]
+        if args.json:
+            emit_json(jobs)
+            return 0
+        table = Table("JOB", "PHASE", "STEP", "VERSION", "AGE", "MESSAGE", box=None)
+        for job in jobs:
+            table.add_row(
+                job["job_id"],
+                job["phase"],
+                str(job["step"]),
+                str(job["weight_version"]),
+                age(ts_seconds(job["created_at"])),
+                job["message"],
+            )
+        console.print(table if jobs else "no jobs")
+        return 0
+
+    return with_client(args, run)
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    async def run(client: StackClient) -> int:
+        if args.job:
+            request = coordinator_pb2.GetJobRequest(job_id=args.job)
+            job = job_dict(await client.read(lambda s: s.GetJob(request, timeout=DEFAULT_DEADLINE)))
+            bound = [m.model_dump() for m in await client.members() if m.job_id == args.job]
+            job["bound_members"] = bound
+            if args.json:
+                emit_json(job)
+                return 0
+            console.print(f"[bold]{job['job_id']}[/bold]  {job['phase']}  {job['message']}")
+            console.print(f"  step {job['step']}  weight version {job['weight_version']}")
+            for key, value in sorted(job["metrics"].items()):
+                console.print(f"  {key}: {value:.4g}")
+            for m in bound:
+                console.print(f"  member {m['role']} {m['instance_id']} ({m['address']})")
+            return 0
+        leader = await client.leader()
+        members = await client.members()
+        reply = await client.read(
+            lambda s: s.ListJobs(coordinator_pb2.ListJobsRequest(), timeout=DEFAULT_DEADLINE)
+        )
+        jobs = [job_dict(j) for j in reply.jobs]
+        summary = {
+            "leader": leader["instance_id"] if leader else None,
+            "members": [m.model_dump() for m in members],
+            "jobs": jobs,
+        }
+        if args.json:
+            emit_json(summary)
+            return 0
+        roles: dict[str, int] = {}
+        for member in members:
+            roles[member.role] = roles.get(member.role, 0) + 1
+        console.print(f"leader: {summary['leader'] or '(none)'}")
+        console.print("members: " + ", ".join(f"{n} {r}" for r, n in roles.items()))
+        phases: dict[str, int] = {}
+        for j in jobs:
+            phases[j["phase"]] = phases.get(j["phase"], 0) + 1
+        console.print("jobs: " + (", ".join(f"{n} {p}" for p, n in phases.items()) or "none"))
+        return 0
+
+    return with_client(args, run)
+
+
+def cmd_cancel(args: argparse.Namespace) -> int:
+    request = coordinator_pb2.CancelJobRequest(job_id=args.job, reason=args.reason)
+
+    async def run(client: StackClient) -> int:
+        job = await client.write(lambda s: s.CancelJob(request, timeout=DEFAULT_DEADLINE))
+        console.print(f"job [bold]{job.job_id}[/bold] cancelled")
+        return 0
+
+    return with_client(args, run)
+
+
+async def print_members(client: StackClient, as_json: bool) -> int:
+    members = await client.members()
+    leader = await client.leader()
+    leader_id = leader["instance_id"] if leader else ""
+    rows = [{**m.model_dump(), "leader": m.instance_id == leader_id} for m in members]
+    if as_json:
+        emit_json(rows)
+        return 0
+    table = Table("ROLE", "INSTANCE", "ADDRESS", "PID", "EPOCH", "JOB", "", box=None)
+    for row in rows:
+        table.add_row(
+            row["role"],
+            row["instance_id"],
+            row["address"],
+            str(row["pid"]),
+            str(row["epoch"]),
+            row["job_id"] or "-",
+            "leader" if row["leader"] else "",
+        )
+    console.print(table if rows else "no members registered")
+    return 0
+
+
+def cmd_members(args: argparse.Namespace) -> int:
+    return with_client(args, lambda c: print_members(c, args.json))
+
+
+def cmd_incidents(args: argparse.Namespace) -> int:
+    async def run(client: StackClient) -> int:
+        records = await client.incidents(args.job or "")
+        if args.json:
+            emit_json(records)
+            return 0
+        table = Table("WHEN", "KIND", "ROLE", "INSTANCE", "JOB", "EVIDENCE", box=None)
+        for r in records:
+            table.add_row(
+                age(r["detected_at"]),
+                r["kind"],
+                r["role"],
+                r["instance_id"],
+                r["job_id"] or "-",
+                r["evidence"],
+            )
+        console.print(table if records else "no incidents")
+        return 0
+
+    return with_client(args, run)
+
+
+# ----------------------------------------------------------------------------- parser
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="robustrl", description=__doc__.splitlines()[0])
+    parser.add_argument(
+        "--home", help=f"local stack state directory (default {DEFAULT_HOME}, env ROBUSTRL_HOME)"
+    )
+    parser.add_argument("--etcd", help="etcd endpoints host:port[,...] (default: the local stack)")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    up = sub.add_parser("up", help="start the local stack: etcd + services as local processes")
+    up.add_argument("--coordinators", type=int, default=2, help="coordinator replicas (default 2)")
+    up.add_argument("--trainers", type=int, default=0, help="trainer instances (default 0)")
+    up.add_argument("--rollouts", type=int, default=0, help="rollout instances (default 0)")
+    up.add_argument("--timeout", type=float, default=60.0, help="seconds to wait for health")
+    up.add_argument("--job", help="submit this job spec once the stack is up")
+    up.add_argument("--json", action="store_true", help=argparse.SUPPRESS)
+    up.set_defaults(func=cmd_up)
+
+    down = sub.add_parser("down", help="stop exactly what `up` started")
+    down.add_argument("--purge", action="store_true", help="also delete etcd's data (all jobs)")
+    down.set_defaults(func=cmd_down)
+
+    submit = sub.add_parser("submit", help="submit a job spec (YAML) with key.sub=value overrides")
+    submit.add_argument("file")
+    submit.add_argument("overrides", nargs="*", metavar="KEY=VALUE")
+    submit.add_argument("--id", help="job id (default: the spec's id, else <name>-<suffix>)")
+    submit.add_argument("--json", action="store_true")
+    submit.set_defaults(func=cmd_submit)
+
+    jobs = sub.add_parser("jobs", help="list jobs")
+    jobs.add_argument("--json", action="store_true")
+    jobs.set_defaults(func=cmd_jobs)
+
+    status = sub.add_parser("status", help="the stack's status, or one job's")
+    status.add_argument("job", nargs="?")
+    status.add_argument("--json", action="store_true")
+    status.set_defaults(func=cmd_status)
+
+    cancel = sub.add_parser("cancel", help="cancel a job")
+    cancel.add_argument("job")
+    cancel.add_argument("--reason", default="")
+    cancel.set_defaults(func=cmd_cancel)
+
+    members = sub.add_parser("members", help="registered members; marks the leader coordinator")
+    members.add_argument("--json", action="store_true")
+    members.set_defaults(func=cmd_members)
+
+    incidents = sub.add_parser("incidents", help="incidents the monitor recorded")
+    incidents.add_argument("job", nargs="?")
+    incidents.add_argument("--json", action="store_true")
+    incidents.set_defaults(func=cmd_incidents)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return int(args.func(args))
+    except UsageError as exc:
+        err_console.print(f"robustrl: error: {exc}", highlight=False)
+        return 2
+    except grpc.aio.AioRpcError as exc:
+        err_console.print(f"robustrl: error: {exc.code().name}: {exc.details()}", highlight=False)
+        return 1
+    except (stack.StackError, NoCoordinator) as exc:
+        err_console.print(f"robustrl: error: {exc}", highlight=False)
+        return 1
+    except Exception as exc:
+        from services.common.errors import RobustrlError
+
+        if isinstance(exc, RobustrlError):  # e.g. etcd unreachable
+            err_console.print(f"robustrl: error: {exc.message}", highlight=False)
+            return 1
+        raise
+
+
+if __name__ == "__main__":
+    sys.exit(main())

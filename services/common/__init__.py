@@ -1,0 +1,1 @@
+"""What every service shares: config, logs, the gRPC bootstrap, the etcd layer, heartbeats."""

@@ -1,0 +1,92 @@
+"""Settings shared by every service, read from ROBUSTRL_* environment variables.
+
+Each service's own Settings (in its config.py) extends `ServiceSettings` with its env prefix,
+e.g. ROBUSTRL_COORDINATOR_PORT. Settings every service needs (where etcd is, the key
+namespace) are read without a service prefix so one environment serves the whole stack.
+"""
+
+from __future__ import annotations
+
+import socket
+
+from pydantic import Field, field_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+
+class EtcdSettings(BaseSettings):
+    """Where etcd is and how we use it. Env: ROBUSTRL_ETCD_ENDPOINTS, ROBUSTRL_ETCD_PREFIX, ..."""
+
+    model_config = SettingsConfigDict(env_prefix="ROBUSTRL_ETCD_", extra="ignore")
+
+    endpoints: str = "127.0.0.1:2379"
+    """Comma-separated host:port list of etcd client endpoints; the first that answers is used."""
+
+    prefix: str = "/robustrl"
+    """Key namespace: every key robustrl writes lives under it (lets stacks share one etcd)."""
+
+    session_ttl: int = Field(default=5, ge=1, le=3600)
+    """Lease TTL in seconds: a member that stops refreshing is gone from the registry after it."""
+
+    timeout: float = Field(default=5.0, gt=0)
+    """Deadline in seconds for each etcd request."""
+
+    @field_validator("prefix")
+    @classmethod
+    def _prefix_shape(cls, value: str) -> str:
+        if not value.startswith("/") or value.endswith("/") or len(value) < 2:
+            raise ValueError("must start with '/' and not end with '/', e.g. /robustrl")
+        return value
+
+    def endpoint_list(self) -> list[tuple[str, int]]:
+        out: list[tuple[str, int]] = []
+        for raw in self.endpoints.split(","):
+            item = raw.strip().removeprefix("http://")
+            host, _, port = item.rpartition(":")
+            if not host or not port.isdigit():
+                raise ValueError(f"etcd endpoint {raw!r} is not host:port")
+            out.append((host, int(port)))
+        return out
+
+
+class ServiceSettings(BaseSettings):
+    """What every service's Settings has. Subclasses set their own env prefix."""
+
+    model_config = SettingsConfigDict(env_prefix="ROBUSTRL_SERVICE_", extra="ignore")
+
+    instance_id: str = ""
+    """Stable id of this instance in the registry; empty: '<role>-<host>-<pid>'."""
+
+    bind_host: str = "127.0.0.1"
+    """Interface the gRPC server listens on (0.0.0.0 in containers)."""
+
+    port: int = Field(default=0, ge=0, le=65535)
+    """gRPC port; 0 picks a free one (the real port is registered in etcd)."""
+
+    advertise_host: str = ""
+    """Host other services use to reach this one; empty: bind_host (the hostname for 0.0.0.0)."""
+
+    epoch: int = Field(default=0, ge=0)
+    """Fencing epoch this instance starts with (a replacement gets a higher one)."""
+
+    heartbeat_interval: float = Field(default=0.5, gt=0)
+    """Seconds between heartbeats sent to the monitor."""
+
+    shutdown_grace: float = Field(default=2.0, ge=0)
+    """Seconds in-flight RPCs get to finish on shutdown."""
+
+    log_format: str = "console"
+    """'console' for people, 'json' for containers."""
+
+    log_level: str = "info"
+
+    def resolved_instance_id(self, role: str) -> str:
+        import os
+
+        return self.instance_id or f"{role}-{socket.gethostname()}-{os.getpid()}"
+
+    def resolved_advertise_host(self) -> str:
+        if self.advertise_host:
+            return self.advertise_host
+        if self.bind_host in ("0.0.0.0", "::", "[::]"):
+            return socket.gethostname()
+        return self.bind_host

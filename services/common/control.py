@@ -1,0 +1,44 @@
+"""Binding and fencing of a data-plane instance (trainer or rollout) — pure state transitions.
+
+The coordinator binds an instance to a job with an epoch. A request carrying a lower epoch
+than the instance has seen is from a stale coordinator decision and is refused; once fenced,
+an instance refuses everything, so a zombie that comes back changes nothing.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from robustrl.v1 import trainer_pb2
+from services.common.errors import FailedPrecondition, Fenced, InvalidArgument
+
+Action = trainer_pb2.ControlRequest.Action
+
+
+@dataclass(frozen=True)
+class Binding:
+    job_id: str = ""
+    epoch: int = 0
+    fenced: bool = False
+
+
+def apply_control(binding: Binding, action: int, job_id: str, epoch: int) -> Binding:
+    if binding.fenced:
+        raise Fenced(f"this instance was fenced at epoch {binding.epoch}; it accepts nothing")
+    if epoch < binding.epoch:
+        raise FailedPrecondition(
+            f"request epoch {epoch} is older than this instance's epoch {binding.epoch}"
+        )
+    if action == Action.ACTION_BIND:
+        if not job_id:
+            raise InvalidArgument("BIND needs a job_id")
+        if binding.job_id and binding.job_id != job_id:
+            raise FailedPrecondition(f"already bound to job {binding.job_id}; release it first")
+        return replace(binding, job_id=job_id, epoch=epoch)
+    if action == Action.ACTION_RELEASE:
+        if binding.job_id and job_id and job_id != binding.job_id:
+            raise FailedPrecondition(f"bound to job {binding.job_id}, not {job_id}")
+        return replace(binding, job_id="", epoch=epoch)
+    if action == Action.ACTION_FENCE:
+        return replace(binding, epoch=epoch, fenced=True)
+    raise InvalidArgument(f"unknown control action {action}")

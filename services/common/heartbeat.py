@@ -1,0 +1,122 @@
+"""The heartbeat stream every role keeps open to the monitor.
+
+It finds the monitor in the registry (no address is configured), sends a beat with the
+caller's progress counters every interval, and reconnects — to whichever monitor is then
+registered — when the stream breaks. On a clean stop it sends a goodbye and waits for its
+acknowledgement, so the monitor never mistakes a shutdown for a crash.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import grpc
+
+from robustrl.v1 import common_pb2, monitor_pb2, monitor_pb2_grpc
+from services.common.channels import open_channel
+from services.common.logs import get_logger
+from services.common.registry import Registry
+
+log = get_logger(__name__)
+
+
+@dataclass
+class Progress:
+    """What a role reports in its beats; the role mutates it, the sender reads it."""
+
+    phase: str = "idle"
+    job_id: str = ""
+    rank: int = 0
+    counters: dict[str, float] = field(default_factory=dict)
+
+
+class HeartbeatSender:
+    def __init__(
+        self,
+        registry: Registry,
+        *,
+        role: common_pb2.Role.ValueType,
+        instance_id: str,
+        epoch: int,
+        progress: Progress,
+        interval: float,
+        on_fenced: Callable[[], None] | None = None,
+    ) -> None:
+        self.registry = registry
+        self.role = role
+        self.instance_id = instance_id
+        self.epoch = epoch
+        self.progress = progress
+        self.interval = interval
+        self.on_fenced = on_fenced
+        self.connected = asyncio.Event()
+        self._seq = 0
+        self._stop = asyncio.Event()
+        self._task: asyncio.Task[None] | None = None
+
+    def start(self) -> None:
+        self._task = asyncio.create_task(self._run(), name="heartbeat")
+
+    def _beat(self, goodbye: bool = False) -> monitor_pb2.Beat:
+        self._seq += 1
+        beat = monitor_pb2.Beat(
+            role=self.role,
+            instance_id=self.instance_id,
+            epoch=self.epoch,
+            job_id=self.progress.job_id,
+            rank=self.progress.rank,
+            seq=self._seq,
+            phase=self.progress.phase,
+            goodbye=goodbye,
+        )
+        beat.counters.update(self.progress.counters)
+        return beat
+
+    async def _run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                monitors, _ = await self.registry.list("monitor")
+                if monitors:
+                    await self._stream(monitors[0].address)
+            except (grpc.aio.AioRpcError, OSError) as exc:
+                log.info("heartbeat.reconnect", reason=type(exc).__name__)
+            except Exception as exc:  # etcd hiccup: keep trying, beats are best effort
+                log.info("heartbeat.reconnect", reason=repr(exc))
+            self.connected.clear()
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self._stop.wait(), self.interval)
+
+    async def _stream(self, address: str) -> None:
+        async with open_channel(address) as channel:
+            call = monitor_pb2_grpc.MonitorStub(channel).Heartbeat()
+            reader = asyncio.create_task(self._read_acks(call))
+            try:
+                while not self._stop.is_set():
+                    await call.write(self._beat())
+                    self.connected.set()
+                    with contextlib.suppress(asyncio.TimeoutError):
+                        await asyncio.wait_for(self._stop.wait(), self.interval)
+                    if reader.done():
+                        reader.result()
+                        return
+                await call.write(self._beat(goodbye=True))
+                await call.done_writing()
+                await asyncio.wait_for(asyncio.shield(reader), 2.0)
+            finally:
+                reader.cancel()
+
+    async def _read_acks(self, call: grpc.aio.StreamStreamCall) -> None:
+        async for ack in call:
+            if ack.fenced and self.on_fenced is not None:
+                self.on_fenced()
+
+    async def stop(self) -> None:
+        """Say goodbye (if connected) and stop. Idempotent."""
+        self._stop.set()
+        if self._task is not None:
+            with contextlib.suppress(asyncio.TimeoutError, asyncio.CancelledError):
+                await asyncio.wait_for(self._task, 3.0)
+            self._task.cancel()

@@ -1,0 +1,133 @@
+"""Server interceptors: map our exceptions to gRPC status codes, log and count every call.
+
+This is the one place where exceptions become statuses. A handler raises a `RobustrlError`
+(or pydantic's ValidationError for bad input); anything else escaping a handler is a bug,
+is logged as `grpc.unhandled`, and reaches the client as UNKNOWN.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+
+import aetcd
+import grpc
+import pydantic
+from prometheus_client import Counter, Histogram
+
+from services.common.errors import RobustrlError
+from services.common.logs import get_logger
+
+log = get_logger(__name__)
+
+RPCS = Counter("robustrl_rpcs_total", "RPCs handled", ["method", "code"])
+RPC_SECONDS = Histogram("robustrl_rpc_seconds", "RPC handling time (unary calls)", ["method"])
+
+
+def validation_message(exc: pydantic.ValidationError) -> str:
+    """One line naming each invalid field by its dotted path."""
+    parts = []
+    for err in exc.errors():
+        where = ".".join(str(p) for p in err["loc"]) or "<root>"
+        parts.append(f"{where}: {err['msg']}")
+    return "invalid field " + "; ".join(parts)
+
+
+def _status_of(exc: BaseException) -> tuple[grpc.StatusCode, str, dict[str, str]] | None:
+    if isinstance(exc, RobustrlError):
+        return exc.code, exc.message, exc.metadata
+    if isinstance(exc, pydantic.ValidationError):
+        return grpc.StatusCode.INVALID_ARGUMENT, validation_message(exc), {}
+    if isinstance(
+        exc, aetcd.exceptions.ConnectionFailedError | aetcd.exceptions.ConnectionTimeoutError
+    ):
+        return grpc.StatusCode.UNAVAILABLE, f"etcd unreachable, retry later ({exc})", {}
+    return None
+
+
+async def _abort(context: grpc.aio.ServicerContext, method: str, exc: BaseException) -> None:
+    mapped = _status_of(exc)
+    if mapped is None:
+        RPCS.labels(method, "UNKNOWN").inc()
+        log.error("grpc.unhandled", method=method, exc_info=exc)
+        raise exc
+    code, message, metadata = mapped
+    RPCS.labels(method, code.name).inc()
+    if code is grpc.StatusCode.INVALID_ARGUMENT or code is grpc.StatusCode.NOT_FOUND:
+        log.info("grpc.rejected", method=method, code=code.name, reason=message)
+    else:
+        log.warning("grpc.failed", method=method, code=code.name, reason=message)
+    if metadata:
+        context.set_trailing_metadata(tuple(metadata.items()))
+    await context.abort(code, message)
+
+
+class ErrorMappingInterceptor(grpc.aio.ServerInterceptor):
+    async def intercept_service(
+        self,
+        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
+        details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler:
+        handler = await continuation(details)
+        if handler is None:
+            return handler
+        method: str = details.method
+        if handler.unary_unary:
+            return grpc.unary_unary_rpc_method_handler(
+                _wrap_unary(handler.unary_unary, method),
+                request_deserializer=handler.request_deserializer,
+                response_serializer=handler.response_serializer,
+            )
+        if handler.unary_stream:
+            return grpc.unary_stream_rpc_method_handler(
+                _wrap_stream(handler.unary_stream, method),
+                request_deserializer=handler.request_deserializer,
+                response_serializer=handler.response_serializer,
+            )
+        if handler.stream_unary:
+            return grpc.stream_unary_rpc_method_handler(
+                _wrap_unary(handler.stream_unary, method),
+                request_deserializer=handler.request_deserializer,
+                response_serializer=handler.response_serializer,
+            )
+        if handler.stream_stream:
+            return grpc.stream_stream_rpc_method_handler(
+                _wrap_stream(handler.stream_stream, method),
+                request_deserializer=handler.request_deserializer,
+                response_serializer=handler.response_serializer,
+            )
+        return handler
+
+
+def _wrap_unary(behavior: Callable[..., Any], method: str) -> Callable[..., Any]:
+    async def wrapped(request: Any, context: grpc.aio.ServicerContext) -> Any:
+        started = time.perf_counter()
+        try:
+            response = await behavior(request, context)
+        except grpc.aio.AbortError:
+            raise
+        except Exception as exc:
+            await _abort(context, method, exc)
+            raise  # unreachable: abort raises
+        finally:
+            RPC_SECONDS.labels(method).observe(time.perf_counter() - started)
+        RPCS.labels(method, "OK").inc()
+        return response
+
+    return wrapped
+
+
+def _wrap_stream(behavior: Callable[..., Any], method: str) -> Callable[..., Any]:
+    async def wrapped(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+        try:
+            async for item in behavior(request, context):
+                yield item
+        except grpc.aio.AbortError:
+            raise
+        except Exception as exc:
+            await _abort(context, method, exc)
+            raise
+        RPCS.labels(method, "OK").inc()
+
+    return wrapped

@@ -1,0 +1,144 @@
+"""The job spec a user writes (YAML), its validation, and `key.sub=value` overrides.
+
+Unknown keys are errors (a typo must not silently fall back to a default), and every error
+names the field by its dotted path, e.g. `trainer.lr: Input should be greater than 0`.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from services.common.errors import InvalidArgument
+
+JOB_ID_RE = re.compile(r"^[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?$")
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class ModelSpec(_Strict):
+    path: str = ".robustrl/models/tiny-qwen"
+    """Hugging Face model directory (config, weights, tokenizer) that trainer and rollouts read."""
+
+
+class TaskSpec(_Strict):
+    name: str = "arithmetic"
+    """Built-in task that generates the dataset when `dataset` is empty."""
+
+    dataset: str = ""
+    """JSONL file of {id, prompt, answer}; empty: generate the built-in task's data."""
+
+    reward: str = "services.rollout.rewards:arithmetic_exact"
+    """Reward plug-in, `module:function` or `path/to/file.py:function`."""
+
+    eval_size: int = Field(default=64, ge=1, le=100_000)
+    """Held-out prompts scored greedily to measure learning."""
+
+
+class TrainerSpec(_Strict):
+    steps: int = Field(default=30, ge=1)
+    """Step budget: the job succeeds when the trainer has committed this many steps."""
+
+    lr: float = Field(default=1e-3, gt=0, le=1.0)
+    groups_per_step: int = Field(default=8, ge=1)
+    """Prompt groups consumed by one optimizer step."""
+
+    kl_coef: float = Field(default=0.0, ge=0)
+    """Weight of the KL penalty to the initial policy; 0 keeps no reference model."""
+
+    clip_eps: float = Field(default=0.2, gt=0, lt=1)
+    max_staleness: int = Field(default=1, ge=0)
+    """k: a trajectory made with weight version v may train step s only if s - v <= k (0: sync)."""
+
+    checkpoint_every: int = Field(default=1, ge=1)
+    eval_every: int = Field(default=5, ge=1)
+
+
+class RolloutSpec(_Strict):
+    replicas: int = Field(default=2, ge=1, le=4096)
+    group_size: int = Field(default=8, ge=2)
+    """Completions sampled per prompt; advantages are normalised within the group."""
+
+    max_new_tokens: int = Field(default=8, ge=1)
+    temperature: float = Field(default=1.0, gt=0)
+    engine: Literal["torch", "vllm"] = "torch"
+
+
+class RecoverySpec(_Strict):
+    mode: Literal["role_based", "full_restart"] = "role_based"
+    """role_based recovers only the failed role; full_restart is the comparison baseline."""
+
+
+class JobSpec(_Strict):
+    id: str = ""
+    """Job id; empty: '<name>-<random suffix>'."""
+
+    name: str = Field(min_length=1, max_length=48, pattern=r"^[a-z0-9]([a-z0-9-]*[a-z0-9])?$")
+    seed: int = 0
+    model: ModelSpec = ModelSpec()
+    task: TaskSpec = TaskSpec()
+    trainer: TrainerSpec = TrainerSpec()
+    rollout: RolloutSpec = RolloutSpec()
+    recovery: RecoverySpec = RecoverySpec()
+
+
+def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
+    """Return a copy of data with each `a.b.c=value` set (value parsed as YAML)."""
+    out: dict[str, Any] = _deep_copy(data)
+    for item in overrides:
+        path, sep, raw = item.partition("=")
+        if not sep or not path or any(not part for part in path.split(".")):
+            raise InvalidArgument(f"override {item!r} is not of the form key.sub=value")
+        try:
+            value = yaml.safe_load(raw) if raw else ""
+        except yaml.YAMLError as exc:
+            raise InvalidArgument(f"override {item!r}: value is not valid YAML ({exc})") from exc
+        node = out
+        parts = path.split(".")
+        for part in parts[:-1]:
+            child = node.setdefault(part, {})
+            if not isinstance(child, dict):
+                raise InvalidArgument(f"override {item!r}: {part} is not a section")
+            node = child
+        node[parts[-1]] = value
+    return out
+
+
+def _deep_copy(data: dict[str, Any]) -> dict[str, Any]:
+    return {k: _deep_copy(v) if isinstance(v, dict) else v for k, v in data.items()}
+
+
+def parse_spec(text: str, overrides: list[str] | None = None) -> JobSpec:
+    """YAML/JSON text + overrides -> a validated JobSpec, or InvalidArgument naming the field."""
+    try:
+        data = yaml.safe_load(text) if text.strip() else None
+    except yaml.YAMLError as exc:
+        raise InvalidArgument(f"spec is not valid YAML: {exc}") from exc
+    if not isinstance(data, dict):
+        raise InvalidArgument("spec must be a YAML mapping with at least a `name`")
+    data = apply_overrides(data, overrides or [])
+    try:
+        spec = JobSpec.model_validate(data)
+    except ValidationError as exc:
+        parts = []
+        for err in exc.errors():
+            where = ".".join(str(p) for p in err["loc"]) or "<root>"
+            msg = "unknown field" if err["type"] == "extra_forbidden" else err["msg"]
+            parts.append(f"{where}: {msg}")
+        raise InvalidArgument("invalid job spec: " + "; ".join(parts)) from exc
+    if spec.id and not JOB_ID_RE.match(spec.id):
+        raise InvalidArgument(f"invalid job spec: id: {spec.id!r} is not a valid job id")
+    return spec
+
+
+def validate_job_id(job_id: str) -> str:
+    if not JOB_ID_RE.match(job_id):
+        raise InvalidArgument(
+            f"job id {job_id!r} is invalid: use 1-63 lowercase letters, digits and '-'"
+        )
+    return job_id

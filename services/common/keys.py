@@ -1,0 +1,37 @@
+"""The etcd key layout, in one place.
+
+<prefix>/members/<role>/<instance_id>     member record (JSON), under the member's lease
+<prefix>/election/coordinator/<lease hex> coordinator candidates; lowest create revision leads
+<prefix>/jobs/<job_id>                    job record (JSON); writes compare its mod revision
+<prefix>/incidents/<incident_id>          incident record (JSON)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class KeySpace:
+    prefix: str
+
+    def members(self, role: str | None = None) -> bytes:
+        return f"{self.prefix}/members/{role + '/' if role else ''}".encode()
+
+    def member(self, role: str, instance_id: str) -> bytes:
+        return f"{self.prefix}/members/{role}/{instance_id}".encode()
+
+    def election(self, name: str) -> bytes:
+        return f"{self.prefix}/election/{name}/".encode()
+
+    def jobs(self) -> bytes:
+        return f"{self.prefix}/jobs/".encode()
+
+    def job(self, job_id: str) -> bytes:
+        return f"{self.prefix}/jobs/{job_id}".encode()
+
+    def incidents(self) -> bytes:
+        return f"{self.prefix}/incidents/".encode()
+
+    def incident(self, incident_id: str) -> bytes:
+        return f"{self.prefix}/incidents/{incident_id}".encode()

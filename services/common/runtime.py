@@ -1,0 +1,173 @@
+"""The lifecycle every service shares: connect to etcd, open a session, start the gRPC
+server, register in the registry, stream heartbeats, and shut all of it down in order.
+
+If etcd becomes unreachable long enough for the session's lease to lapse, the runtime keeps
+serving with what it knows and, once etcd answers again, opens a new session and registers
+anew (same instance id and epoch). Owners that hold session-bound state (the coordinator's
+election) wait on `next_session` to rebuild it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import signal
+import socket
+from collections.abc import Callable
+
+import aetcd
+
+from services.common.config import EtcdSettings, ServiceSettings
+from services.common.etcd_client import connect_etcd
+from services.common.heartbeat import HeartbeatSender, Progress
+from services.common.keys import KeySpace
+from services.common.logs import configure_logging, get_logger
+from services.common.registry import ROLE_TO_PROTO, MemberRecord, Registry
+from services.common.server import GrpcHost
+from services.common.session import Session
+
+log = get_logger(__name__)
+
+
+class ServiceRuntime:
+    def __init__(
+        self,
+        role: str,
+        settings: ServiceSettings,
+        etcd_settings: EtcdSettings,
+        *,
+        service_names: list[str],
+        heartbeats: bool = True,
+        labels: dict[str, str] | None = None,
+    ) -> None:
+        self.role = role
+        self.settings = settings
+        self.etcd_settings = etcd_settings
+        self.instance_id = settings.resolved_instance_id(role)
+        self.keys = KeySpace(etcd_settings.prefix)
+        self.host = GrpcHost(
+            bind_host=settings.bind_host, port=settings.port, service_names=service_names
+        )
+        self.progress = Progress()
+        self.labels = labels or {}
+        self._heartbeats = heartbeats
+        self.client: aetcd.Client | None = None
+        self.registry: Registry | None = None
+        self.session: Session | None = None
+        self.member: MemberRecord | None = None
+        self.heartbeat: HeartbeatSender | None = None
+        self._session_changed = asyncio.Condition()
+        self._keeper: asyncio.Task[None] | None = None
+        self._stopped = asyncio.Event()
+        configure_logging(
+            service=role,
+            instance=self.instance_id,
+            fmt=settings.log_format,
+            level=settings.log_level,
+        )
+
+    @property
+    def address(self) -> str:
+        return f"{self.settings.resolved_advertise_host()}:{self.host.port}"
+
+    async def start(self, on_fenced: Callable[[], None] | None = None) -> None:
+        """Connect to etcd, serve, register; the servicers must already be added to host.server."""
+        self.client = await connect_etcd(self.etcd_settings)
+        self.registry = Registry(self.client, self.keys)
+        await self.host.start()
+        self.member = MemberRecord(
+            role=self.role,
+            instance_id=self.instance_id,
+            address=self.address,
+            pid=os.getpid(),
+            host=socket.gethostname(),
+            epoch=self.settings.epoch,
+            labels=self.labels,
+        )
+        await self._open_session()
+        self._keeper = asyncio.create_task(self._keep_registered(), name="keep-registered")
+        if self._heartbeats:
+            self.heartbeat = HeartbeatSender(
+                self.registry,
+                role=ROLE_TO_PROTO[self.role],
+                instance_id=self.instance_id,
+                epoch=self.settings.epoch,
+                progress=self.progress,
+                interval=self.settings.heartbeat_interval,
+                on_fenced=on_fenced,
+            )
+            self.heartbeat.start()
+        # Shutdown order: goodbye and revoke first (peers learn at once), server and etcd after.
+        self.host.before_stop.append(self._leave)
+        self.host.after_stop.append(self._close_etcd)
+        log.info(f"{self.role}.started", address=self.address, epoch=self.settings.epoch)
+
+    async def _open_session(self) -> None:
+        assert self.client is not None and self.registry is not None and self.member is not None
+        session = await Session.open(self.client, self.etcd_settings.session_ttl)
+        self.member = await self.registry.register(session, self.member)
+        async with self._session_changed:
+            self.session = session
+            self._session_changed.notify_all()
+
+    async def next_session(self, after: Session | None) -> Session:
+        """The current session if it is not `after`, else wait for a new one."""
+        async with self._session_changed:
+            await self._session_changed.wait_for(
+                lambda: self.session is not None and self.session is not after
+            )
+            assert self.session is not None
+            return self.session
+
+    async def _keep_registered(self) -> None:
+        while not self._stopped.is_set():
+            assert self.session is not None
+            await self.session.done.wait()
+            if self._stopped.is_set():
+                return
+            log.warning(f"{self.role}.session_lost")
+            delay = 0.2
+            while not self._stopped.is_set():
+                try:
+                    await self._open_session()
+                    log.info(f"{self.role}.reregistered")
+                    break
+                except Exception as exc:  # etcd still away: keep serving, try again
+                    log.info(f"{self.role}.reregister_failed", error=repr(exc))
+                    await asyncio.sleep(delay)
+                    delay = min(delay * 2, 2.0)
+
+    async def update_member(self, **changes: object) -> None:
+        """Rewrite this member's record (e.g. job binding) under the current session."""
+        assert self.registry is not None and self.member is not None and self.session is not None
+        self.member = await self.registry.register(
+            self.session, self.member.model_copy(update=changes)
+        )
+
+    async def _leave(self) -> None:
+        self._stopped.set()
+        if self.heartbeat is not None:
+            await self.heartbeat.stop()
+        if self._keeper is not None:
+            self._keeper.cancel()
+        if self.session is not None:
+            await self.session.close()
+
+    async def _close_etcd(self) -> None:
+        if self.client is not None:
+            with contextlib.suppress(Exception):
+                await self.client.close()
+
+    async def shutdown(self) -> None:
+        await self.host.shutdown(self.settings.shutdown_grace)
+        log.info(f"{self.role}.stopped")
+
+    async def serve_until_signal(self) -> None:
+        """Run until SIGTERM/SIGINT, then shut down in order."""
+        loop = asyncio.get_running_loop()
+        stop = asyncio.Event()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, stop.set)
+        await stop.wait()
+        await self.shutdown()

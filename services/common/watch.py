@@ -1,0 +1,93 @@
+"""A prefix watch that survives what a long-lived watch meets: compaction and lost streams.
+
+It resumes from the revision after the last event it delivered; if that revision was
+compacted away it re-lists the prefix and hands the caller a `Resync` with the full current
+state, then watches on from there. Callers that need the initial state call `list_prefix`
+first and start the watch at the revision the list returned, plus one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+import aetcd
+
+from services.common.logs import get_logger
+
+log = get_logger(__name__)
+
+
+@dataclass(frozen=True)
+class Entry:
+    key: bytes
+    value: bytes
+    create_revision: int
+    mod_revision: int
+    lease: int
+
+
+@dataclass(frozen=True)
+class Put:
+    entry: Entry
+
+
+@dataclass(frozen=True)
+class Delete:
+    key: bytes
+    revision: int
+
+
+@dataclass(frozen=True)
+class Resync:
+    """The watched history was compacted: this is the whole prefix as of `revision`."""
+
+    entries: list[Entry]
+    revision: int
+
+
+WatchEvent = Put | Delete | Resync
+
+
+def _entry(kv: aetcd.rtypes.KeyValue) -> Entry:
+    return Entry(kv.key, kv.value, kv.create_revision, kv.mod_revision, kv.lease)
+
+
+async def list_prefix(client: aetcd.Client, prefix: bytes) -> tuple[list[Entry], int]:
+    """All entries under prefix and the revision they were read at."""
+    result = await client.get_prefix(prefix)
+    return [_entry(kv) for kv in result], result.header.revision
+
+
+async def watch_prefix(
+    client: aetcd.Client,
+    prefix: bytes,
+    start_revision: int,
+    *,
+    retry_delay: float = 0.5,
+) -> AsyncIterator[WatchEvent]:
+    """Events under prefix from start_revision on, forever (cancel the consumer to stop)."""
+    next_revision = start_revision
+    while True:
+        try:
+            watch = await client.watch_prefix(prefix, start_revision=next_revision)
+            try:
+                async for event in watch:
+                    kv = event.kv
+                    next_revision = kv.mod_revision + 1
+                    if event.kind == aetcd.rtypes.EventKind.PUT:
+                        yield Put(_entry(kv))
+                    else:
+                        yield Delete(kv.key, kv.mod_revision)
+            finally:
+                await watch.cancel()
+        except aetcd.exceptions.RevisionCompactedError as exc:
+            log.info("etcd.watch_compacted", prefix=prefix.decode(), revision=next_revision)
+            entries, revision = await list_prefix(client, prefix)
+            next_revision = revision + 1
+            del exc
+            yield Resync(entries, revision)
+        except (TimeoutError, aetcd.exceptions.ClientError) as exc:
+            log.warning("etcd.watch_broken", prefix=prefix.decode(), error=repr(exc))
+            await asyncio.sleep(retry_delay)

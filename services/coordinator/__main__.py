@@ -1,0 +1,19 @@
+"""`python -m services.coordinator`: run one coordinator replica until SIGTERM."""
+
+from __future__ import annotations
+
+import asyncio
+
+from services.common.config import EtcdSettings
+from services.coordinator.config import CoordinatorSettings
+
+
+async def _main() -> None:
+    from services.coordinator.server import serve
+
+    runtime = await serve(CoordinatorSettings(), EtcdSettings())
+    await runtime.serve_until_signal()
+
+
+if __name__ == "__main__":
+    asyncio.run(_main())

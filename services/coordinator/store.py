@@ -1,0 +1,93 @@
+"""Job records in etcd, written only with compare-and-swap.
+
+Every write compares the job key's mod revision (a lost race is ABORTED, never a silent
+overwrite) and, when a `guard` is given, that the writer still holds the coordinator
+election (a deposed leader's write fails instead of landing).
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from typing import Any
+
+import aetcd
+
+from services.common.errors import Aborted, AlreadyExists, NotFound, Unavailable
+from services.common.keys import KeySpace
+from services.common.watch import Delete, Put, Resync, watch_prefix
+from services.coordinator.jobs import JobRecord
+
+Versioned = tuple[JobRecord, int]
+"""A job record and the etcd mod revision it was read at."""
+
+
+class LostLeadership(Unavailable):
+    def __init__(self) -> None:
+        super().__init__("this coordinator lost leadership during the write; retry")
+
+
+class JobStore:
+    def __init__(self, client: aetcd.Client, keys: KeySpace) -> None:
+        self.client = client
+        self.keys = keys
+
+    async def create(self, record: JobRecord, guard: list[Any]) -> int:
+        tx = self.client.transactions
+        key = self.keys.job(record.job_id)
+        ok, responses = await self.client.transaction(
+            compare=[*guard, tx.create(key) == 0],
+            success=[tx.put(key, record.model_dump_json().encode())],
+            failure=[tx.get(key)],
+        )
+        if ok:
+            return int(responses[0].response_put.header.revision)
+        if responses[0]:
+            raise AlreadyExists(f"job {record.job_id!r} already exists")
+        raise LostLeadership()
+
+    async def get(self, job_id: str) -> Versioned:
+        result = await self.client.get(self.keys.job(job_id))
+        if result is None:
+            raise NotFound(f"job {job_id!r} not found")
+        return JobRecord.model_validate_json(result.value), result.mod_revision
+
+    async def list_all(self) -> tuple[list[Versioned], int]:
+        result = await self.client.get_prefix(self.keys.jobs())
+        jobs = [(JobRecord.model_validate_json(kv.value), kv.mod_revision) for kv in result]
+        jobs.sort(key=lambda item: item[0].created_at)
+        return jobs, result.header.revision
+
+    async def update(self, record: JobRecord, expected_revision: int, guard: list[Any]) -> int:
+        """Write record if the stored one is still at expected_revision."""
+        tx = self.client.transactions
+        key = self.keys.job(record.job_id)
+        ok, responses = await self.client.transaction(
+            compare=[*guard, tx.mod(key) == expected_revision],
+            success=[tx.put(key, record.model_dump_json().encode())],
+            failure=[tx.get(key)],
+        )
+        if ok:
+            return int(responses[0].response_put.header.revision)
+        current = responses[0]
+        if not current:
+            raise NotFound(f"job {record.job_id!r} not found")
+        _, kv = current[0]
+        if kv.mod_revision != expected_revision:
+            raise Aborted(
+                f"job {record.job_id!r} changed concurrently (revision {expected_revision} -> "
+                f"{kv.mod_revision}); re-read it and retry"
+            )
+        raise LostLeadership()
+
+    async def watch(self, job_id: str, after_revision: int) -> AsyncIterator[Versioned]:
+        """The job's record each time it changes after after_revision."""
+        key = self.keys.job(job_id)
+        async for event in watch_prefix(self.client, key, after_revision + 1):
+            if isinstance(event, Put) and event.entry.key == key:
+                yield JobRecord.model_validate_json(event.entry.value), event.entry.mod_revision
+            elif isinstance(event, Resync):
+                for entry in event.entries:
+                    if entry.key == key:
+                        yield JobRecord.model_validate_json(entry.value), entry.mod_revision
+            elif isinstance(event, Delete) and event.key == key:
+                return

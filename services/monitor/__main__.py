@@ -1,0 +1,19 @@
+"""`python -m services.monitor`: run the monitor until SIGTERM."""
+
+from __future__ import annotations
+
+import asyncio
+
+from services.common.config import EtcdSettings
+from services.monitor.config import MonitorSettings
+
+
+async def _main() -> None:
+    from services.monitor.server import serve
+
+    runtime = await serve(MonitorSettings(), EtcdSettings())
+    await runtime.serve_until_signal()
+
+
+if __name__ == "__main__":
+    asyncio.run(_main())

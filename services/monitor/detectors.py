@@ -1,0 +1,153 @@
+"""What the monitor knows about each member, and the detectors — pure functions of (views, now).
+
+A member is lost when its heartbeat stream ended without a goodbye and it did not come back
+within the reconnect grace, or when its registry key vanished (lease expired) without a
+goodbye. A member that said goodbye is gone, never lost.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+
+class State(enum.StrEnum):
+    ALIVE = "ALIVE"
+    SUSPECT = "SUSPECT"  # stream broke without goodbye; within the reconnect grace
+    LOST = "LOST"
+    GONE = "GONE"  # left with a goodbye
+
+
+@dataclass
+class MemberView:
+    role: str
+    instance_id: str
+    epoch: int = 0
+    job_id: str = ""
+    rank: int = 0
+    state: State = State.ALIVE
+    last_seen: float = 0.0
+    phase: str = ""
+    counters: dict[str, float] = field(default_factory=dict)
+    stream_open: bool = False
+    registered: bool = False
+    goodbye: bool = False
+    stream_ended_at: float | None = None
+    evidence: str = ""
+    reported: bool = False
+
+
+@dataclass(frozen=True)
+class Finding:
+    """A detector's conclusion, before it becomes a recorded incident."""
+
+    kind: str  # MEMBER_LOST, ...
+    view: MemberView
+    evidence: str
+    confidence: float
+
+
+@dataclass(frozen=True)
+class DetectorConfig:
+    reconnect_grace: float = 1.0
+
+
+Views = dict[str, MemberView]
+
+
+def _view(views: Views, role: str, instance_id: str) -> MemberView:
+    view = views.get(instance_id)
+    if view is None or view.state in (State.LOST, State.GONE):
+        # A new incarnation (or a first sighting) starts with a clean slate.
+        view = MemberView(role=role, instance_id=instance_id)
+        views[instance_id] = view
+    return view
+
+
+def on_beat(
+    views: Views,
+    *,
+    role: str,
+    instance_id: str,
+    epoch: int,
+    job_id: str,
+    rank: int,
+    phase: str,
+    counters: dict[str, float],
+    goodbye: bool,
+    now: float,
+) -> MemberView:
+    view = views.get(instance_id)
+    if view is not None and view.state in (State.LOST, State.GONE) and epoch <= view.epoch:
+        # A late beat from an instance already declared lost or gone revives nothing.
+        return view
+    view = _view(views, role, instance_id)
+    view.epoch, view.job_id, view.rank = epoch, job_id, rank
+    view.phase, view.counters = phase, dict(counters)
+    view.last_seen = now
+    view.stream_open = True
+    view.stream_ended_at = None
+    if goodbye:
+        view.goodbye = True
+        view.state = State.GONE
+    elif view.state is State.SUSPECT:
+        view.state = State.ALIVE
+    return view
+
+
+def on_stream_end(views: Views, instance_id: str, now: float) -> None:
+    view = views.get(instance_id)
+    if view is None or view.state in (State.LOST, State.GONE):
+        return
+    view.stream_open = False
+    if not view.goodbye:
+        view.state = State.SUSPECT
+        view.stream_ended_at = now
+
+
+def on_registered(views: Views, role: str, instance_id: str, epoch: int, now: float) -> None:
+    view = views.get(instance_id)
+    if view is not None and view.state is State.LOST and epoch <= view.epoch:
+        return
+    view = _view(views, role, instance_id)
+    view.registered = True
+    view.epoch = max(view.epoch, epoch)
+    if not view.last_seen:
+        view.last_seen = now
+
+
+def on_unregistered(views: Views, instance_id: str, now: float) -> None:
+    view = views.get(instance_id)
+    if view is None or view.state in (State.LOST, State.GONE):
+        return
+    view.registered = False
+    if view.goodbye:
+        view.state = State.GONE
+        return
+    view.state = State.LOST
+    view.evidence = "registry lease expired (no refresh within the TTL) without a goodbye"
+
+
+def evaluate(views: Views, now: float, config: DetectorConfig) -> list[Finding]:
+    """Findings not yet reported. Pure: `mark_reported` applies them once recorded."""
+    findings: list[Finding] = []
+    for view in views.values():
+        if view.reported:
+            continue
+        if view.state is State.SUSPECT and view.stream_ended_at is not None:
+            silent = now - view.stream_ended_at
+            if silent >= config.reconnect_grace:
+                evidence = (
+                    f"heartbeat stream ended without a goodbye and no reconnect for {silent:.1f}s"
+                )
+                findings.append(Finding("MEMBER_LOST", view, evidence, 0.9))
+        elif view.state is State.LOST:
+            findings.append(Finding("MEMBER_LOST", view, view.evidence, 0.95))
+    return findings
+
+
+def mark_reported(findings: list[Finding]) -> None:
+    for finding in findings:
+        finding.view.state = State.LOST
+        finding.view.evidence = finding.evidence
+        finding.view.reported = True

@@ -1,0 +1,103 @@
+"""Incidents recorded in etcd (<prefix>/incidents/<id>) and streamed from there.
+
+Recording in etcd first and streaming from an etcd watch means every monitor replica, and a
+restarted monitor, serves the same incident history, resumable from a revision.
+"""
+
+from __future__ import annotations
+
+import secrets
+import time
+from collections.abc import AsyncIterator
+
+import aetcd
+from pydantic import BaseModel
+
+from robustrl.v1 import common_pb2
+from services.common.keys import KeySpace
+from services.common.registry import ROLE_TO_PROTO
+from services.common.watch import Put, Resync, list_prefix, watch_prefix
+from services.monitor.detectors import Finding
+
+
+class IncidentRecord(BaseModel):
+    incident_id: str
+    job_id: str
+    role: str
+    instance_id: str
+    rank: int
+    kind: str
+    evidence: str
+    confidence: float
+    detected_at: float
+    epoch: int
+
+
+def from_finding(finding: Finding, now: float) -> IncidentRecord:
+    view = finding.view
+    # Time-ordered ids: etcd lists them in the order they happened.
+    incident_id = f"{int(now * 1000):013d}-{secrets.token_hex(3)}"
+    return IncidentRecord(
+        incident_id=incident_id,
+        job_id=view.job_id,
+        role=view.role,
+        instance_id=view.instance_id,
+        rank=view.rank,
+        kind=finding.kind,
+        evidence=finding.evidence,
+        confidence=finding.confidence,
+        detected_at=now,
+        epoch=view.epoch,
+    )
+
+
+def to_proto(record: IncidentRecord) -> common_pb2.Incident:
+    out = common_pb2.Incident(
+        incident_id=record.incident_id,
+        job_id=record.job_id,
+        role=ROLE_TO_PROTO.get(record.role, common_pb2.ROLE_UNSPECIFIED),
+        instance_id=record.instance_id,
+        rank=record.rank,
+        kind=common_pb2.IncidentKind.Value(f"INCIDENT_KIND_{record.kind}"),
+        evidence=record.evidence,
+        confidence=record.confidence,
+        epoch=record.epoch,
+    )
+    out.detected_at.FromNanoseconds(int(record.detected_at * 1e9))
+    return out
+
+
+class IncidentLog:
+    def __init__(self, client: aetcd.Client, keys: KeySpace) -> None:
+        self.client = client
+        self.keys = keys
+
+    async def record(self, incident: IncidentRecord) -> None:
+        await self.client.put(
+            self.keys.incident(incident.incident_id), incident.model_dump_json().encode()
+        )
+
+    async def list(self, job_id: str = "") -> tuple[list[IncidentRecord], int]:
+        entries, revision = await list_prefix(self.client, self.keys.incidents())
+        records = [IncidentRecord.model_validate_json(e.value) for e in entries]
+        return [r for r in records if not job_id or r.job_id == job_id], revision
+
+    async def follow(self, job_id: str, after_revision: int) -> AsyncIterator[IncidentRecord]:
+        """Incidents recorded after after_revision (0: from now on), as they are recorded."""
+        if after_revision <= 0:
+            _, after_revision = await list_prefix(self.client, self.keys.incidents())
+        seen: set[str] = set()
+        async for event in watch_prefix(self.client, self.keys.incidents(), after_revision + 1):
+            entries = [event.entry] if isinstance(event, Put) else []
+            if isinstance(event, Resync):
+                entries = event.entries
+            for entry in entries:
+                record = IncidentRecord.model_validate_json(entry.value)
+                if record.incident_id in seen or (job_id and record.job_id != job_id):
+                    continue
+                seen.add(record.incident_id)
+                yield record
+
+
+def now() -> float:
+    return time.time()

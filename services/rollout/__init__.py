@@ -1,0 +1,1 @@
+"""The rollout: an inference engine turning prompt groups into scored trajectories."""

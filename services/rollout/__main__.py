@@ -1,0 +1,23 @@
+"""`python -m services.rollout`: run one rollout instance until SIGTERM.
+
+Config is parsed before the model stack is imported, so a bad setting fails fast.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+from services.common.config import EtcdSettings
+from services.rollout.config import RolloutSettings
+
+
+async def _main() -> None:
+    settings, etcd = RolloutSettings(), EtcdSettings()
+    from services.rollout.server import serve
+
+    runtime = await serve(settings, etcd)
+    await runtime.serve_until_signal()
+
+
+if __name__ == "__main__":
+    asyncio.run(_main())

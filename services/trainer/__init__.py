@@ -1,0 +1,1 @@
+"""The trainer: policy and optimizer, GRPO steps, per-step checkpoints, weight publishing."""

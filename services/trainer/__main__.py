@@ -1,0 +1,23 @@
+"""`python -m services.trainer`: run one trainer instance until SIGTERM.
+
+Config is parsed before the model stack is imported, so a bad setting fails fast.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+from services.common.config import EtcdSettings
+from services.trainer.config import TrainerSettings
+
+
+async def _main() -> None:
+    settings, etcd = TrainerSettings(), EtcdSettings()
+    from services.trainer.server import serve
+
+    runtime = await serve(settings, etcd)
+    await runtime.serve_until_signal()
+
+
+if __name__ == "__main__":
+    asyncio.run(_main())

@@ -1,0 +1,100 @@
+"""Shared fixtures: a real etcd process, per-test key namespaces, and `eventually`."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import time
+import uuid
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+
+import pytest
+
+from services.cli.stack import etcd_healthy, find_etcd, free_port
+from services.common.config import EtcdSettings
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    os.environ.setdefault("PYTHONUNBUFFERED", "1")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    has_gpu = _cuda_available()
+    for item in items:
+        if "gpu" in item.keywords and not has_gpu:
+            item.add_marker(pytest.mark.skip(reason="needs a CUDA GPU"))
+
+
+def _cuda_available() -> bool:
+    if shutil.which("nvidia-smi") is None:
+        return False
+    try:
+        import torch
+
+        return bool(torch.cuda.is_available())
+    except ImportError:
+        return False
+
+
+class EtcdProcess:
+    def __init__(self, data_dir: Path) -> None:
+        self.client_port = free_port()
+        self.peer_port = free_port()
+        self.endpoints = f"127.0.0.1:{self.client_port}"
+        self.proc = subprocess.Popen(
+            [
+                find_etcd(),
+                "--name=test",
+                f"--data-dir={data_dir}",
+                f"--listen-client-urls=http://127.0.0.1:{self.client_port}",
+                f"--advertise-client-urls=http://127.0.0.1:{self.client_port}",
+                f"--listen-peer-urls=http://127.0.0.1:{self.peer_port}",
+                f"--initial-advertise-peer-urls=http://127.0.0.1:{self.peer_port}",
+                f"--initial-cluster=test=http://127.0.0.1:{self.peer_port}",
+                "--log-level=error",
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+
+@pytest.fixture(scope="session")
+def etcd_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EtcdProcess]:
+    """One real etcd for the whole run; tests isolate themselves by key prefix."""
+    server = EtcdProcess(tmp_path_factory.mktemp("etcd"))
+    deadline = time.monotonic() + 30
+    while not etcd_healthy(server.endpoints):
+        assert server.proc.poll() is None, "etcd exited at start"
+        assert time.monotonic() < deadline, "etcd did not become healthy within 30s"
+        time.sleep(0.1)
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def etcd_settings(etcd_server: EtcdProcess) -> EtcdSettings:
+    """Settings pointing at the shared etcd with a namespace of this test's own."""
+    return EtcdSettings(
+        endpoints=etcd_server.endpoints, prefix=f"/t-{uuid.uuid4().hex[:10]}", session_ttl=2
+    )
+
+
+@pytest.fixture
+async def etcd_client(etcd_settings: EtcdSettings) -> AsyncIterator[object]:
+    from services.common.etcd_client import connect_etcd
+
+    client = await connect_etcd(etcd_settings)
+    yield client
+    await client.close()

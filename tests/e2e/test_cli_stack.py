@@ -1,0 +1,176 @@
+"""The local stack as a user drives it: `robustrl` commands against real service processes."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from services.cli.stack import StackState, find_etcd, is_running
+from tests.support import eventually_sync
+
+REPO = Path(__file__).resolve().parents[2]
+EXAMPLE = REPO / "examples" / "arithmetic-grpo.yaml"
+TTL = 5.0  # the default session TTL the stack runs with
+
+
+class Cli:
+    def __init__(self, home: Path) -> None:
+        self.home = home
+        self.env = {k: v for k, v in os.environ.items() if not k.startswith("ROBUSTRL_")}
+        self.env["ROBUSTRL_HOME"] = str(home)
+
+    def run(self, *args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
+        result = subprocess.run(
+            [sys.executable, "-m", "services.cli.main", *args],
+            capture_output=True,
+            text=True,
+            env=self.env,
+            cwd=REPO,
+            timeout=120,
+        )
+        if check and result.returncode != 0:
+            raise AssertionError(f"robustrl {' '.join(args)} failed: {result.stderr}")
+        return result
+
+    def json(self, *args: str) -> object:
+        return json.loads(self.run(*args, "--json").stdout)
+
+    def members(self) -> list[dict[str, object]]:
+        members = self.json("members")
+        assert isinstance(members, list)
+        return members
+
+
+@pytest.fixture
+def cli(tmp_path: Path) -> Iterator[Cli]:
+    cli = Cli(tmp_path / "home")
+    up = cli.run("up", "--trainers", "1", "--rollouts", "1")
+    assert "stack up" in up.stdout
+    try:
+        yield cli
+    finally:
+        cli.run("down", check=False)
+        state = StackState.load(cli.home)
+        assert state is not None and state.procs == []
+
+
+@pytest.mark.slow
+def test_a_new_user_session(cli: Cli) -> None:
+    members = cli.members()
+    assert sorted(str(m["instance_id"]) for m in members) == [
+        "coordinator-0",
+        "coordinator-1",
+        "monitor-0",
+        "rollout-0",
+        "trainer-0",
+    ]
+    assert sum(1 for m in members if m["leader"]) == 1
+
+    submitted = cli.json("submit", str(EXAMPLE), "trainer.steps=5", "--id", "first")
+    assert isinstance(submitted, dict) and submitted["job_id"] == "first"
+    status = cli.json("status", "first")
+    assert isinstance(status, dict)
+    assert status["phase"] == "PENDING" and status["spec"]["trainer"]["steps"] == 5
+    overview = cli.json("status")
+    assert isinstance(overview, dict) and [j["job_id"] for j in overview["jobs"]] == ["first"]
+
+    bad = cli.run("submit", str(EXAMPLE), "trainer.lr=-1", check=False)
+    assert bad.returncode == 1 and "INVALID_ARGUMENT" in bad.stderr and "trainer.lr" in bad.stderr
+    missing = cli.run("status", "nope", check=False)
+    assert missing.returncode == 1 and "NOT_FOUND" in missing.stderr
+    no_file = cli.run("submit", "no-such.yaml", check=False)
+    assert no_file.returncode == 2 and "cannot read job spec" in no_file.stderr
+
+    cli.run("cancel", "first")
+    again = cli.run("cancel", "first", check=False)
+    assert again.returncode == 1 and "FAILED_PRECONDITION" in again.stderr
+
+    # etcdctl shows the members under the key layout the README documents.
+    state = StackState.load(cli.home)
+    assert state is not None
+    etcdctl = Path(find_etcd()).with_name("etcdctl")
+    keys = subprocess.run(
+        [
+            str(etcdctl),
+            f"--endpoints={state.etcd_endpoints}",
+            "get",
+            "--prefix",
+            "/robustrl/",
+            "--keys-only",
+        ],
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=30,
+    ).stdout.split()
+    assert "/robustrl/members/rollout/rollout-0" in keys
+    assert "/robustrl/jobs/first" in keys
+
+
+@pytest.mark.slow
+def test_kill_9_of_the_leader_hands_over_within_the_ttl_and_keeps_every_job(cli: Cli) -> None:
+    for i in range(3):
+        cli.run("submit", str(EXAMPLE), "--id", f"job-{i}")
+    cli.run("cancel", "job-2")
+    before = cli.json("jobs")
+    leader = next(m for m in cli.members() if m["leader"])
+
+    os.kill(int(str(leader["pid"])), signal.SIGKILL)
+    killed_at = time.monotonic()
+
+    def new_leader() -> bool:
+        return any(m["leader"] and m["pid"] != leader["pid"] for m in cli.members())
+
+    eventually_sync(new_leader, timeout=TTL + 5, interval=0.05)
+    took = time.monotonic() - killed_at
+    # Lease expiry (at most the TTL after the last refresh) plus one CLI round trip.
+    assert took <= TTL + 1.5, f"new leader after {took:.1f}s"
+
+    after = cli.json("jobs")
+    assert after == before
+    # The new leader takes writes.
+    cli.run("submit", str(EXAMPLE), "--id", "after-failover")
+
+
+@pytest.mark.slow
+def test_a_member_killed_with_9_leaves_and_the_monitor_reports_it(cli: Cli) -> None:
+    rollout = next(m for m in cli.members() if m["role"] == "rollout")
+    os.kill(int(str(rollout["pid"])), signal.SIGKILL)
+    killed_at = time.monotonic()
+
+    def reported() -> bool:
+        incidents = cli.json("incidents")
+        assert isinstance(incidents, list)
+        return any(
+            i["instance_id"] == "rollout-0" and i["kind"] == "MEMBER_LOST" for i in incidents
+        )
+
+    eventually_sync(reported, timeout=TTL + 2)
+    reported_after = time.monotonic() - killed_at
+
+    def gone() -> bool:
+        return all(m["instance_id"] != "rollout-0" for m in cli.members())
+
+    eventually_sync(gone, timeout=TTL + 2)
+    gone_after = time.monotonic() - killed_at
+    assert gone_after <= TTL + 1.5, f"still a member {gone_after:.1f}s after kill -9"
+    assert reported_after <= TTL + 1.5
+    incidents = cli.json("incidents")
+    assert isinstance(incidents, list) and len(incidents) == 1  # one loss, one incident
+
+
+@pytest.mark.slow
+def test_down_stops_exactly_what_up_started(cli: Cli) -> None:
+    state = StackState.load(cli.home)
+    assert state is not None and len(state.procs) == 6  # etcd + 5 services
+    cli.run("down")
+    assert not any(is_running(p) for p in state.procs)
+    assert "no local stack running" in cli.run("jobs", check=False).stderr

@@ -1,0 +1,180 @@
+"""The Coordinator API against real replicas and a real etcd: the outcomes and the codes."""
+
+from __future__ import annotations
+
+import grpc
+import pytest
+
+from robustrl.v1 import coordinator_pb2 as pb
+from robustrl.v1 import coordinator_pb2_grpc
+from services.common.errors import LEADER_METADATA_KEY, Aborted
+from services.common.runtime import ServiceRuntime
+from services.coordinator.store import JobStore
+from tests.integration.conftest import leader_of
+from tests.support import eventually
+
+SPEC = "name: arith\ntrainer: {steps: 3}\n"
+
+
+def stub(runtime: ServiceRuntime) -> tuple[grpc.aio.Channel, coordinator_pb2_grpc.CoordinatorStub]:
+    channel = grpc.aio.insecure_channel(runtime.address)
+    return channel, coordinator_pb2_grpc.CoordinatorStub(channel)
+
+
+async def code_of(call: object) -> grpc.aio.AioRpcError:
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        await call  # type: ignore[misc]
+    return info.value
+
+
+async def test_submit_get_list_watch_cancel(coordinators: list[ServiceRuntime]) -> None:
+    leader, follower = coordinators
+    channel, api = stub(leader)
+    async with channel:
+        job = await api.SubmitJob(pb.SubmitJobRequest(spec=SPEC, overrides=["seed=7"]), timeout=5)
+        assert job.job_id.startswith("arith-") and job.phase == pb.JOB_PHASE_PENDING
+        assert '"seed": 7' in job.spec_json
+
+        # Reads are served by every replica, followers included.
+        f_channel, f_api = stub(follower)
+        async with f_channel:
+            got = await f_api.GetJob(pb.GetJobRequest(job_id=job.job_id), timeout=5)
+            assert got == job
+            listed = await f_api.ListJobs(pb.ListJobsRequest(), timeout=5)
+            assert [j.job_id for j in listed.jobs] == [job.job_id]
+
+        watch = api.WatchJob(pb.WatchJobRequest(job_id=job.job_id), timeout=10)
+        first = await watch.read()
+        assert first.job.phase == pb.JOB_PHASE_PENDING and first.revision == job.revision
+        cancelled = await api.CancelJob(
+            pb.CancelJobRequest(job_id=job.job_id, reason="r"), timeout=5
+        )
+        second = await watch.read()
+        watch.cancel()
+        assert second.job.phase == pb.JOB_PHASE_CANCELLED == cancelled.phase
+        assert second.job.message == "r" and second.revision > first.revision
+
+        only_pending = await api.ListJobs(
+            pb.ListJobsRequest(phases=[pb.JOB_PHASE_PENDING]), timeout=5
+        )
+        assert list(only_pending.jobs) == []
+
+
+async def test_bad_requests_get_the_right_code_and_change_nothing(
+    coordinators: list[ServiceRuntime],
+) -> None:
+    leader, follower = coordinators
+    channel, api = stub(leader)
+    async with channel:
+        job = await api.SubmitJob(pb.SubmitJobRequest(spec=SPEC, job_id="j1"), timeout=5)
+        cases = [
+            (
+                api.SubmitJob(pb.SubmitJobRequest(spec="name: x\ntrainer: {lr: 0}\n"), timeout=5),
+                grpc.StatusCode.INVALID_ARGUMENT,
+                "trainer.lr",
+            ),
+            (
+                api.SubmitJob(pb.SubmitJobRequest(spec="::: not yaml :::\n - ["), timeout=5),
+                grpc.StatusCode.INVALID_ARGUMENT,
+                "YAML",
+            ),
+            (
+                api.SubmitJob(pb.SubmitJobRequest(spec=SPEC, job_id="BAD"), timeout=5),
+                grpc.StatusCode.INVALID_ARGUMENT,
+                "job id",
+            ),
+            (
+                api.SubmitJob(pb.SubmitJobRequest(spec=SPEC, job_id="j1"), timeout=5),
+                grpc.StatusCode.ALREADY_EXISTS,
+                "j1",
+            ),
+            (
+                api.GetJob(pb.GetJobRequest(job_id="nope"), timeout=5),
+                grpc.StatusCode.NOT_FOUND,
+                "nope",
+            ),
+            (
+                api.CancelJob(pb.CancelJobRequest(job_id="nope"), timeout=5),
+                grpc.StatusCode.NOT_FOUND,
+                "nope",
+            ),
+            (
+                api.CancelJob(
+                    pb.CancelJobRequest(job_id="j1", expected_revision=job.revision + 99), timeout=5
+                ),
+                grpc.StatusCode.ABORTED,
+                "revision",
+            ),
+        ]
+        for call, code, text in cases:
+            error = await code_of(call)
+            assert error.code() == code, (code, error.details())
+            assert text in (error.details() or "")
+
+        await api.CancelJob(pb.CancelJobRequest(job_id="j1"), timeout=5)
+        error = await code_of(api.CancelJob(pb.CancelJobRequest(job_id="j1"), timeout=5))
+        assert error.code() == grpc.StatusCode.FAILED_PRECONDITION
+        assert "already CANCELLED" in (error.details() or "")
+
+        listed = await api.ListJobs(pb.ListJobsRequest(), timeout=5)
+        assert [(j.job_id, j.phase) for j in listed.jobs] == [("j1", pb.JOB_PHASE_CANCELLED)]
+
+    # A write to a follower: UNAVAILABLE, naming the leader in the message and the metadata.
+    f_channel, f_api = stub(follower)
+    async with f_channel:
+        error = await code_of(f_api.SubmitJob(pb.SubmitJobRequest(spec=SPEC), timeout=5))
+        assert error.code() == grpc.StatusCode.UNAVAILABLE
+        assert leader.address in (error.details() or "")
+        assert dict(error.trailing_metadata() or ())[LEADER_METADATA_KEY] == leader.address
+
+
+async def test_a_lost_compare_and_swap_is_aborted(coordinators: list[ServiceRuntime]) -> None:
+    leader = coordinators[0]
+    channel, api = stub(leader)
+    async with channel:
+        job = await api.SubmitJob(pb.SubmitJobRequest(spec=SPEC, job_id="cas"), timeout=5)
+    assert leader.client is not None
+    store = JobStore(leader.client, leader.keys)
+    record, revision = await store.get("cas")
+    await store.update(record.model_copy(update={"step": 1}), revision, [])
+    with pytest.raises(Aborted):
+        await store.update(record.model_copy(update={"step": 2}), revision, [])
+    assert (await store.get("cas"))[0].step == 1 and job.revision == revision
+
+
+async def test_the_standby_takes_over_and_every_job_survives(
+    coordinators: list[ServiceRuntime],
+) -> None:
+    leader, follower = coordinators
+    channel, api = stub(leader)
+    async with channel:
+        for i in range(3):
+            await api.SubmitJob(pb.SubmitJobRequest(spec=SPEC, job_id=f"keep-{i}"), timeout=5)
+        await api.CancelJob(pb.CancelJobRequest(job_id="keep-1"), timeout=5)
+        before = await api.ListJobs(pb.ListJobsRequest(), timeout=5)
+    await leader.shutdown()
+
+    async def follower_leads() -> bool:
+        return await leader_of([follower]) is follower
+
+    await eventually(follower_leads, timeout=5)
+    f_channel, f_api = stub(follower)
+    async with f_channel:
+        after = await f_api.ListJobs(pb.ListJobsRequest(), timeout=5)
+        assert [(j.job_id, j.phase, j.spec_json) for j in after.jobs] == [
+            (j.job_id, j.phase, j.spec_json) for j in before.jobs
+        ]
+        # The new leader accepts writes.
+        await f_api.CancelJob(pb.CancelJobRequest(job_id="keep-0"), timeout=5)
+
+
+async def test_members_view_marks_the_leader(coordinators: list[ServiceRuntime]) -> None:
+    leader = coordinators[0]
+    channel, api = stub(leader)
+    async with channel:
+        reply = await api.ListMembers(pb.ListMembersRequest(), timeout=5)
+    roles = sorted((m.instance_id, m.leader) for m in reply.members)
+    assert roles == sorted(
+        [(leader.instance_id, True), (coordinators[1].instance_id, False), ("monitor-0", False)]
+    )
+    assert reply.leader_instance_id == leader.instance_id

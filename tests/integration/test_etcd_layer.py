@@ -1,0 +1,148 @@
+"""Session, Registry, Election and the resumable watch against a real etcd."""
+
+from __future__ import annotations
+
+import asyncio
+
+import aetcd
+import pytest
+
+from services.common.config import EtcdSettings
+from services.common.election import Election, current_leader
+from services.common.keys import KeySpace
+from services.common.registry import MemberRecord, Registry
+from services.common.session import Session
+from services.common.watch import Delete, Put, Resync, watch_prefix
+from tests.support import eventually
+
+
+def member(name: str, role: str = "rollout") -> MemberRecord:
+    return MemberRecord(role=role, instance_id=name, address="127.0.0.1:1", pid=1, host="h")
+
+
+async def test_closing_a_session_removes_its_keys_at_once(
+    etcd_client: aetcd.Client, etcd_settings: EtcdSettings
+) -> None:
+    registry = Registry(etcd_client, KeySpace(etcd_settings.prefix))
+    session = await Session.open(etcd_client, ttl=30)
+    await registry.register(session, member("r0"))
+    assert [m.instance_id for m in (await registry.list())[0]] == ["r0"]
+    await session.close()
+    assert (await registry.list())[0] == []
+    assert session.done.is_set()
+
+
+async def test_a_session_that_stops_refreshing_expires_within_its_ttl(
+    etcd_client: aetcd.Client, etcd_settings: EtcdSettings
+) -> None:
+    registry = Registry(etcd_client, KeySpace(etcd_settings.prefix))
+    session = await Session.open(etcd_client, ttl=2)
+    await registry.register(session, member("r0"))
+    assert session._task is not None
+    session._task.cancel()  # as if the process froze: no more keepalives
+
+    async def gone() -> bool:
+        return not (await registry.list())[0]
+
+    took = await eventually(gone, timeout=4.0)
+    assert took <= 3.0
+
+
+async def test_registry_watch_sees_joins_and_leaves_in_order(
+    etcd_client: aetcd.Client, etcd_settings: EtcdSettings
+) -> None:
+    registry = Registry(etcd_client, KeySpace(etcd_settings.prefix))
+    _, revision = await registry.list()
+    session = await Session.open(etcd_client, ttl=30)
+    await registry.register(session, member("a"))
+    await registry.register(session, member("b", role="trainer"))
+    await registry.deregister(member("a"))
+    events = []
+    watch = registry.watch(revision + 1)
+    async for event in watch:
+        events.append(event)
+        if len(events) == 3:
+            break
+    await watch.aclose()  # type: ignore[attr-defined]
+    assert isinstance(events[0], Put) and b"/members/rollout/a" in events[0].entry.key
+    assert isinstance(events[1], Put) and b"/members/trainer/b" in events[1].entry.key
+    assert isinstance(events[2], Delete) and registry.role_and_instance(events[2].key) == (
+        "rollout",
+        "a",
+    )
+    await session.close()
+
+
+async def test_watch_from_a_compacted_revision_resyncs_with_the_full_state(
+    etcd_client: aetcd.Client, etcd_settings: EtcdSettings
+) -> None:
+    prefix = f"{etcd_settings.prefix}/w/".encode()
+    first = await etcd_client.put(prefix + b"x", b"1")
+    start = first.header.revision
+    await etcd_client.put(prefix + b"x", b"2")
+    latest = await etcd_client.put(prefix + b"y", b"3")
+    await etcd_client.compact(latest.header.revision)
+    stream = watch_prefix(etcd_client, prefix, start)
+    event = await asyncio.wait_for(anext(stream), 5)
+    await stream.aclose()  # type: ignore[attr-defined]
+    assert isinstance(event, Resync)
+    assert {e.key: e.value for e in event.entries} == {prefix + b"x": b"2", prefix + b"y": b"3"}
+
+
+async def test_election_hands_over_when_the_leader_resigns_or_dies(
+    etcd_client: aetcd.Client, etcd_settings: EtcdSettings
+) -> None:
+    prefix = KeySpace(etcd_settings.prefix).election("test")
+    s1, s2, s3 = [await Session.open(etcd_client, ttl=2) for _ in range(3)]
+    e1, e2, e3 = (
+        Election(etcd_client, prefix, s1),
+        Election(etcd_client, prefix, s2),
+        Election(etcd_client, prefix, s3),
+    )
+    await e1.campaign(b"one")
+    second = asyncio.create_task(e2.campaign(b"two"))
+    await asyncio.sleep(0.3)
+    assert not second.done()
+    leader = await current_leader(etcd_client, prefix)
+    assert leader is not None and leader.value == b"one"
+
+    await e1.resign()
+    await asyncio.wait_for(second, 5)
+    third = asyncio.create_task(e3.campaign(b"three"))
+
+    # The leader "dies": its keepalive stops; the next candidate leads within the TTL.
+    assert s2._task is not None
+    s2._task.cancel()
+    await asyncio.wait_for(third, s2.ttl + 2)
+    leader = await current_leader(etcd_client, prefix)
+    assert leader is not None and leader.value == b"three"
+    await s3.close()
+    await s1.close()
+
+
+async def test_a_deposed_leader_cannot_write_through_its_guard(
+    etcd_client: aetcd.Client, etcd_settings: EtcdSettings
+) -> None:
+    prefix = KeySpace(etcd_settings.prefix).election("guard")
+    session = await Session.open(etcd_client, ttl=5)
+    election = Election(etcd_client, prefix, session)
+    await election.campaign(b"me")
+    guard = election.leader_guard()
+    tx = etcd_client.transactions
+    key = f"{etcd_settings.prefix}/guarded".encode()
+    ok, _ = await etcd_client.transaction(compare=[guard], success=[tx.put(key, b"1")], failure=[])
+    assert ok
+    await session.close()  # leadership gone
+    ok, _ = await etcd_client.transaction(compare=[guard], success=[tx.put(key, b"2")], failure=[])
+    assert not ok
+    assert (await etcd_client.get(key)).value == b"1"
+
+
+@pytest.mark.parametrize("ttl", [1])
+async def test_session_done_fires_when_the_lease_is_revoked_elsewhere(
+    etcd_client: aetcd.Client, ttl: int
+) -> None:
+    session = await Session.open(etcd_client, ttl=ttl)
+    await etcd_client.revoke_lease(session.lease_id)
+    await asyncio.wait_for(session.done.wait(), ttl + 2)
+    await session.close()

@@ -1,0 +1,33 @@
+from __future__ import annotations
+
+import pytest
+
+from services.common.control import Action, Binding, apply_control
+from services.common.errors import FailedPrecondition, Fenced, InvalidArgument
+
+
+def test_bind_release_rebind() -> None:
+    b = apply_control(Binding(), Action.ACTION_BIND, "j1", 1)
+    assert (b.job_id, b.epoch) == ("j1", 1)
+    with pytest.raises(FailedPrecondition, match="already bound"):
+        apply_control(b, Action.ACTION_BIND, "j2", 1)
+    b = apply_control(b, Action.ACTION_RELEASE, "j1", 1)
+    assert apply_control(b, Action.ACTION_BIND, "j2", 2).job_id == "j2"
+
+
+def test_stale_epoch_is_refused() -> None:
+    b = Binding(job_id="j", epoch=3)
+    with pytest.raises(FailedPrecondition, match="older"):
+        apply_control(b, Action.ACTION_RELEASE, "j", 2)
+
+
+def test_fenced_instance_accepts_nothing() -> None:
+    b = apply_control(Binding(job_id="j", epoch=1), Action.ACTION_FENCE, "j", 2)
+    for action in (Action.ACTION_BIND, Action.ACTION_RELEASE, Action.ACTION_FENCE):
+        with pytest.raises(Fenced):
+            apply_control(b, action, "j", 9)
+
+
+def test_bind_needs_a_job() -> None:
+    with pytest.raises(InvalidArgument):
+        apply_control(Binding(), Action.ACTION_BIND, "", 0)

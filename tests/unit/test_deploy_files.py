@@ -1,0 +1,105 @@
+"""Every YAML under examples/ and deploy/ (and the compose file) is valid for what reads it.
+
+No Docker engine or cluster runs here, so these checks stand in for `docker compose config`
+and `kubectl apply --dry-run`: shape, references between services, and that every
+ROBUSTRL_* variable they set is one our settings actually read (a typo would be ignored).
+"""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+from pydantic_settings import BaseSettings
+
+from services.common.config import EtcdSettings
+from services.common.jobspec import parse_spec
+from services.coordinator.config import CoordinatorSettings
+from services.monitor.config import MonitorSettings
+from services.rollout.config import RolloutSettings
+from services.trainer.config import TrainerSettings
+
+REPO = Path(__file__).resolve().parents[2]
+SETTINGS: list[type[BaseSettings]] = [
+    EtcdSettings,
+    CoordinatorSettings,
+    MonitorSettings,
+    TrainerSettings,
+    RolloutSettings,
+]
+
+
+def known_env_vars() -> set[str]:
+    names = {"ROBUSTRL_HOME"}
+    for cls in SETTINGS:
+        prefix = str(cls.model_config.get("env_prefix", ""))
+        names |= {f"{prefix}{field}".upper() for field in cls.model_fields}
+    return names
+
+
+def dockerfile_targets() -> set[str]:
+    text = (REPO / "deploy" / "Dockerfile").read_text()
+    return set(re.findall(r"^FROM \S+ AS (\S+)$", text, flags=re.MULTILINE))
+
+
+@pytest.mark.parametrize("path", sorted((REPO / "examples").glob("*.yaml")), ids=lambda p: p.name)
+def test_example_job_specs_validate(path: Path) -> None:
+    parse_spec(path.read_text())
+
+
+def test_compose_file_is_consistent() -> None:
+    compose = yaml.safe_load((REPO / "docker-compose.yml").read_text())
+    services = compose["services"]
+    assert {"etcd", "coordinator", "monitor", "trainer", "rollout"} <= services.keys()
+    images_built = {s["image"] for s in services.values() if "build" in s}
+    for name, service in services.items():
+        for dep in service.get("depends_on", {}):
+            assert dep in services, f"{name} depends on unknown service {dep}"
+        if "build" in service:
+            assert service["build"]["target"] in dockerfile_targets()
+            assert (REPO / service["build"]["dockerfile"]).exists()
+        elif name != "etcd":
+            assert service["image"] in images_built, f"{name} uses an image nothing builds"
+        for var in service.get("environment", {}):
+            assert var in known_env_vars(), f"{name} sets {var}, which no setting reads"
+        for volume in service.get("volumes", []):
+            assert volume.split(":")[0] in compose.get("volumes", {})
+        if name != "etcd":
+            module = service["command"][0]
+            assert (REPO / module.replace(".", "/") / "__main__.py").exists()
+
+
+@pytest.mark.parametrize(
+    "path", sorted((REPO / "deploy" / "k8s").glob("*.yaml")), ids=lambda p: p.name
+)
+def test_kubernetes_manifests_are_well_formed(path: Path) -> None:
+    docs = [d for d in yaml.safe_load_all(path.read_text()) if d]
+    assert docs
+    for doc in docs:
+        assert doc["apiVersion"] and doc["kind"] and doc["metadata"]["name"]
+        spec = doc["spec"]
+        assert (
+            spec["selector"]["matchLabels"].items()
+            <= spec["template"]["metadata"]["labels"].items()
+        )
+        for container in spec["template"]["spec"]["containers"]:
+            assert container["image"].split(":")[0] in {"robustrl-control", "robustrl-worker"}
+            assert (REPO / container["args"][0].replace(".", "/") / "__main__.py").exists()
+            for env in container.get("env", []):
+                assert env["name"] in known_env_vars(), f"{env['name']} is read by no setting"
+
+
+def test_dockerfile_passes_hadolint() -> None:
+    hadolint = Path(sys.executable).with_name("hadolint")
+    result = subprocess.run(
+        [str(hadolint), "--no-color", str(REPO / "deploy" / "Dockerfile")],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert dockerfile_targets() == {"base", "control", "worker"}

@@ -1,0 +1,87 @@
+"""The lost-member detector as a pure function of (views, now)."""
+
+from __future__ import annotations
+
+from services.monitor import detectors as d
+
+CFG = d.DetectorConfig(reconnect_grace=1.0)
+
+
+def beat(views: d.Views, now: float, *, goodbye: bool = False, epoch: int = 0) -> None:
+    d.on_beat(
+        views,
+        role="rollout",
+        instance_id="r0",
+        epoch=epoch,
+        job_id="j",
+        rank=0,
+        phase="generate",
+        counters={"tokens": 1.0},
+        goodbye=goodbye,
+        now=now,
+    )
+
+
+def reported(views: d.Views, now: float) -> list[d.Finding]:
+    findings = d.evaluate(views, now, CFG)
+    d.mark_reported(findings)
+    return findings
+
+
+def test_stream_loss_is_lost_only_after_the_reconnect_grace() -> None:
+    views: d.Views = {}
+    beat(views, 0.0)
+    d.on_stream_end(views, "r0", 1.0)
+    assert d.evaluate(views, 1.5, CFG) == []
+    findings = reported(views, 2.1)
+    assert [f.kind for f in findings] == ["MEMBER_LOST"]
+    assert "without a goodbye" in findings[0].evidence
+    assert findings[0].view.job_id == "j"
+
+
+def test_reconnect_within_the_grace_is_not_a_failure() -> None:
+    views: d.Views = {}
+    beat(views, 0.0)
+    d.on_stream_end(views, "r0", 1.0)
+    beat(views, 1.5)
+    assert d.evaluate(views, 10.0, CFG) == []
+    assert views["r0"].state is d.State.ALIVE
+
+
+def test_goodbye_then_deregistration_is_never_an_incident() -> None:
+    views: d.Views = {}
+    d.on_registered(views, "rollout", "r0", 0, 0.0)
+    beat(views, 0.1)
+    beat(views, 0.2, goodbye=True)
+    d.on_stream_end(views, "r0", 0.3)
+    d.on_unregistered(views, "r0", 0.4)
+    assert d.evaluate(views, 100.0, CFG) == []
+    assert views["r0"].state is d.State.GONE
+
+
+def test_lease_expiry_without_goodbye_is_lost_at_once() -> None:
+    views: d.Views = {}
+    d.on_registered(views, "trainer", "t0", 0, 0.0)
+    d.on_unregistered(views, "t0", 5.0)
+    findings = reported(views, 5.0)
+    assert len(findings) == 1 and "lease expired" in findings[0].evidence
+
+
+def test_one_incident_per_loss() -> None:
+    views: d.Views = {}
+    beat(views, 0.0)
+    d.on_stream_end(views, "r0", 0.0)
+    assert len(reported(views, 2.0)) == 1
+    d.on_unregistered(views, "r0", 5.0)  # the lease expiring later adds nothing
+    assert reported(views, 6.0) == []
+
+
+def test_a_late_beat_from_a_lost_instance_revives_nothing_but_a_new_epoch_does() -> None:
+    views: d.Views = {}
+    beat(views, 0.0, epoch=1)
+    d.on_stream_end(views, "r0", 0.0)
+    reported(views, 2.0)
+    beat(views, 3.0, epoch=1)
+    assert views["r0"].state is d.State.LOST
+    beat(views, 4.0, epoch=2)
+    assert views["r0"].state is d.State.ALIVE and views["r0"].epoch == 2

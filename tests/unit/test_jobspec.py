@@ -1,0 +1,58 @@
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from services.common.errors import InvalidArgument
+from services.common.jobspec import apply_overrides, parse_spec, validate_job_id
+
+EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "arithmetic-grpo.yaml"
+
+
+def test_example_spec_is_valid_and_defaults_fill_in() -> None:
+    spec = parse_spec(EXAMPLE.read_text())
+    assert spec.name == "arithmetic-grpo"
+    assert spec.rollout.replicas == 2
+    assert spec.recovery.mode == "role_based"
+
+
+def test_overrides_set_nested_values_parsed_as_yaml() -> None:
+    spec = parse_spec("name: a\n", ["trainer.lr=1e-5", "rollout.replicas=3", "trainer.steps=7"])
+    assert spec.trainer.lr == pytest.approx(1e-5)
+    assert spec.rollout.replicas == 3
+    assert spec.trainer.steps == 7
+
+
+def test_overrides_do_not_mutate_the_input() -> None:
+    data = {"name": "a", "trainer": {"lr": 0.1}}
+    apply_overrides(data, ["trainer.lr=0.2"])
+    assert data["trainer"] == {"lr": 0.1}
+
+
+@pytest.mark.parametrize(
+    ("text", "overrides", "names"),
+    [
+        ("name: a\ntrainer: {lr: -1}\n", [], "trainer.lr"),
+        ("name: a\ntrainer: {lrr: 0.1}\n", [], "trainer.lrr: unknown field"),
+        ("name: a\n", ["rollout.engine=tpu"], "rollout.engine"),
+        ("name: Bad Name\n", [], "name"),
+        ("trainer: {}\n", [], "name: Field required"),
+        ("- a list\n", [], "YAML mapping"),
+        ("name: [unclosed\n", [], "not valid YAML"),
+        ("name: a\n", ["novalue"], "key.sub=value"),
+        ("name: a\n", ["name.x=1"], "name is not a section"),
+        ("name: a\nid: UPPER\n", [], "not a valid job id"),
+    ],
+)
+def test_bad_specs_name_the_field(text: str, overrides: list[str], names: str) -> None:
+    with pytest.raises(InvalidArgument) as info:
+        parse_spec(text, overrides)
+    assert names in info.value.message
+
+
+def test_job_ids() -> None:
+    assert validate_job_id("job-1") == "job-1"
+    for bad in ["", "-a", "a-", "A", "a_b", "x" * 64]:
+        with pytest.raises(InvalidArgument):
+            validate_job_id(bad)
