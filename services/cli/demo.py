@@ -27,7 +27,10 @@ def robustrl(*args: str, capture: bool = False, echo: bool = True) -> str:
         console.print(f"[bold cyan]$ robustrl {' '.join(args)}[/bold cyan]")
     result = subprocess.run(
         [sys.executable, "-m", "services.cli.main", *args],
-        cwd=REPO, text=True, capture_output=capture, check=False,
+        cwd=REPO,
+        text=True,
+        capture_output=capture,
+        check=False,
     )
     if result.returncode != 0:
         if capture:
