@@ -54,6 +54,15 @@ async def test_submit_get_list_watch_cancel(coordinators: list[ServiceRuntime]) 
         assert second.job.phase == pb.JOB_PHASE_CANCELLED == cancelled.phase
         assert second.job.message == "r" and second.revision > first.revision
 
+        # Resuming from a revision replays only what came after it.
+        resumed = api.WatchJob(
+            pb.WatchJobRequest(job_id=job.job_id, after_revision=first.revision), timeout=10
+        )
+        replayed = await resumed.read()
+        resumed.cancel()
+        assert replayed.revision == second.revision
+        assert replayed.job.phase == pb.JOB_PHASE_CANCELLED
+
         only_pending = await api.ListJobs(
             pb.ListJobsRequest(phases=[pb.JOB_PHASE_PENDING]), timeout=5
         )

@@ -146,3 +146,27 @@ async def test_session_done_fires_when_the_lease_is_revoked_elsewhere(
     await etcd_client.revoke_lease(session.lease_id)
     await asyncio.wait_for(session.done.wait(), ttl + 2)
     await session.close()
+
+
+async def test_observe_reports_each_leader_change(
+    etcd_client: aetcd.Client, etcd_settings: EtcdSettings
+) -> None:
+    from services.common.election import observe
+
+    prefix = KeySpace(etcd_settings.prefix).election("observed")
+    seen: list[bytes | None] = []
+    stream = observe(etcd_client, prefix)
+    first = await asyncio.wait_for(anext(stream), 5)
+    seen.append(None if first is None else first.value)
+    s1, s2 = await Session.open(etcd_client, ttl=5), await Session.open(etcd_client, ttl=5)
+    await Election(etcd_client, prefix, s1).campaign(b"a")
+    second = asyncio.create_task(Election(etcd_client, prefix, s2).campaign(b"b"))
+    entry = await asyncio.wait_for(anext(stream), 5)
+    seen.append(None if entry is None else entry.value)
+    await s1.close()
+    await asyncio.wait_for(second, 5)
+    entry = await asyncio.wait_for(anext(stream), 5)
+    seen.append(None if entry is None else entry.value)
+    await stream.aclose()  # type: ignore[attr-defined]
+    await s2.close()
+    assert seen == [None, b"a", b"b"]
