@@ -346,3 +346,265 @@ class ListMembersResponse(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___ListMembersResponse: _TypeAlias = ListMembersResponse  # noqa: Y015
+
+@_typing.final
+class PromptGroup(_message.Message):
+    """One prompt to sample `group_size` completions for."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    GROUP_ID_FIELD_NUMBER: _builtins.int
+    ITEM_ID_FIELD_NUMBER: _builtins.int
+    PROMPT_FIELD_NUMBER: _builtins.int
+    ANSWER_FIELD_NUMBER: _builtins.int
+    GROUP_SIZE_FIELD_NUMBER: _builtins.int
+    LEASE_DEADLINE_FIELD_NUMBER: _builtins.int
+    group_id: _builtins.str
+    """Stable across re-leases: trajectory ids derive from it, so a group re-generated after a
+    rollout failure de-duplicates against what already reached the trainer.
+    """
+    item_id: _builtins.str
+    prompt: _builtins.str
+    answer: _builtins.str
+    group_size: _builtins.int
+    @_builtins.property
+    def lease_deadline(self) -> _timestamp_pb2.Timestamp: ...
+    def __init__(
+        self,
+        *,
+        group_id: _builtins.str = ...,
+        item_id: _builtins.str = ...,
+        prompt: _builtins.str = ...,
+        answer: _builtins.str = ...,
+        group_size: _builtins.int = ...,
+        lease_deadline: _timestamp_pb2.Timestamp | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["lease_deadline", b"lease_deadline"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["answer", b"answer", "group_id", b"group_id", "group_size", b"group_size", "item_id", b"item_id", "lease_deadline", b"lease_deadline", "prompt", b"prompt"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___PromptGroup: _TypeAlias = PromptGroup  # noqa: Y015
+
+@_typing.final
+class LeaseWorkRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    JOB_ID_FIELD_NUMBER: _builtins.int
+    INSTANCE_ID_FIELD_NUMBER: _builtins.int
+    EPOCH_FIELD_NUMBER: _builtins.int
+    MAX_GROUPS_FIELD_NUMBER: _builtins.int
+    job_id: _builtins.str
+    instance_id: _builtins.str
+    epoch: _builtins.int
+    max_groups: _builtins.int
+    def __init__(
+        self,
+        *,
+        job_id: _builtins.str = ...,
+        instance_id: _builtins.str = ...,
+        epoch: _builtins.int = ...,
+        max_groups: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["epoch", b"epoch", "instance_id", b"instance_id", "job_id", b"job_id", "max_groups", b"max_groups"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___LeaseWorkRequest: _TypeAlias = LeaseWorkRequest  # noqa: Y015
+
+@_typing.final
+class LeaseWorkResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    GROUPS_FIELD_NUMBER: _builtins.int
+    MIN_WEIGHT_VERSION_FIELD_NUMBER: _builtins.int
+    RETRY_AFTER_S_FIELD_NUMBER: _builtins.int
+    JOB_DONE_FIELD_NUMBER: _builtins.int
+    min_weight_version: _builtins.int
+    """Generate with at least this weight version (the staleness bound would drop older work)."""
+    retry_after_s: _builtins.float
+    """No groups now (backpressure or nothing left); ask again after this many seconds."""
+    job_done: _builtins.bool
+    """The job is over (succeeded, failed or cancelled): stop working on it."""
+    @_builtins.property
+    def groups(self) -> _containers.RepeatedCompositeFieldContainer[Global___PromptGroup]: ...
+    def __init__(
+        self,
+        *,
+        groups: _abc.Iterable[Global___PromptGroup] | None = ...,
+        min_weight_version: _builtins.int = ...,
+        retry_after_s: _builtins.float = ...,
+        job_done: _builtins.bool = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["groups", b"groups", "job_done", b"job_done", "min_weight_version", b"min_weight_version", "retry_after_s", b"retry_after_s"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___LeaseWorkResponse: _TypeAlias = LeaseWorkResponse  # noqa: Y015
+
+@_typing.final
+class CompleteWorkRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    JOB_ID_FIELD_NUMBER: _builtins.int
+    INSTANCE_ID_FIELD_NUMBER: _builtins.int
+    EPOCH_FIELD_NUMBER: _builtins.int
+    GROUP_IDS_FIELD_NUMBER: _builtins.int
+    ERROR_FIELD_NUMBER: _builtins.int
+    job_id: _builtins.str
+    instance_id: _builtins.str
+    epoch: _builtins.int
+    error: _builtins.str
+    """Set when the rollout cannot do the job's work (bad reward plug-in, prompt too long...):
+    the job fails with this message.
+    """
+    @_builtins.property
+    def group_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]: ...
+    def __init__(
+        self,
+        *,
+        job_id: _builtins.str = ...,
+        instance_id: _builtins.str = ...,
+        epoch: _builtins.int = ...,
+        group_ids: _abc.Iterable[_builtins.str] | None = ...,
+        error: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["epoch", b"epoch", "error", b"error", "group_ids", b"group_ids", "instance_id", b"instance_id", "job_id", b"job_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___CompleteWorkRequest: _TypeAlias = CompleteWorkRequest  # noqa: Y015
+
+@_typing.final
+class CompleteWorkResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    def __init__(
+        self,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___CompleteWorkResponse: _TypeAlias = CompleteWorkResponse  # noqa: Y015
+
+@_typing.final
+class ReportProgressRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    @_typing.final
+    class MetricsEntry(_message.Message):
+        DESCRIPTOR: _descriptor.Descriptor
+
+        KEY_FIELD_NUMBER: _builtins.int
+        VALUE_FIELD_NUMBER: _builtins.int
+        key: _builtins.str
+        value: _builtins.float
+        def __init__(
+            self,
+            *,
+            key: _builtins.str = ...,
+            value: _builtins.float = ...,
+        ) -> None: ...
+        _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+        def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "value", b"value"]  # noqa: Y015
+        def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+        def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+    @_typing.final
+    class DiscardedGroupsEntry(_message.Message):
+        DESCRIPTOR: _descriptor.Descriptor
+
+        KEY_FIELD_NUMBER: _builtins.int
+        VALUE_FIELD_NUMBER: _builtins.int
+        key: _builtins.str
+        value: _builtins.str
+        def __init__(
+            self,
+            *,
+            key: _builtins.str = ...,
+            value: _builtins.str = ...,
+        ) -> None: ...
+        _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+        def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "value", b"value"]  # noqa: Y015
+        def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+        def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+    JOB_ID_FIELD_NUMBER: _builtins.int
+    INSTANCE_ID_FIELD_NUMBER: _builtins.int
+    EPOCH_FIELD_NUMBER: _builtins.int
+    STEP_FIELD_NUMBER: _builtins.int
+    WEIGHT_VERSION_FIELD_NUMBER: _builtins.int
+    METRICS_FIELD_NUMBER: _builtins.int
+    TRAINED_GROUP_IDS_FIELD_NUMBER: _builtins.int
+    DISCARDED_GROUPS_FIELD_NUMBER: _builtins.int
+    FINISHED_FIELD_NUMBER: _builtins.int
+    ERROR_FIELD_NUMBER: _builtins.int
+    job_id: _builtins.str
+    instance_id: _builtins.str
+    epoch: _builtins.int
+    step: _builtins.int
+    weight_version: _builtins.int
+    finished: _builtins.bool
+    error: _builtins.str
+    """Set when the trainer cannot run the job (model missing, bad spec): the job fails."""
+    @_builtins.property
+    def metrics(self) -> _containers.ScalarMap[_builtins.str, _builtins.float]: ...
+    @_builtins.property
+    def trained_group_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]: ...
+    @_builtins.property
+    def discarded_groups(self) -> _containers.ScalarMap[_builtins.str, _builtins.str]:
+        """Groups dropped without training, with the reason (e.g. "stale: generated with v3 for step 6")."""
+
+    def __init__(
+        self,
+        *,
+        job_id: _builtins.str = ...,
+        instance_id: _builtins.str = ...,
+        epoch: _builtins.int = ...,
+        step: _builtins.int = ...,
+        weight_version: _builtins.int = ...,
+        metrics: _abc.Mapping[_builtins.str, _builtins.float] | None = ...,
+        trained_group_ids: _abc.Iterable[_builtins.str] | None = ...,
+        discarded_groups: _abc.Mapping[_builtins.str, _builtins.str] | None = ...,
+        finished: _builtins.bool = ...,
+        error: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["discarded_groups", b"discarded_groups", "epoch", b"epoch", "error", b"error", "finished", b"finished", "instance_id", b"instance_id", "job_id", b"job_id", "metrics", b"metrics", "step", b"step", "trained_group_ids", b"trained_group_ids", "weight_version", b"weight_version"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ReportProgressRequest: _TypeAlias = ReportProgressRequest  # noqa: Y015
+
+@_typing.final
+class ReportProgressResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    KEEP_GOING_FIELD_NUMBER: _builtins.int
+    keep_going: _builtins.bool
+    """False once the job is over: the trainer stops."""
+    def __init__(
+        self,
+        *,
+        keep_going: _builtins.bool = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["keep_going", b"keep_going"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ReportProgressResponse: _TypeAlias = ReportProgressResponse  # noqa: Y015

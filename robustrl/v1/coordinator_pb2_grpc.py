@@ -67,6 +67,21 @@ class CoordinatorStub:
                 request_serializer=robustrl_dot_v1_dot_coordinator__pb2.ListMembersRequest.SerializeToString,
                 response_deserializer=robustrl_dot_v1_dot_coordinator__pb2.ListMembersResponse.FromString,
                 _registered_method=True)
+        self.LeaseWork = channel.unary_unary(
+                '/robustrl.v1.Coordinator/LeaseWork',
+                request_serializer=robustrl_dot_v1_dot_coordinator__pb2.LeaseWorkRequest.SerializeToString,
+                response_deserializer=robustrl_dot_v1_dot_coordinator__pb2.LeaseWorkResponse.FromString,
+                _registered_method=True)
+        self.CompleteWork = channel.unary_unary(
+                '/robustrl.v1.Coordinator/CompleteWork',
+                request_serializer=robustrl_dot_v1_dot_coordinator__pb2.CompleteWorkRequest.SerializeToString,
+                response_deserializer=robustrl_dot_v1_dot_coordinator__pb2.CompleteWorkResponse.FromString,
+                _registered_method=True)
+        self.ReportProgress = channel.unary_unary(
+                '/robustrl.v1.Coordinator/ReportProgress',
+                request_serializer=robustrl_dot_v1_dot_coordinator__pb2.ReportProgressRequest.SerializeToString,
+                response_deserializer=robustrl_dot_v1_dot_coordinator__pb2.ReportProgressResponse.FromString,
+                _registered_method=True)
 
 
 class CoordinatorServicer:
@@ -113,6 +128,28 @@ class CoordinatorServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def LeaseWork(self, request, context):
+        """Data plane, leader only. A rollout leases prompt groups; the coordinator owns the
+        dataset cursor and every lease's deadline, so a dead rollout's work is leased again.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def CompleteWork(self, request, context):
+        """A rollout reports groups whose trajectories reached the trainer (or an error).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ReportProgress(self, request, context):
+        """The trainer reports each committed step: progress, metrics and what it trained or dropped.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_CoordinatorServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -145,6 +182,21 @@ def add_CoordinatorServicer_to_server(servicer, server):
                     servicer.ListMembers,
                     request_deserializer=robustrl_dot_v1_dot_coordinator__pb2.ListMembersRequest.FromString,
                     response_serializer=robustrl_dot_v1_dot_coordinator__pb2.ListMembersResponse.SerializeToString,
+            ),
+            'LeaseWork': grpc.unary_unary_rpc_method_handler(
+                    servicer.LeaseWork,
+                    request_deserializer=robustrl_dot_v1_dot_coordinator__pb2.LeaseWorkRequest.FromString,
+                    response_serializer=robustrl_dot_v1_dot_coordinator__pb2.LeaseWorkResponse.SerializeToString,
+            ),
+            'CompleteWork': grpc.unary_unary_rpc_method_handler(
+                    servicer.CompleteWork,
+                    request_deserializer=robustrl_dot_v1_dot_coordinator__pb2.CompleteWorkRequest.FromString,
+                    response_serializer=robustrl_dot_v1_dot_coordinator__pb2.CompleteWorkResponse.SerializeToString,
+            ),
+            'ReportProgress': grpc.unary_unary_rpc_method_handler(
+                    servicer.ReportProgress,
+                    request_deserializer=robustrl_dot_v1_dot_coordinator__pb2.ReportProgressRequest.FromString,
+                    response_serializer=robustrl_dot_v1_dot_coordinator__pb2.ReportProgressResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -312,6 +364,87 @@ class Coordinator:
             '/robustrl.v1.Coordinator/ListMembers',
             robustrl_dot_v1_dot_coordinator__pb2.ListMembersRequest.SerializeToString,
             robustrl_dot_v1_dot_coordinator__pb2.ListMembersResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def LeaseWork(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/robustrl.v1.Coordinator/LeaseWork',
+            robustrl_dot_v1_dot_coordinator__pb2.LeaseWorkRequest.SerializeToString,
+            robustrl_dot_v1_dot_coordinator__pb2.LeaseWorkResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def CompleteWork(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/robustrl.v1.Coordinator/CompleteWork',
+            robustrl_dot_v1_dot_coordinator__pb2.CompleteWorkRequest.SerializeToString,
+            robustrl_dot_v1_dot_coordinator__pb2.CompleteWorkResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ReportProgress(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/robustrl.v1.Coordinator/ReportProgress',
+            robustrl_dot_v1_dot_coordinator__pb2.ReportProgressRequest.SerializeToString,
+            robustrl_dot_v1_dot_coordinator__pb2.ReportProgressResponse.FromString,
             options,
             channel_credentials,
             insecure,

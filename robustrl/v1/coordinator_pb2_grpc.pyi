@@ -45,6 +45,14 @@ class CoordinatorStub:
     (0: the current state first, then changes).
     """
     ListMembers: _grpc.UnaryUnaryMultiCallable[_coordinator_pb2.ListMembersRequest, _coordinator_pb2.ListMembersResponse]
+    LeaseWork: _grpc.UnaryUnaryMultiCallable[_coordinator_pb2.LeaseWorkRequest, _coordinator_pb2.LeaseWorkResponse]
+    """Data plane, leader only. A rollout leases prompt groups; the coordinator owns the
+    dataset cursor and every lease's deadline, so a dead rollout's work is leased again.
+    """
+    CompleteWork: _grpc.UnaryUnaryMultiCallable[_coordinator_pb2.CompleteWorkRequest, _coordinator_pb2.CompleteWorkResponse]
+    """A rollout reports groups whose trajectories reached the trainer (or an error)."""
+    ReportProgress: _grpc.UnaryUnaryMultiCallable[_coordinator_pb2.ReportProgressRequest, _coordinator_pb2.ReportProgressResponse]
+    """The trainer reports each committed step: progress, metrics and what it trained or dropped."""
 
 @_typing.type_check_only
 class CoordinatorAsyncStub(CoordinatorStub):
@@ -63,6 +71,14 @@ class CoordinatorAsyncStub(CoordinatorStub):
     (0: the current state first, then changes).
     """
     ListMembers: _aio.UnaryUnaryMultiCallable[_coordinator_pb2.ListMembersRequest, _coordinator_pb2.ListMembersResponse]  # type: ignore[assignment]
+    LeaseWork: _aio.UnaryUnaryMultiCallable[_coordinator_pb2.LeaseWorkRequest, _coordinator_pb2.LeaseWorkResponse]  # type: ignore[assignment]
+    """Data plane, leader only. A rollout leases prompt groups; the coordinator owns the
+    dataset cursor and every lease's deadline, so a dead rollout's work is leased again.
+    """
+    CompleteWork: _aio.UnaryUnaryMultiCallable[_coordinator_pb2.CompleteWorkRequest, _coordinator_pb2.CompleteWorkResponse]  # type: ignore[assignment]
+    """A rollout reports groups whose trajectories reached the trainer (or an error)."""
+    ReportProgress: _aio.UnaryUnaryMultiCallable[_coordinator_pb2.ReportProgressRequest, _coordinator_pb2.ReportProgressResponse]  # type: ignore[assignment]
+    """The trainer reports each committed step: progress, metrics and what it trained or dropped."""
 
 class CoordinatorServicer(metaclass=_abc_1.ABCMeta):
     """The coordinator holds job specs and job state (in etcd). Writes go to the elected
@@ -114,5 +130,31 @@ class CoordinatorServicer(metaclass=_abc_1.ABCMeta):
         request: _coordinator_pb2.ListMembersRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_coordinator_pb2.ListMembersResponse, _abc.Awaitable[_coordinator_pb2.ListMembersResponse]]: ...
+
+    @_abc_1.abstractmethod
+    def LeaseWork(
+        self,
+        request: _coordinator_pb2.LeaseWorkRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_coordinator_pb2.LeaseWorkResponse, _abc.Awaitable[_coordinator_pb2.LeaseWorkResponse]]:
+        """Data plane, leader only. A rollout leases prompt groups; the coordinator owns the
+        dataset cursor and every lease's deadline, so a dead rollout's work is leased again.
+        """
+
+    @_abc_1.abstractmethod
+    def CompleteWork(
+        self,
+        request: _coordinator_pb2.CompleteWorkRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_coordinator_pb2.CompleteWorkResponse, _abc.Awaitable[_coordinator_pb2.CompleteWorkResponse]]:
+        """A rollout reports groups whose trajectories reached the trainer (or an error)."""
+
+    @_abc_1.abstractmethod
+    def ReportProgress(
+        self,
+        request: _coordinator_pb2.ReportProgressRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_coordinator_pb2.ReportProgressResponse, _abc.Awaitable[_coordinator_pb2.ReportProgressResponse]]:
+        """The trainer reports each committed step: progress, metrics and what it trained or dropped."""
 
 def add_CoordinatorServicer_to_server(servicer: CoordinatorServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

@@ -253,6 +253,26 @@ class Trajectory(_message.Message):
 Global___Trajectory: _TypeAlias = Trajectory  # noqa: Y015
 
 @_typing.final
+class TrajectoryBatch(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    TRAJECTORIES_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def trajectories(self) -> _containers.RepeatedCompositeFieldContainer[Global___Trajectory]: ...
+    def __init__(
+        self,
+        *,
+        trajectories: _abc.Iterable[Global___Trajectory] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["trajectories", b"trajectories"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___TrajectoryBatch: _TypeAlias = TrajectoryBatch  # noqa: Y015
+
+@_typing.final
 class TrajectoryAck(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
@@ -307,3 +327,124 @@ class TrajectoryAck(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___TrajectoryAck: _TypeAlias = TrajectoryAck  # noqa: Y015
+
+@_typing.final
+class TensorInfo(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    NAME_FIELD_NUMBER: _builtins.int
+    DTYPE_FIELD_NUMBER: _builtins.int
+    SHAPE_FIELD_NUMBER: _builtins.int
+    OFFSET_FIELD_NUMBER: _builtins.int
+    NBYTES_FIELD_NUMBER: _builtins.int
+    name: _builtins.str
+    dtype: _builtins.str
+    """torch dtype name without the "torch." prefix, e.g. "float32"."""
+    offset: _builtins.int
+    nbytes: _builtins.int
+    @_builtins.property
+    def shape(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
+    def __init__(
+        self,
+        *,
+        name: _builtins.str = ...,
+        dtype: _builtins.str = ...,
+        shape: _abc.Iterable[_builtins.int] | None = ...,
+        offset: _builtins.int = ...,
+        nbytes: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["dtype", b"dtype", "name", b"name", "nbytes", b"nbytes", "offset", b"offset", "shape", b"shape"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___TensorInfo: _TypeAlias = TensorInfo  # noqa: Y015
+
+@_typing.final
+class WeightManifest(_message.Message):
+    """What a weight version holds; published so a puller can verify what it received."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    JOB_ID_FIELD_NUMBER: _builtins.int
+    VERSION_FIELD_NUMBER: _builtins.int
+    TRAINER_EPOCH_FIELD_NUMBER: _builtins.int
+    TENSORS_FIELD_NUMBER: _builtins.int
+    TOTAL_BYTES_FIELD_NUMBER: _builtins.int
+    SHA256_FIELD_NUMBER: _builtins.int
+    job_id: _builtins.str
+    version: _builtins.int
+    trainer_epoch: _builtins.int
+    total_bytes: _builtins.int
+    sha256: _builtins.str
+    """sha256 of the concatenated tensor bytes, in manifest order."""
+    @_builtins.property
+    def tensors(self) -> _containers.RepeatedCompositeFieldContainer[Global___TensorInfo]: ...
+    def __init__(
+        self,
+        *,
+        job_id: _builtins.str = ...,
+        version: _builtins.int = ...,
+        trainer_epoch: _builtins.int = ...,
+        tensors: _abc.Iterable[Global___TensorInfo] | None = ...,
+        total_bytes: _builtins.int = ...,
+        sha256: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["job_id", b"job_id", "sha256", b"sha256", "tensors", b"tensors", "total_bytes", b"total_bytes", "trainer_epoch", b"trainer_epoch", "version", b"version"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___WeightManifest: _TypeAlias = WeightManifest  # noqa: Y015
+
+@_typing.final
+class PullWeightsRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    JOB_ID_FIELD_NUMBER: _builtins.int
+    VERSION_FIELD_NUMBER: _builtins.int
+    job_id: _builtins.str
+    version: _builtins.int
+    def __init__(
+        self,
+        *,
+        job_id: _builtins.str = ...,
+        version: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["job_id", b"job_id", "version", b"version"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___PullWeightsRequest: _TypeAlias = PullWeightsRequest  # noqa: Y015
+
+@_typing.final
+class WeightChunk(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    MANIFEST_FIELD_NUMBER: _builtins.int
+    OFFSET_FIELD_NUMBER: _builtins.int
+    DATA_FIELD_NUMBER: _builtins.int
+    offset: _builtins.int
+    data: _builtins.bytes
+    @_builtins.property
+    def manifest(self) -> Global___WeightManifest:
+        """Set on the first chunk only."""
+
+    def __init__(
+        self,
+        *,
+        manifest: Global___WeightManifest | None = ...,
+        offset: _builtins.int = ...,
+        data: _builtins.bytes = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["manifest", b"manifest"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["data", b"data", "manifest", b"manifest", "offset", b"offset"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___WeightChunk: _TypeAlias = WeightChunk  # noqa: Y015

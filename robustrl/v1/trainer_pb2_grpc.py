@@ -47,8 +47,13 @@ class TrainerStub:
                 _registered_method=True)
         self.PushTrajectories = channel.stream_stream(
                 '/robustrl.v1.Trainer/PushTrajectories',
-                request_serializer=robustrl_dot_v1_dot_trainer__pb2.Trajectory.SerializeToString,
+                request_serializer=robustrl_dot_v1_dot_trainer__pb2.TrajectoryBatch.SerializeToString,
                 response_deserializer=robustrl_dot_v1_dot_trainer__pb2.TrajectoryAck.FromString,
+                _registered_method=True)
+        self.PullWeights = channel.unary_stream(
+                '/robustrl.v1.Trainer/PullWeights',
+                request_serializer=robustrl_dot_v1_dot_trainer__pb2.PullWeightsRequest.SerializeToString,
+                response_deserializer=robustrl_dot_v1_dot_trainer__pb2.WeightChunk.FromString,
                 _registered_method=True)
 
 
@@ -69,8 +74,17 @@ class TrainerServicer:
         raise NotImplementedError('Method not implemented!')
 
     def PushTrajectories(self, request_iterator, context):
-        """A rollout streams trajectories; the trainer acknowledges receipt and, separately,
-        the commit watermark (trajectories consumed by a step that reached a checkpoint).
+        """A rollout streams trajectories in batches (one generation batch per message); the trainer
+        acknowledges receipt and, separately, the commit watermark (trajectories consumed by a
+        step whose checkpoint is on disk) and rejections.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def PullWeights(self, request, context):
+        """The gRPC-stream weight transport (fallback and baseline to UCX): the manifest, then the
+        tensors in chunks. FAILED_PRECONDITION if this trainer does not hold that version.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -91,8 +105,13 @@ def add_TrainerServicer_to_server(servicer, server):
             ),
             'PushTrajectories': grpc.stream_stream_rpc_method_handler(
                     servicer.PushTrajectories,
-                    request_deserializer=robustrl_dot_v1_dot_trainer__pb2.Trajectory.FromString,
+                    request_deserializer=robustrl_dot_v1_dot_trainer__pb2.TrajectoryBatch.FromString,
                     response_serializer=robustrl_dot_v1_dot_trainer__pb2.TrajectoryAck.SerializeToString,
+            ),
+            'PullWeights': grpc.unary_stream_rpc_method_handler(
+                    servicer.PullWeights,
+                    request_deserializer=robustrl_dot_v1_dot_trainer__pb2.PullWeightsRequest.FromString,
+                    response_serializer=robustrl_dot_v1_dot_trainer__pb2.WeightChunk.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -175,8 +194,35 @@ class Trainer:
             request_iterator,
             target,
             '/robustrl.v1.Trainer/PushTrajectories',
-            robustrl_dot_v1_dot_trainer__pb2.Trajectory.SerializeToString,
+            robustrl_dot_v1_dot_trainer__pb2.TrajectoryBatch.SerializeToString,
             robustrl_dot_v1_dot_trainer__pb2.TrajectoryAck.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PullWeights(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/robustrl.v1.Trainer/PullWeights',
+            robustrl_dot_v1_dot_trainer__pb2.PullWeightsRequest.SerializeToString,
+            robustrl_dot_v1_dot_trainer__pb2.WeightChunk.FromString,
             options,
             channel_credentials,
             insecure,

@@ -35,9 +35,14 @@ class TrainerStub:
     def __new__(cls, channel: _aio.Channel) -> TrainerAsyncStub: ...
     GetStatus: _grpc.UnaryUnaryMultiCallable[_trainer_pb2.GetStatusRequest, _trainer_pb2.RoleStatus]
     Control: _grpc.UnaryUnaryMultiCallable[_trainer_pb2.ControlRequest, _trainer_pb2.ControlResponse]
-    PushTrajectories: _grpc.StreamStreamMultiCallable[_trainer_pb2.Trajectory, _trainer_pb2.TrajectoryAck]
-    """A rollout streams trajectories; the trainer acknowledges receipt and, separately,
-    the commit watermark (trajectories consumed by a step that reached a checkpoint).
+    PushTrajectories: _grpc.StreamStreamMultiCallable[_trainer_pb2.TrajectoryBatch, _trainer_pb2.TrajectoryAck]
+    """A rollout streams trajectories in batches (one generation batch per message); the trainer
+    acknowledges receipt and, separately, the commit watermark (trajectories consumed by a
+    step whose checkpoint is on disk) and rejections.
+    """
+    PullWeights: _grpc.UnaryStreamMultiCallable[_trainer_pb2.PullWeightsRequest, _trainer_pb2.WeightChunk]
+    """The gRPC-stream weight transport (fallback and baseline to UCX): the manifest, then the
+    tensors in chunks. FAILED_PRECONDITION if this trainer does not hold that version.
     """
 
 @_typing.type_check_only
@@ -47,9 +52,14 @@ class TrainerAsyncStub(TrainerStub):
     def __init__(self, channel: _aio.Channel) -> None: ...
     GetStatus: _aio.UnaryUnaryMultiCallable[_trainer_pb2.GetStatusRequest, _trainer_pb2.RoleStatus]  # type: ignore[assignment]
     Control: _aio.UnaryUnaryMultiCallable[_trainer_pb2.ControlRequest, _trainer_pb2.ControlResponse]  # type: ignore[assignment]
-    PushTrajectories: _aio.StreamStreamMultiCallable[_trainer_pb2.Trajectory, _trainer_pb2.TrajectoryAck]  # type: ignore[assignment]
-    """A rollout streams trajectories; the trainer acknowledges receipt and, separately,
-    the commit watermark (trajectories consumed by a step that reached a checkpoint).
+    PushTrajectories: _aio.StreamStreamMultiCallable[_trainer_pb2.TrajectoryBatch, _trainer_pb2.TrajectoryAck]  # type: ignore[assignment]
+    """A rollout streams trajectories in batches (one generation batch per message); the trainer
+    acknowledges receipt and, separately, the commit watermark (trajectories consumed by a
+    step whose checkpoint is on disk) and rejections.
+    """
+    PullWeights: _aio.UnaryStreamMultiCallable[_trainer_pb2.PullWeightsRequest, _trainer_pb2.WeightChunk]  # type: ignore[assignment]
+    """The gRPC-stream weight transport (fallback and baseline to UCX): the manifest, then the
+    tensors in chunks. FAILED_PRECONDITION if this trainer does not hold that version.
     """
 
 class TrainerServicer(metaclass=_abc_1.ABCMeta):
@@ -72,11 +82,22 @@ class TrainerServicer(metaclass=_abc_1.ABCMeta):
     @_abc_1.abstractmethod
     def PushTrajectories(
         self,
-        request_iterator: _MaybeAsyncIterator[_trainer_pb2.Trajectory],
+        request_iterator: _MaybeAsyncIterator[_trainer_pb2.TrajectoryBatch],
         context: _ServicerContext,
     ) -> _typing.Union[_abc.Iterator[_trainer_pb2.TrajectoryAck], _abc.AsyncIterator[_trainer_pb2.TrajectoryAck]]:
-        """A rollout streams trajectories; the trainer acknowledges receipt and, separately,
-        the commit watermark (trajectories consumed by a step that reached a checkpoint).
+        """A rollout streams trajectories in batches (one generation batch per message); the trainer
+        acknowledges receipt and, separately, the commit watermark (trajectories consumed by a
+        step whose checkpoint is on disk) and rejections.
+        """
+
+    @_abc_1.abstractmethod
+    def PullWeights(
+        self,
+        request: _trainer_pb2.PullWeightsRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_abc.Iterator[_trainer_pb2.WeightChunk], _abc.AsyncIterator[_trainer_pb2.WeightChunk]]:
+        """The gRPC-stream weight transport (fallback and baseline to UCX): the manifest, then the
+        tensors in chunks. FAILED_PRECONDITION if this trainer does not hold that version.
         """
 
 def add_TrainerServicer_to_server(servicer: TrainerServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

@@ -22,9 +22,9 @@ from google.protobuf.json_format import MessageToDict
 from rich.console import Console
 from rich.table import Table
 
-from robustrl.v1 import coordinator_pb2
+from robustrl.v1 import coordinator_pb2, coordinator_pb2_grpc
 from services.cli import stack
-from services.cli.client import DEFAULT_DEADLINE, NoCoordinator, StackClient
+from services.cli.client import DEFAULT_DEADLINE, StackClient
 
 console = Console(soft_wrap=True)
 err_console = Console(stderr=True, soft_wrap=True)
@@ -350,6 +350,80 @@ def cmd_incidents(args: argparse.Namespace) -> int:
     return with_client(args, run)
 
 
+DEFAULT_MODEL = ".robustrl/models/tiny-qwen"
+
+
+def cmd_model_init(args: argparse.Namespace) -> int:
+    out = Path(args.out)
+    if (out / "config.json").exists() and not args.force:
+        console.print(f"model already at {out} (use --force to make it again)")
+        return 0
+    # torch is imported only here: the rest of the CLI stays free of the model stack.
+    from services.trainer import modelgen
+
+    argv = ["--out", str(out), "--seed", str(args.seed)]
+    if args.sft_steps is not None:
+        argv += ["--sft-steps", str(args.sft_steps)]
+    return modelgen.main(argv)
+
+
+def progress_line(job: dict[str, Any]) -> str:
+    metrics = job["metrics"]
+    steps = job["spec"].get("trainer", {}).get("steps", "?")
+    parts = [
+        f"{job['job_id']} {job['phase']:<10}",
+        f"step {job['step']}/{steps}",
+        f"v{job['weight_version']}",
+    ]
+    for key, label, fmt in [
+        ("reward", "reward", ".3f"),
+        ("eval_reward", "eval", ".3f"),
+        ("tokens_per_s", "tok/s", ".0f"),
+    ]:
+        if key in metrics:
+            parts.append(f"{label} {format(metrics[key], fmt)}")
+    return "  ".join(parts)
+
+
+def cmd_watch(args: argparse.Namespace) -> int:
+    """Follow a job until it ends, one live line; exit 0 only if it succeeded."""
+    request = coordinator_pb2.WatchJobRequest(job_id=args.job)
+
+    async def run(client: StackClient) -> int:
+        started = time.monotonic()
+        last: dict[str, Any] | None = None
+        while True:
+            try:
+                address = (await client.addresses())[0]
+                async with grpc.aio.insecure_channel(address) as channel:
+                    stream = coordinator_pb2_grpc.CoordinatorStub(channel).WatchJob(request)
+                    async for event in stream:
+                        last = job_dict(event.job)
+                        if args.json:
+                            print(json.dumps(last, sort_keys=True), flush=True)
+                        else:
+                            console.print(
+                                progress_line(last), end="\r" if console.is_terminal else "\n"
+                            )
+                        if last["phase"] in ("SUCCEEDED", "FAILED", "CANCELLED"):
+                            break
+            except grpc.aio.AioRpcError as exc:
+                # The replica we watched went away (a failover): watch on from another one.
+                if exc.code() != grpc.StatusCode.UNAVAILABLE:
+                    raise
+                await asyncio.sleep(0.3)
+                continue
+            break
+        assert last is not None
+        if not args.json:
+            console.print()
+            took = time.monotonic() - started
+            console.print(f"{last['job_id']} {last['phase']} after {took:.0f}s: {last['message']}")
+        return 0 if last["phase"] == "SUCCEEDED" else 1
+
+    return with_client(args, run)
+
+
 # ----------------------------------------------------------------------------- parser
 
 
@@ -399,6 +473,20 @@ def build_parser() -> argparse.ArgumentParser:
     members.add_argument("--json", action="store_true")
     members.set_defaults(func=cmd_members)
 
+    model = sub.add_parser("model", help="the local tiny model")
+    model_sub = model.add_subparsers(dest="model_command", required=True, metavar="ACTION")
+    init = model_sub.add_parser("init", help="write a tiny Qwen-family model (+ SFT warm-up)")
+    init.add_argument("--out", default=DEFAULT_MODEL, help=f"directory (default {DEFAULT_MODEL})")
+    init.add_argument("--seed", type=int, default=0)
+    init.add_argument("--sft-steps", type=int, default=None, help="0 skips the warm-up")
+    init.add_argument("--force", action="store_true", help="overwrite an existing model")
+    init.set_defaults(func=cmd_model_init)
+
+    watch = sub.add_parser("watch", help="follow a job until it ends (exit 0 if it succeeded)")
+    watch.add_argument("job")
+    watch.add_argument("--json", action="store_true", help="one JSON line per change")
+    watch.set_defaults(func=cmd_watch)
+
     incidents = sub.add_parser("incidents", help="incidents the monitor recorded")
     incidents.add_argument("job", nargs="?")
     incidents.add_argument("--json", action="store_true")
@@ -407,7 +495,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    # Overrides may come before or after options (`submit job.yaml --id x trainer.lr=1e-5`),
+    # which one positional list cannot express in argparse: collect the leftovers here.
+    args, extra = parser.parse_known_args(argv)
+    if extra:
+        if args.command != "submit" or not all("=" in e and not e.startswith("-") for e in extra):
+            parser.error(f"unrecognized arguments: {' '.join(extra)}")
+        args.overrides = [*args.overrides, *extra]
     try:
         return int(args.func(args))
     except UsageError as exc:
@@ -416,7 +511,7 @@ def main(argv: list[str] | None = None) -> int:
     except grpc.aio.AioRpcError as exc:
         err_console.print(f"robustrl: error: {exc.code().name}: {exc.details()}", highlight=False)
         return 1
-    except (stack.StackError, NoCoordinator) as exc:
+    except stack.StackError as exc:
         err_console.print(f"robustrl: error: {exc}", highlight=False)
         return 1
     except Exception as exc:

@@ -36,16 +36,19 @@ class TaskSpec(_Strict):
     reward: str = "services.rollout.rewards:arithmetic_exact"
     """Reward plug-in, `module:function` or `path/to/file.py:function`."""
 
-    eval_size: int = Field(default=64, ge=1, le=100_000)
-    """Held-out prompts scored greedily to measure learning."""
+    eval_size: int = Field(default=128, ge=1, le=100_000)
+    """Held-out prompts scored greedily to measure learning (the arithmetic task has 128)."""
 
 
 class TrainerSpec(_Strict):
-    steps: int = Field(default=30, ge=1)
+    steps: int = Field(default=600, ge=1)
     """Step budget: the job succeeds when the trainer has committed this many steps."""
 
     lr: float = Field(default=1e-3, gt=0, le=1.0)
-    groups_per_step: int = Field(default=8, ge=1)
+    """Peak learning rate; it decays linearly to `min_lr_ratio * lr` over `steps`."""
+
+    min_lr_ratio: float = Field(default=0.1, ge=0, le=1)
+    groups_per_step: int = Field(default=64, ge=1)
     """Prompt groups consumed by one optimizer step."""
 
     kl_coef: float = Field(default=0.0, ge=0)
@@ -64,7 +67,7 @@ class RolloutSpec(_Strict):
     group_size: int = Field(default=8, ge=2)
     """Completions sampled per prompt; advantages are normalised within the group."""
 
-    max_new_tokens: int = Field(default=8, ge=1)
+    max_new_tokens: int = Field(default=4, ge=1)
     temperature: float = Field(default=1.0, gt=0)
     engine: Literal["torch", "vllm"] = "torch"
 

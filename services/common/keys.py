@@ -35,3 +35,9 @@ class KeySpace:
 
     def incident(self, incident_id: str) -> bytes:
         return f"{self.prefix}/incidents/{incident_id}".encode()
+
+    def work(self, job_id: str) -> bytes:
+        return f"{self.prefix}/work/{job_id}".encode()
+
+    def weights(self, job_id: str) -> bytes:
+        return f"{self.prefix}/weights/{job_id}".encode()

@@ -23,6 +23,9 @@ log = get_logger(__name__)
 
 Hook = Callable[[], Awaitable[None]]
 
+HOOK_TIMEOUT = 5.0
+"""Seconds one shutdown hook may take; shutdown goes on without it after that."""
+
 
 class GrpcHost:
     def __init__(self, *, bind_host: str, port: int, service_names: list[str]) -> None:
@@ -63,17 +66,17 @@ class GrpcHost:
 
     async def _shutdown(self, grace: float) -> None:
         await self.set_serving(False)
-        for hook in self.before_stop:
-            try:
-                await hook()
-            except Exception as exc:  # keep going: the rest of shutdown must still happen
-                log.warning("service.shutdown_hook_failed", hook=hook.__qualname__, error=repr(exc))
+        await _run_hooks(self.before_stop)
         await self.server.stop(grace)
-        for hook in self.after_stop:
-            try:
-                await hook()
-            except Exception as exc:
-                log.warning("service.shutdown_hook_failed", hook=hook.__qualname__, error=repr(exc))
+        await _run_hooks(self.after_stop)
 
     async def wait_for_termination(self) -> None:
         await self.server.wait_for_termination()
+
+
+async def _run_hooks(hooks: list[Hook]) -> None:
+    for hook in hooks:
+        try:
+            await asyncio.wait_for(hook(), HOOK_TIMEOUT)
+        except Exception as exc:  # keep going: the rest of shutdown must still happen
+            log.warning("service.shutdown_hook_failed", hook=hook.__qualname__, error=repr(exc))

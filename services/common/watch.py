@@ -9,6 +9,7 @@ first and start the watch at the revision the list returned, plus one.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
@@ -81,7 +82,10 @@ async def watch_prefix(
                     else:
                         yield Delete(kv.key, kv.mod_revision)
             finally:
-                await watch.cancel()
+                # Cancelling asks etcd over the watch stream; if that stream is gone the
+                # answer never comes, and a consumer being cancelled must not hang on it.
+                with contextlib.suppress(Exception):
+                    await asyncio.wait_for(asyncio.shield(watch.cancel()), 2.0)
         except aetcd.exceptions.RevisionCompactedError as exc:
             log.info("etcd.watch_compacted", prefix=prefix.decode(), revision=next_revision)
             entries, revision = await list_prefix(client, prefix)

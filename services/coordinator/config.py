@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from pydantic import Field
 from pydantic_settings import SettingsConfigDict
 
 from services.common.config import ServiceSettings
@@ -12,3 +13,9 @@ class CoordinatorSettings(ServiceSettings):
 
     election_name: str = "coordinator"
     """Name of the etcd election the replicas campaign in."""
+
+    tick_interval: float = Field(default=0.5, gt=0)
+    """Seconds between the leader's supervision rounds (binding, lease expiry, releases)."""
+
+    lease_seconds: float = Field(default=60.0, gt=0)
+    """How long a rollout may hold a prompt group before it is leased to another."""

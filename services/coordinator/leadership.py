@@ -15,7 +15,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 from services.common.election import Election, current_leader
-from services.common.errors import NotLeader
+from services.common.errors import NotLeader, Unavailable
 from services.common.logs import get_logger
 from services.common.runtime import ServiceRuntime
 from services.common.session import Session
@@ -97,6 +97,11 @@ class Leadership:
         if self.is_leader:
             return self.guard()
         leader = await self.leader()
+        if leader is not None and leader["instance_id"] == self.runtime.instance_id:
+            raise Unavailable(
+                "this coordinator won the election and is reloading state from etcd; "
+                "retry in a moment"
+            )
         raise NotLeader(leader["address"] if leader else None)
 
     async def resign(self) -> None:

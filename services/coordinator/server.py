@@ -17,6 +17,7 @@ from services.common.registry import ROLE_FROM_PROTO, member_to_proto
 from services.common.runtime import ServiceRuntime
 from services.coordinator import jobs
 from services.coordinator.config import CoordinatorSettings
+from services.coordinator.driver import JobDriver
 from services.coordinator.jobs import Phase
 from services.coordinator.leadership import Leadership
 from services.coordinator.store import JobStore
@@ -27,9 +28,10 @@ SERVICE_NAME = coordinator_pb2.DESCRIPTOR.services_by_name["Coordinator"].full_n
 
 
 class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
-    def __init__(self, runtime: ServiceRuntime, leadership: Leadership) -> None:
+    def __init__(self, runtime: ServiceRuntime, leadership: Leadership, driver: JobDriver) -> None:
         self.runtime = runtime
         self.leadership = leadership
+        self.driver = driver
 
     @property
     def store(self) -> JobStore:
@@ -114,6 +116,29 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
             leader_instance_id=leader_id,
         )
 
+    async def LeaseWork(
+        self, request: coordinator_pb2.LeaseWorkRequest, context: grpc.aio.ServicerContext
+    ) -> coordinator_pb2.LeaseWorkResponse:
+        validate_job_id(request.job_id)
+        await self.leadership.require_leader()
+        return await self.driver.lease_work(request)
+
+    async def CompleteWork(
+        self, request: coordinator_pb2.CompleteWorkRequest, context: grpc.aio.ServicerContext
+    ) -> coordinator_pb2.CompleteWorkResponse:
+        validate_job_id(request.job_id)
+        await self.leadership.require_leader()
+        await self.driver.complete_work(request)
+        return coordinator_pb2.CompleteWorkResponse()
+
+    async def ReportProgress(
+        self, request: coordinator_pb2.ReportProgressRequest, context: grpc.aio.ServicerContext
+    ) -> coordinator_pb2.ReportProgressResponse:
+        validate_job_id(request.job_id)
+        await self.leadership.require_leader()
+        keep_going = await self.driver.report_progress(request)
+        return coordinator_pb2.ReportProgressResponse(keep_going=keep_going)
+
 
 def _event(record: jobs.JobRecord, revision: int) -> coordinator_pb2.JobEvent:
     observed = Timestamp()
@@ -127,17 +152,28 @@ async def serve(settings: CoordinatorSettings, etcd: EtcdSettings) -> ServiceRun
     """Start a coordinator replica: server, registration, campaign. Returns its runtime."""
     runtime = ServiceRuntime("coordinator", settings, etcd, service_names=[SERVICE_NAME])
 
+    driver: JobDriver | None = None
+
     async def on_elected() -> None:
-        assert runtime.client is not None
+        assert runtime.client is not None and driver is not None
         records, _ = await JobStore(runtime.client, runtime.keys).list_all()
         active = sum(1 for r, _ in records if r.phase not in jobs.TERMINAL)
         log.info("coordinator.jobs_reloaded", jobs=len(records), active=active)
+        await driver.on_elected()
 
     leadership = Leadership(runtime, settings.election_name, on_elected)
+    driver = JobDriver(
+        runtime,
+        leadership,
+        tick_interval=settings.tick_interval,
+        lease_seconds=settings.lease_seconds,
+    )
     coordinator_pb2_grpc.add_CoordinatorServicer_to_server(
-        CoordinatorServicer(runtime, leadership), runtime.host.server
+        CoordinatorServicer(runtime, leadership, driver), runtime.host.server
     )
     await runtime.start()
     leadership.start()
+    driver.start()
     runtime.host.before_stop.insert(0, leadership.resign)
+    runtime.host.before_stop.insert(0, driver.stop)
     return runtime

@@ -1,35 +1,115 @@
-"""The Trainer gRPC service. Status and control are served here; the trajectory stream
-(PushTrajectories) is answered UNIMPLEMENTED until the RL data plane lands."""
+"""The Trainer gRPC service: control (bind/release/fence), the trajectory stream, weight pulls."""
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 from collections.abc import AsyncIterator
 
 import grpc
 
 from robustrl.v1 import trainer_pb2, trainer_pb2_grpc
 from services.common.config import EtcdSettings
+from services.common.errors import FailedPrecondition
+from services.common.jobspec import JobSpec
+from services.common.logs import get_logger
 from services.common.role_server import RoleControl
 from services.common.runtime import ServiceRuntime
+from services.common.weights import GrpcStreamTransport
 from services.trainer.config import TrainerSettings
+from services.trainer.worker import TrainerWorker
+
+log = get_logger(__name__)
 
 SERVICE_NAME = trainer_pb2.DESCRIPTOR.services_by_name["Trainer"].full_name
 
 
 class TrainerServicer(RoleControl, trainer_pb2_grpc.TrainerServicer):
+    def __init__(self, runtime: ServiceRuntime, settings: TrainerSettings) -> None:
+        def make_worker(job_id: str, epoch: int, spec: JobSpec) -> TrainerWorker:
+            return TrainerWorker(runtime, settings, job_id=job_id, epoch=epoch, spec=spec)
+
+        super().__init__(runtime, make_worker)
+
+    def _worker_for(self, job_id: str) -> TrainerWorker:
+        if self.binding.fenced:
+            raise FailedPrecondition("this trainer was fenced; it accepts nothing")
+        if not isinstance(self.worker, TrainerWorker) or self.worker.job_id != job_id:
+            bound = self.worker.job_id if self.worker else "no job"
+            raise FailedPrecondition(f"this trainer runs {bound}, not job {job_id}")
+        return self.worker
+
     async def PushTrajectories(
         self,
-        request_iterator: AsyncIterator[trainer_pb2.Trajectory],
+        request_iterator: AsyncIterator[trainer_pb2.TrajectoryBatch],
         context: grpc.aio.ServicerContext,
     ) -> AsyncIterator[trainer_pb2.TrajectoryAck]:
-        await context.abort(
-            grpc.StatusCode.UNIMPLEMENTED, "this trainer build has no trajectory stream yet"
+        """Acks for each trajectory as it arrives, and commit/reject notices as they happen."""
+        outbox: asyncio.Queue[trainer_pb2.TrajectoryAck | None] = asyncio.Queue()
+        subscribed: tuple[TrainerWorker, str, asyncio.Queue[trainer_pb2.TrajectoryAck]] | None = (
+            None
         )
-        yield trainer_pb2.TrajectoryAck()  # unreachable: makes this an async generator
+        forwarder: asyncio.Task[None] | None = None
+
+        async def pump() -> None:
+            nonlocal subscribed, forwarder
+            try:
+                async for batch in request_iterator:
+                    ack = trainer_pb2.TrajectoryAck()
+                    for trajectory in batch.trajectories:
+                        worker = self._worker_for(trajectory.job_id)
+                        if subscribed is None:
+                            queue = worker.subscribe(trajectory.rollout_instance_id)
+                            subscribed = (worker, trajectory.rollout_instance_id, queue)
+                            forwarder = asyncio.create_task(_forward(queue, outbox))
+                        verdict, reason = worker.offer(trajectory)
+                        if verdict == "received":
+                            ack.received_ids.append(trajectory.trajectory_id)
+                        elif verdict == "committed":
+                            ack.committed_ids.append(trajectory.trajectory_id)
+                        else:
+                            ack.rejected[trajectory.trajectory_id] = reason
+                    outbox.put_nowait(ack)
+            finally:
+                outbox.put_nowait(None)
+
+        reader = asyncio.create_task(pump())
+        try:
+            while (ack := await outbox.get()) is not None:
+                yield ack
+            reader.result()  # re-raise what ended the stream (e.g. FailedPrecondition)
+        finally:
+            reader.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await reader
+            if forwarder is not None:
+                forwarder.cancel()
+            if subscribed is not None:
+                worker, rollout, queue = subscribed
+                worker.unsubscribe(rollout, queue)
+
+    async def PullWeights(
+        self, request: trainer_pb2.PullWeightsRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[trainer_pb2.WeightChunk]:
+        worker = self._worker_for(request.job_id)
+        if not isinstance(worker.transport, GrpcStreamTransport):
+            raise FailedPrecondition("this trainer does not serve weights over gRPC")
+        async for chunk in worker.transport.serve(request):
+            yield chunk
+
+
+async def _forward(
+    source: asyncio.Queue[trainer_pb2.TrajectoryAck],
+    sink: asyncio.Queue[trainer_pb2.TrajectoryAck | None],
+) -> None:
+    while True:
+        sink.put_nowait(await source.get())
 
 
 async def serve(settings: TrainerSettings, etcd: EtcdSettings) -> ServiceRuntime:
     runtime = ServiceRuntime("trainer", settings, etcd, service_names=[SERVICE_NAME])
-    trainer_pb2_grpc.add_TrainerServicer_to_server(TrainerServicer(runtime), runtime.host.server)
+    servicer = TrainerServicer(runtime, settings)
+    trainer_pb2_grpc.add_TrainerServicer_to_server(servicer, runtime.host.server)
     await runtime.start()
+    runtime.host.before_stop.insert(0, servicer.stop_worker)
     return runtime

@@ -30,6 +30,22 @@ async def leader_of(runtimes: list[ServiceRuntime]) -> ServiceRuntime | None:
     return None
 
 
+async def accepts_writes(runtime: ServiceRuntime) -> bool:
+    """The replica answers a write as the leader (done taking over), not UNAVAILABLE."""
+    import grpc
+
+    from robustrl.v1 import coordinator_pb2, coordinator_pb2_grpc
+
+    async with grpc.aio.insecure_channel(runtime.address) as channel:
+        try:
+            await coordinator_pb2_grpc.CoordinatorStub(channel).CancelJob(
+                coordinator_pb2.CancelJobRequest(job_id="readiness-probe"), timeout=5
+            )
+        except grpc.aio.AioRpcError as exc:
+            return exc.code() == grpc.StatusCode.NOT_FOUND
+    return True
+
+
 @pytest.fixture
 async def monitor(etcd_settings: EtcdSettings) -> AsyncIterator[ServiceRuntime]:
     runtime = await serve_monitor(
@@ -53,7 +69,8 @@ async def coordinators(
     ]
 
     async def elected() -> bool:
-        return await leader_of(runtimes) is not None
+        leader = await leader_of(runtimes)
+        return leader is not None and await accepts_writes(leader)
 
     await eventually(elected, timeout=10)
     leader = await leader_of(runtimes)

@@ -10,7 +10,7 @@ from robustrl.v1 import coordinator_pb2_grpc
 from services.common.errors import LEADER_METADATA_KEY, Aborted
 from services.common.runtime import ServiceRuntime
 from services.coordinator.store import JobStore
-from tests.integration.conftest import leader_of
+from tests.integration.conftest import accepts_writes, leader_of
 from tests.support import eventually
 
 SPEC = "name: arith\ntrainer: {steps: 3}\n"
@@ -164,7 +164,7 @@ async def test_the_standby_takes_over_and_every_job_survives(
     await leader.shutdown()
 
     async def follower_leads() -> bool:
-        return await leader_of([follower]) is follower
+        return await leader_of([follower]) is follower and await accepts_writes(follower)
 
     await eventually(follower_leads, timeout=5)
     f_channel, f_api = stub(follower)

@@ -1,0 +1,75 @@
+"""Calling the coordinator from anywhere: find the replicas in etcd, send writes to the
+leader, and follow a follower's redirect once if leadership moved meanwhile."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Awaitable, Callable
+from typing import TypeVar
+
+import aetcd
+import grpc
+
+from robustrl.v1 import coordinator_pb2_grpc
+from services.common.channels import open_channel
+from services.common.election import current_leader
+from services.common.errors import LEADER_METADATA_KEY, Unavailable
+from services.common.keys import KeySpace
+from services.common.registry import Registry
+
+T = TypeVar("T")
+Call = Callable[[coordinator_pb2_grpc.CoordinatorStub], Awaitable[T]]
+
+
+class CoordinatorClient:
+    def __init__(self, client: aetcd.Client, keys: KeySpace) -> None:
+        self.etcd = client
+        self.keys = keys
+        self.registry = Registry(client, keys)
+
+    async def leader(self) -> dict[str, str] | None:
+        """{instance_id, address} of the leading replica, or None."""
+        entry = await current_leader(self.etcd, self.keys.election("coordinator"))
+        if entry is None:
+            return None
+        value: dict[str, str] = json.loads(entry.value)
+        return value
+
+    async def addresses(self) -> list[str]:
+        """Every registered replica, the leader first."""
+        members, _ = await self.registry.list("coordinator")
+        leader = await self.leader()
+        addresses = [m.address for m in members]
+        if leader and leader["address"] in addresses:
+            addresses.remove(leader["address"])
+            addresses.insert(0, leader["address"])
+        if not addresses:
+            raise Unavailable("no coordinator is registered in etcd; is the stack up?")
+        return addresses
+
+    async def read(self, call: Call[T]) -> T:
+        """Any replica answers reads; an unreachable one is skipped."""
+        addresses = await self.addresses()
+        for i, address in enumerate(addresses):
+            try:
+                return await _on(address, call)
+            except grpc.aio.AioRpcError as exc:
+                if exc.code() != grpc.StatusCode.UNAVAILABLE or i == len(addresses) - 1:
+                    raise
+        raise AssertionError("unreachable")
+
+    async def write(self, call: Call[T]) -> T:
+        """The leader answers writes; a follower's redirect is followed once."""
+        address = (await self.addresses())[0]
+        try:
+            return await _on(address, call)
+        except grpc.aio.AioRpcError as exc:
+            hint = dict(exc.trailing_metadata() or ()).get(LEADER_METADATA_KEY)
+            if exc.code() != grpc.StatusCode.UNAVAILABLE or not hint or hint == address:
+                raise
+            return await _on(str(hint), call)
+
+
+async def _on(address: str, call: Call[T]) -> T:
+    async with open_channel(address) as channel:
+        return await call(coordinator_pb2_grpc.CoordinatorStub(channel))

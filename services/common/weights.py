@@ -1,0 +1,197 @@
+"""Weight versions: manifests, packing, and the transports that move them.
+
+The trainer publishes version V: it packs the tensors into one buffer in manifest order
+(name, dtype, shape, offset, size), records the sha256 of the buffer, and announces
+`<prefix>/weights/<job_id>` = {version, address, trainer_epoch, transport} in etcd. A
+rollout that sees a newer version pulls it, verifies size and checksum, and only then hands
+the tensors to its engine, so a corrupt or partial transfer is never loaded.
+
+`WeightTransport` is the seam: `GrpcStreamTransport` (here) streams chunks over gRPC and is
+the fallback and the benchmark baseline; a UCX transport plugs in behind the same calls.
+This module needs torch: the coordinator and monitor never import it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from abc import ABC, abstractmethod
+from collections.abc import AsyncIterator, Iterable
+from dataclasses import dataclass
+
+import aetcd
+import torch
+
+from robustrl.v1 import trainer_pb2, trainer_pb2_grpc
+from services.common.channels import open_channel
+from services.common.errors import FailedPrecondition
+from services.common.keys import KeySpace
+
+CHUNK_BYTES = 1 << 20
+PULL_DEADLINE = 120.0
+
+NamedTensors = list[tuple[str, torch.Tensor]]
+
+
+class WeightIntegrityError(ValueError):
+    """What arrived does not match the manifest (size or checksum): never load it."""
+
+
+@dataclass(frozen=True)
+class Announcement:
+    """The latest version of a job's weights and where to get it (the etcd record)."""
+
+    job_id: str
+    version: int
+    address: str
+    trainer_epoch: int
+    transport: str
+
+    def to_json(self) -> bytes:
+        return json.dumps(self.__dict__).encode()
+
+    @classmethod
+    def from_json(cls, raw: bytes) -> Announcement:
+        return cls(**json.loads(raw))
+
+
+def pack(
+    job_id: str, version: int, trainer_epoch: int, tensors: Iterable[tuple[str, torch.Tensor]]
+) -> tuple[trainer_pb2.WeightManifest, bytes]:
+    manifest = trainer_pb2.WeightManifest(
+        job_id=job_id, version=version, trainer_epoch=trainer_epoch
+    )
+    parts: list[bytes] = []
+    offset = 0
+    for name, tensor in tensors:
+        data = tensor.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes()
+        manifest.tensors.add(
+            name=name,
+            dtype=str(tensor.dtype).removeprefix("torch."),
+            shape=list(tensor.shape),
+            offset=offset,
+            nbytes=len(data),
+        )
+        parts.append(data)
+        offset += len(data)
+    blob = b"".join(parts)
+    manifest.total_bytes = len(blob)
+    manifest.sha256 = hashlib.sha256(blob).hexdigest()
+    return manifest, blob
+
+
+def unpack(manifest: trainer_pb2.WeightManifest, blob: bytes) -> NamedTensors:
+    """The tensors in blob, after checking its size and checksum against the manifest."""
+    if len(blob) != manifest.total_bytes:
+        raise WeightIntegrityError(
+            f"version {manifest.version}: got {len(blob)} bytes, "
+            f"the manifest says {manifest.total_bytes}"
+        )
+    if hashlib.sha256(blob).hexdigest() != manifest.sha256:
+        raise WeightIntegrityError(f"version {manifest.version}: checksum mismatch")
+    out: NamedTensors = []
+    buffer = bytearray(blob)
+    for info in manifest.tensors:
+        dtype = getattr(torch, info.dtype, None)
+        if not isinstance(dtype, torch.dtype):
+            raise WeightIntegrityError(f"{info.name}: unknown dtype {info.dtype!r}")
+        raw = torch.frombuffer(buffer, dtype=torch.uint8, count=info.nbytes, offset=info.offset)
+        out.append((info.name, raw.view(dtype).reshape(tuple(info.shape)).clone()))
+    return out
+
+
+class WeightTransport(ABC):
+    """Trainer side: publish versions. Rollout side: fetch an announced version."""
+
+    name: str
+
+    @abstractmethod
+    async def publish(self, version: int, tensors: NamedTensors) -> None:
+        """Make `version` available and announce it in etcd."""
+
+    @abstractmethod
+    async def fetch(self, announcement: Announcement) -> NamedTensors:
+        """Pull and verify the announced version; WeightIntegrityError if it is corrupt."""
+
+
+class GrpcStreamTransport(WeightTransport):
+    """Weights over a gRPC server stream from the trainer (`Trainer.PullWeights`)."""
+
+    name = "grpc"
+
+    def __init__(
+        self, client: aetcd.Client, keys: KeySpace, job_id: str, *, address: str, epoch: int
+    ) -> None:
+        self.client = client
+        self.keys = keys
+        self.job_id = job_id
+        self.address = address
+        self.epoch = epoch
+        self._held: dict[int, tuple[trainer_pb2.WeightManifest, bytes]] = {}
+
+    async def publish(self, version: int, tensors: NamedTensors) -> None:
+        self._held[version] = pack(self.job_id, version, self.epoch, tensors)
+        # Keep the newest two: a puller that started on the previous version can finish.
+        for old in sorted(self._held)[:-2]:
+            del self._held[old]
+        announcement = Announcement(self.job_id, version, self.address, self.epoch, self.name)
+        await self.client.put(self.keys.weights(self.job_id), announcement.to_json())
+
+    def serve(
+        self, request: trainer_pb2.PullWeightsRequest
+    ) -> AsyncIterator[trainer_pb2.WeightChunk]:
+        """Chunks of a held version; FailedPrecondition when this trainer does not hold it."""
+        if request.job_id != self.job_id or request.version not in self._held:
+            held = sorted(self._held)
+            raise FailedPrecondition(
+                f"this trainer holds versions {held} of job {self.job_id}, "
+                f"not version {request.version} of job {request.job_id}"
+            )
+        manifest, blob = self._held[request.version]
+
+        async def chunks() -> AsyncIterator[trainer_pb2.WeightChunk]:
+            yield trainer_pb2.WeightChunk(manifest=manifest, offset=0, data=blob[:CHUNK_BYTES])
+            for offset in range(CHUNK_BYTES, len(blob), CHUNK_BYTES):
+                yield trainer_pb2.WeightChunk(
+                    offset=offset, data=blob[offset : offset + CHUNK_BYTES]
+                )
+
+        return chunks()
+
+    async def fetch(self, announcement: Announcement) -> NamedTensors:
+        request = trainer_pb2.PullWeightsRequest(
+            job_id=announcement.job_id, version=announcement.version
+        )
+        manifest: trainer_pb2.WeightManifest | None = None
+        parts: list[bytes] = []
+        received = 0
+        async with open_channel(announcement.address) as channel:
+            stream = trainer_pb2_grpc.TrainerStub(channel).PullWeights(
+                request, timeout=PULL_DEADLINE
+            )
+            async for chunk in stream:
+                if manifest is None:
+                    if not chunk.HasField("manifest"):
+                        raise WeightIntegrityError("the first chunk carries no manifest")
+                    manifest = chunk.manifest
+                if chunk.offset != received:
+                    raise WeightIntegrityError(
+                        f"chunk at offset {chunk.offset}, expected {received}"
+                    )
+                parts.append(chunk.data)
+                received += len(chunk.data)
+        if manifest is None:
+            raise WeightIntegrityError("the stream ended before the manifest")
+        if (
+            manifest.version != announcement.version
+            or manifest.trainer_epoch != announcement.trainer_epoch
+        ):
+            raise WeightIntegrityError("the manifest does not match the announcement")
+        return unpack(manifest, b"".join(parts))
+
+
+async def latest_announcement(
+    client: aetcd.Client, keys: KeySpace, job_id: str
+) -> Announcement | None:
+    raw = await client.get(keys.weights(job_id))
+    return None if raw is None else Announcement.from_json(raw.value)

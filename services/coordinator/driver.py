@@ -1,0 +1,412 @@
+"""What the leader does for running jobs: bind members, lease work, record progress.
+
+The leader binds a PENDING job to a free trainer and `rollout.replicas` free rollouts found
+in the registry (Control BIND with the job's spec and an epoch), leases prompt groups to the
+rollouts from the job's dataset, and turns the trainer's progress reports into job state.
+It runs a supervision tick that takes back leases whose holder is gone or late, and releases
+members of finished jobs. Everything it decides is written to etcd before it is answered.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import time
+from typing import TypeAlias
+
+import grpc
+
+from robustrl.v1 import coordinator_pb2, rollout_pb2_grpc, trainer_pb2, trainer_pb2_grpc
+from services.common.channels import open_channel
+from services.common.errors import Aborted, FailedPrecondition, InvalidArgument
+from services.common.jobspec import JobSpec
+from services.common.logs import get_logger
+from services.common.registry import MemberRecord, Registry
+from services.common.runtime import ServiceRuntime
+from services.common.tasks import TaskItem, UnknownTaskError, get_task, load_dataset
+from services.coordinator import jobs, work
+from services.coordinator.jobs import JobRecord, Phase
+from services.coordinator.leadership import Leadership
+from services.coordinator.store import JobStore
+
+log = get_logger(__name__)
+
+Action: TypeAlias = trainer_pb2.ControlRequest.Action.ValueType
+
+CONTROL_DEADLINE = 30.0
+"""Seconds a member gets to accept a BIND (it loads the model before answering)."""
+
+FIRST_EPOCH = 1
+
+
+def dataset_for(spec: JobSpec) -> list[TaskItem]:
+    """The job's training items; InvalidArgument naming the field when they cannot be had."""
+    if spec.task.dataset:
+        try:
+            items = load_dataset(spec.task.dataset)
+        except OSError as exc:
+            raise InvalidArgument(
+                f"task.dataset: cannot read {spec.task.dataset}: {exc.strerror}"
+            ) from exc
+        except ValueError as exc:
+            raise InvalidArgument(f"task.dataset: {exc}") from exc
+        if not items:
+            raise InvalidArgument(f"task.dataset: {spec.task.dataset} has no rows")
+        return items
+    try:
+        task = get_task(spec.task.name)
+    except UnknownTaskError as exc:
+        raise InvalidArgument(f"task.name: {exc}") from exc
+    size = max(1024, 2 * spec.trainer.steps * spec.trainer.groups_per_step)
+    return task.generate(size, spec.seed)
+
+
+class JobDriver:
+    def __init__(
+        self,
+        runtime: ServiceRuntime,
+        leadership: Leadership,
+        *,
+        tick_interval: float,
+        lease_seconds: float,
+    ) -> None:
+        self.runtime = runtime
+        self.leadership = leadership
+        self.tick_interval = tick_interval
+        self.lease_seconds = lease_seconds
+        self.ledgers: dict[str, work.WorkLedger] = {}
+        self.datasets: dict[str, list[TaskItem]] = {}
+        self.specs: dict[str, JobSpec] = {}
+        self._locks: dict[str, asyncio.Lock] = {}
+        self._task: asyncio.Task[None] | None = None
+
+    # ------------------------------------------------------------------ plumbing
+
+    @property
+    def store(self) -> JobStore:
+        assert self.runtime.client is not None
+        return JobStore(self.runtime.client, self.runtime.keys)
+
+    @property
+    def registry(self) -> Registry:
+        assert self.runtime.registry is not None
+        return self.runtime.registry
+
+    def lock(self, job_id: str) -> asyncio.Lock:
+        return self._locks.setdefault(job_id, asyncio.Lock())
+
+    def start(self) -> None:
+        self._task = asyncio.create_task(self._run(), name="job-driver")
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+
+    async def on_elected(self) -> None:
+        """Reload every running job's ledger from etcd (a new leader trusts only etcd)."""
+        assert self.runtime.client is not None
+        self.ledgers.clear()
+        records, _ = await self.store.list_all()
+        for record, _ in records:
+            # Finished jobs too: one that ended just before a failover still gets settled.
+            raw = await self.runtime.client.get(self.runtime.keys.work(record.job_id))
+            if raw is not None:
+                self.ledgers[record.job_id] = work.WorkLedger.model_validate_json(raw.value)
+        log.info("coordinator.ledgers_reloaded", jobs=len(self.ledgers))
+
+    async def _run(self) -> None:
+        while True:
+            await asyncio.sleep(self.tick_interval)
+            if not self.leadership.is_leader:
+                continue
+            try:
+                await self.tick()
+            except Exception as exc:  # one bad tick (etcd blip) must not end supervision
+                log.warning("coordinator.tick_failed", error=repr(exc))
+
+    def spec(self, record: JobRecord) -> JobSpec:
+        spec = self.specs.get(record.job_id)
+        if spec is None:
+            spec = self.specs[record.job_id] = JobSpec.model_validate(record.spec)
+        return spec
+
+    def ledger(self, job_id: str) -> work.WorkLedger:
+        ledger = self.ledgers.get(job_id)
+        if ledger is None:
+            raise FailedPrecondition(f"job {job_id} has no work ledger on this leader yet")
+        return ledger
+
+    async def save_ledger(self, ledger: work.WorkLedger) -> None:
+        assert self.runtime.client is not None
+        tx = self.runtime.client.transactions
+        ok, _ = await self.runtime.client.transaction(
+            compare=self.leadership.guard(),
+            success=[
+                tx.put(self.runtime.keys.work(ledger.job_id), ledger.model_dump_json().encode())
+            ],
+            failure=[],
+        )
+        if not ok:
+            raise Aborted("lost leadership while saving the work ledger; retry")
+
+    async def update_job(
+        self, job_id: str, change: dict[str, object], phase: Phase | None = None, message: str = ""
+    ) -> JobRecord:
+        """Apply a change to the job record with compare-and-swap, retrying lost races."""
+        for _ in range(5):
+            record, revision = await self.store.get(job_id)
+            updated = record.model_copy(update={**change, "updated_at": jobs.now()})
+            if phase is not None and phase is not record.phase:
+                updated = jobs.transition(updated, phase, message, jobs.now())
+            try:
+                await self.store.update(updated, revision, self.leadership.guard())
+                return updated
+            except Aborted:
+                continue
+        raise Aborted(f"job {job_id} kept changing under the coordinator; retry")
+
+    # ------------------------------------------------------------------ supervision
+
+    async def tick(self) -> None:
+        records, _ = await self.store.list_all()
+        members, _ = await self.registry.list()
+        for record, _ in records:
+            async with self.lock(record.job_id):
+                if record.phase is Phase.PENDING:
+                    await self._try_start(record, members)
+                elif record.phase in (Phase.RUNNING, Phase.RECOVERING):
+                    await self._supervise(record, members)
+                else:
+                    await self._release(record.job_id, members)
+
+    async def _try_start(self, record: JobRecord, members: list[MemberRecord]) -> None:
+        spec = self.spec(record)
+        trainers = [
+            m
+            for m in members
+            if m.role == "trainer" and not m.job_id and m.labels.get("standby") != "true"
+        ]
+        rollouts = [m for m in members if m.role == "rollout" and not m.job_id]
+        need = spec.rollout.replicas
+        if not trainers or len(rollouts) < need:
+            waiting = (
+                f"waiting for 1 free trainer and {need} free rollouts "
+                f"(free now: {len(trainers)} trainers, {len(rollouts)} rollouts)"
+            )
+            if record.message != waiting:
+                await self.update_job(record.job_id, {"message": waiting})
+            return
+        try:
+            dataset = dataset_for(spec)
+        except InvalidArgument as exc:
+            await self.update_job(record.job_id, {}, Phase.FAILED, exc.message)
+            return
+        chosen = [trainers[0], *rollouts[:need]]
+        bound: list[MemberRecord] = []
+        for member in chosen:
+            try:
+                await self._control(
+                    member,
+                    trainer_pb2.ControlRequest.ACTION_BIND,
+                    record.job_id,
+                    FIRST_EPOCH,
+                    {"spec_json": json.dumps(record.spec)},
+                )
+            except grpc.aio.AioRpcError as exc:
+                message = f"{member.role} {member.instance_id} refused the job: {exc.details()}"
+                log.warning("coordinator.bind_failed", job=record.job_id, reason=message)
+                for done in bound:
+                    await self._control_quietly(
+                        done, trainer_pb2.ControlRequest.ACTION_RELEASE, record.job_id, FIRST_EPOCH
+                    )
+                if exc.code() in (
+                    grpc.StatusCode.INVALID_ARGUMENT,
+                    grpc.StatusCode.FAILED_PRECONDITION,
+                ):
+                    await self.update_job(record.job_id, {}, Phase.FAILED, message)
+                return
+            bound.append(member)
+        ledger = work.WorkLedger(job_id=record.job_id)
+        await self.save_ledger(ledger)
+        self.ledgers[record.job_id] = ledger
+        self.datasets[record.job_id] = dataset
+        await self.update_job(
+            record.job_id,
+            {"members": [m.instance_id for m in chosen]},
+            Phase.RUNNING,
+            "running",
+        )
+        log.info(
+            "coordinator.job_started", job=record.job_id, members=[m.instance_id for m in chosen]
+        )
+
+    async def _supervise(self, record: JobRecord, members: list[MemberRecord]) -> None:
+        ledger = self.ledgers.get(record.job_id)
+        if ledger is None:
+            return
+        alive = {m.instance_id for m in members if m.job_id == record.job_id}
+        changed = work.expire(ledger, time.time())
+        for holder in {held.instance_id for held in ledger.open.values()} - alive:
+            changed += work.release_holder(ledger, holder, f"{holder} left the registry")
+        if changed:
+            log.info("coordinator.groups_requeued", job=record.job_id, groups=len(changed))
+            await self.save_ledger(ledger)
+
+    async def _release(self, job_id: str, members: list[MemberRecord]) -> None:
+        ledger = self.ledgers.get(job_id)
+        if ledger is not None:
+            record, _ = await self.store.get(job_id)
+            left = work.settle_leftovers(ledger, f"job {record.phase.value.lower()} first")
+            if left:
+                await self.save_ledger(ledger)
+        for member in members:
+            if member.job_id == job_id:
+                await self._control_quietly(
+                    member, trainer_pb2.ControlRequest.ACTION_RELEASE, job_id, member.epoch
+                )
+        self.ledgers.pop(job_id, None)
+        self.datasets.pop(job_id, None)
+
+    async def _control(
+        self,
+        member: MemberRecord,
+        action: Action,
+        job_id: str,
+        epoch: int,
+        args: dict[str, str] | None = None,
+    ) -> None:
+        request = trainer_pb2.ControlRequest(
+            action=action,
+            job_id=job_id,
+            epoch=epoch,
+            args=args or {},
+        )
+        async with open_channel(member.address) as channel:
+            if member.role == "trainer":
+                await trainer_pb2_grpc.TrainerStub(channel).Control(
+                    request, timeout=CONTROL_DEADLINE
+                )
+            else:
+                await rollout_pb2_grpc.RolloutStub(channel).Control(
+                    request, timeout=CONTROL_DEADLINE
+                )
+
+    async def _control_quietly(
+        self, member: MemberRecord, action: Action, job_id: str, epoch: int
+    ) -> None:
+        try:
+            await self._control(member, action, job_id, epoch)
+        except grpc.aio.AioRpcError as exc:
+            log.info("coordinator.control_failed", member=member.instance_id, error=exc.details())
+
+    # ------------------------------------------------------------------ data-plane RPCs
+
+    async def _bound_member(self, job_id: str, role: str, instance_id: str) -> MemberRecord:
+        member = await self.registry.get(role, instance_id)
+        if member is None or member.job_id != job_id:
+            raise FailedPrecondition(f"{role} {instance_id} is not bound to job {job_id}")
+        return member
+
+    async def lease_work(
+        self, request: coordinator_pb2.LeaseWorkRequest
+    ) -> coordinator_pb2.LeaseWorkResponse:
+        if request.max_groups < 1:
+            raise InvalidArgument("max_groups must be >= 1")
+        async with self.lock(request.job_id):
+            record, _ = await self.store.get(request.job_id)
+            if record.phase in jobs.TERMINAL:
+                return coordinator_pb2.LeaseWorkResponse(job_done=True)
+            if record.phase is not Phase.RUNNING or request.job_id not in self.ledgers:
+                return coordinator_pb2.LeaseWorkResponse(retry_after_s=0.5)
+            await self._bound_member(request.job_id, "rollout", request.instance_id)
+            spec = self.spec(record)
+            ledger = self.ledger(request.job_id)
+            granted = work.lease(
+                ledger,
+                instance_id=request.instance_id,
+                epoch=request.epoch,
+                max_groups=request.max_groups,
+                budget=spec.trainer.groups_per_step * (spec.trainer.max_staleness + 1),
+                now=time.time(),
+                lease_seconds=self.lease_seconds,
+            )
+            if granted:
+                await self.save_ledger(ledger)
+            dataset = self.datasets.get(request.job_id) or dataset_for(spec)
+            self.datasets[request.job_id] = dataset
+            reply = coordinator_pb2.LeaseWorkResponse(
+                min_weight_version=record.weight_version,
+                retry_after_s=0.0 if granted else 0.2,
+            )
+            deadline = time.time() + self.lease_seconds
+            for group in granted:
+                item = dataset[work.group_index(group) % len(dataset)]
+                msg = reply.groups.add(
+                    group_id=group,
+                    item_id=item.id,
+                    prompt=item.prompt,
+                    answer=item.answer,
+                    group_size=spec.rollout.group_size,
+                )
+                msg.lease_deadline.FromNanoseconds(int(deadline * 1e9))
+            return reply
+
+    async def complete_work(self, request: coordinator_pb2.CompleteWorkRequest) -> None:
+        async with self.lock(request.job_id):
+            record, _ = await self.store.get(request.job_id)
+            if record.phase in jobs.TERMINAL:
+                return
+            await self._bound_member(request.job_id, "rollout", request.instance_id)
+            if request.error:
+                message = f"rollout {request.instance_id}: {request.error}"
+                await self.update_job(request.job_id, {}, Phase.FAILED, message)
+                log.warning("coordinator.job_failed", job=request.job_id, reason=message)
+                return
+            ledger = self.ledger(request.job_id)
+            ignored = work.complete(ledger, request.instance_id, list(request.group_ids))
+            if ignored:
+                log.debug(
+                    "coordinator.completion_ignored",
+                    job=request.job_id,
+                    member=request.instance_id,
+                    groups=ignored,
+                )
+            await self.save_ledger(ledger)
+
+    async def report_progress(self, request: coordinator_pb2.ReportProgressRequest) -> bool:
+        async with self.lock(request.job_id):
+            record, _ = await self.store.get(request.job_id)
+            if record.phase in jobs.TERMINAL:
+                return False
+            await self._bound_member(request.job_id, "trainer", request.instance_id)
+            if request.error:
+                message = f"trainer {request.instance_id}: {request.error}"
+                await self.update_job(request.job_id, {}, Phase.FAILED, message)
+                log.warning("coordinator.job_failed", job=request.job_id, reason=message)
+                return False
+            ledger = self.ledgers.get(request.job_id)
+            if ledger is not None:
+                work.record_progress(
+                    ledger, list(request.trained_group_ids), dict(request.discarded_groups)
+                )
+                await self.save_ledger(ledger)
+            change: dict[str, object] = {
+                "step": request.step,
+                "weight_version": request.weight_version,
+                "metrics": {**record.metrics, **dict(request.metrics)},
+            }
+            if request.finished:
+                spec = self.spec(record)
+                await self.update_job(
+                    request.job_id,
+                    change,
+                    Phase.SUCCEEDED,
+                    f"completed {request.step}/{spec.trainer.steps} steps",
+                )
+                log.info("coordinator.job_succeeded", job=request.job_id, step=request.step)
+                return False
+            await self.update_job(request.job_id, change)
+            return True

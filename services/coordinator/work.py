@@ -1,0 +1,144 @@
+"""The work ledger of a running job: which prompt groups are leased to whom, delivered,
+trained or dropped — and the pure functions that move groups between those states.
+
+    new (dataset cursor) --lease--> open --complete--> delivered --progress--> trained
+                       requeued <--expire / holder lost--   \\--progress--> discarded (why)
+
+A group keeps its id for life; trajectory ids derive from it, so a group leased again after
+its holder died de-duplicates at the trainer against whatever already arrived. Backpressure:
+at most `budget` groups are open or delivered-but-untrained at once, so nothing waits long
+enough to exceed the staleness bound.
+
+The ledger stays small however long the job runs: groups are numbered by the dataset cursor,
+so "every group below `next_index` that is not open, requeued, delivered or discarded was
+trained" — trained groups are counted, not listed (the trainer's trained.jsonl lists them).
+"""
+
+from __future__ import annotations
+
+from pydantic import BaseModel, Field
+
+
+class Lease(BaseModel):
+    instance_id: str
+    epoch: int
+    deadline: float
+
+
+class WorkLedger(BaseModel):
+    """Stored in etcd at <prefix>/work/<job_id> (JSON); only the leader writes it."""
+
+    job_id: str
+    next_index: int = 0
+    open: dict[str, Lease] = Field(default_factory=dict)
+    requeued: list[str] = Field(default_factory=list)
+    delivered: list[str] = Field(default_factory=list)
+    trained: int = 0
+    """How many groups were trained (each at most once: the trainer de-duplicates groups)."""
+    discarded: dict[str, str] = Field(default_factory=dict)
+    released: dict[str, list[str]] = Field(default_factory=dict)
+    """group id -> why it was taken back from a holder (each time), for the record."""
+
+
+def group_id(job_id: str, index: int) -> str:
+    return f"{job_id}-g{index:06d}"
+
+
+def group_index(group: str) -> int:
+    return int(group.rsplit("-g", 1)[1])
+
+
+def outstanding(ledger: WorkLedger) -> int:
+    return len(ledger.open) + len(ledger.delivered) + len(ledger.requeued)
+
+
+def lease(
+    ledger: WorkLedger,
+    *,
+    instance_id: str,
+    epoch: int,
+    max_groups: int,
+    budget: int,
+    now: float,
+    lease_seconds: float,
+) -> list[str]:
+    """Lease up to max_groups (requeued first, then new ones) within the budget. Mutates."""
+    granted: list[str] = []
+    room = budget - len(ledger.open) - len(ledger.delivered)
+    while len(granted) < min(max_groups, room):
+        if ledger.requeued:
+            group = ledger.requeued.pop(0)
+        else:
+            group = group_id(ledger.job_id, ledger.next_index)
+            ledger.next_index += 1
+        ledger.open[group] = Lease(
+            instance_id=instance_id, epoch=epoch, deadline=now + lease_seconds
+        )
+        granted.append(group)
+    return granted
+
+
+def complete(ledger: WorkLedger, instance_id: str, group_ids: list[str]) -> list[str]:
+    """Mark the holder's open groups delivered; returns the ids it did not hold. Mutates.
+
+    A group it no longer holds was taken back (the completion of a zombie changes nothing)
+    or is already settled (trained before its completion arrived): either way, ignored.
+    """
+    ignored: list[str] = []
+    for group in group_ids:
+        held = ledger.open.get(group)
+        if held is None or held.instance_id != instance_id:
+            ignored.append(group)
+            continue
+        del ledger.open[group]
+        ledger.delivered.append(group)
+    return ignored
+
+
+def take_back(ledger: WorkLedger, group: str, reason: str) -> None:
+    ledger.open.pop(group, None)
+    if group in ledger.delivered:
+        ledger.delivered.remove(group)
+    if group not in ledger.requeued:
+        ledger.requeued.append(group)
+    ledger.released.setdefault(group, []).append(reason)
+
+
+def release_holder(ledger: WorkLedger, instance_id: str, reason: str) -> list[str]:
+    """Requeue every open lease of instance_id (it died or was fenced). Mutates."""
+    groups = [g for g, held in ledger.open.items() if held.instance_id == instance_id]
+    for group in groups:
+        take_back(ledger, group, reason)
+    return groups
+
+
+def expire(ledger: WorkLedger, now: float) -> list[str]:
+    """Requeue leases past their deadline. Mutates."""
+    late = [g for g, held in ledger.open.items() if held.deadline < now]
+    for group in late:
+        take_back(ledger, group, f"lease of {ledger.open[group].instance_id} expired")
+    return late
+
+
+def record_progress(ledger: WorkLedger, trained: list[str], discarded: dict[str, str]) -> None:
+    """The trainer trained or dropped these groups: they are settled for good. Mutates."""
+    ledger.trained += len(trained)
+    for group, why in discarded.items():
+        ledger.discarded[group] = why
+    for group in [*trained, *discarded]:
+        ledger.open.pop(group, None)
+        if group in ledger.delivered:
+            ledger.delivered.remove(group)
+        if group in ledger.requeued:
+            ledger.requeued.remove(group)
+
+
+def settle_leftovers(ledger: WorkLedger, reason: str) -> list[str]:
+    """The job ended: every group still open, requeued or delivered is dropped, with why."""
+    left = [*ledger.open, *ledger.requeued, *ledger.delivered]
+    for group in left:
+        ledger.discarded[group] = reason
+    ledger.open.clear()
+    ledger.requeued.clear()
+    ledger.delivered.clear()
+    return left

@@ -1,0 +1,263 @@
+"""Inference engines: the interface a rollout samples through, and the torch engine for CPU.
+
+An engine samples ``n`` completions per prompt and reports, for each, the sampled token ids,
+the log-probability of each sampled token under the sampling policy, and why it stopped.
+Those logprobs are the "old" (behaviour) logprobs of the GRPO ratio, so they follow the
+trainer's convention exactly: ``log_softmax(logits.float() / T)`` at temperature T > 0.
+At T = 0 the engine decodes greedily and reports ``log_softmax(logits.float())`` (T = 1);
+greedy samples are for evaluation, not training.
+
+Weights are swapped whole and atomically between generation calls (``load_weights``); a
+tensor with an unknown name, a missing name, or the wrong shape or dtype rejects the whole
+update and leaves the model as it was.
+"""
+
+from __future__ import annotations
+
+import threading
+from abc import ABC, abstractmethod
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerBase
+
+FinishReason = Literal["stop", "length"]
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    n: int = 1
+    """Completions per prompt (the GRPO group size)."""
+    temperature: float = 1.0
+    """0 decodes greedily."""
+    max_new_tokens: int = 8
+    seed: int = 0
+    """Same seed, prompts, params and weights -> same completions."""
+
+    def __post_init__(self) -> None:
+        if self.n < 1:
+            raise ValueError(f"n must be >= 1, got {self.n}")
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+
+
+@dataclass(frozen=True)
+class Completion:
+    prompt_ids: list[int]
+    token_ids: list[int]
+    """Sampled tokens, including the end-of-sequence token when finish_reason is "stop"."""
+    logprobs: list[float]
+    """Behaviour logprob of each token in token_ids (see the module docstring)."""
+    finish_reason: FinishReason
+    text: str
+    """Decoded completion without special tokens: what a reward function sees."""
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+
+class Engine(ABC):
+    """What a rollout needs from an inference engine."""
+
+    weight_version: int
+    """Version of the weights in use: set by load_weights, 0 for the weights loaded at start."""
+
+    @abstractmethod
+    def generate(self, prompts: Sequence[str], params: SamplingParams) -> list[list[Completion]]:
+        """``params.n`` completions for each prompt, in prompt order."""
+
+    @abstractmethod
+    def load_weights(
+        self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int | None = None
+    ) -> None:
+        """Replace every weight at once. Raises ValueError, changing nothing, when the set of
+        names, a shape or a dtype does not match the model. ``version`` becomes
+        ``weight_version`` (default: the current one plus one)."""
+
+    @abstractmethod
+    def weight_specs(self) -> dict[str, TensorSpec]:
+        """Name -> shape and dtype of every weight load_weights expects."""
+
+
+def sampling_logprobs(logits: torch.Tensor, temperature: float) -> torch.Tensor:
+    """Log-probabilities the engine samples from (and reports) at ``temperature``."""
+    scale = temperature if temperature > 0 else 1.0
+    return torch.log_softmax(logits.float() / scale, dim=-1)
+
+
+def validate_weights(
+    expected: dict[str, TensorSpec], named_tensors: Iterable[tuple[str, torch.Tensor]]
+) -> dict[str, torch.Tensor]:
+    """Check a full weight set against ``expected``; returns it by name or raises ValueError
+    listing every problem."""
+    incoming: dict[str, torch.Tensor] = {}
+    problems: list[str] = []
+    for name, tensor in named_tensors:
+        if name in incoming:
+            problems.append(f"{name}: given twice")
+        incoming[name] = tensor
+    missing = sorted(expected.keys() - incoming.keys())
+    unknown = sorted(incoming.keys() - expected.keys())
+    if missing:
+        problems.append(f"missing: {', '.join(missing)}")
+    if unknown:
+        problems.append(f"unknown names: {', '.join(unknown)}")
+    for name, tensor in incoming.items():
+        spec = expected.get(name)
+        if spec is None:
+            continue
+        if tuple(tensor.shape) != spec.shape:
+            problems.append(f"{name}: shape {tuple(tensor.shape)}, expected {spec.shape}")
+        if tensor.dtype != spec.dtype:
+            problems.append(f"{name}: dtype {tensor.dtype}, expected {spec.dtype}")
+    if problems:
+        raise ValueError("weight update rejected, model unchanged: " + "; ".join(problems))
+    return incoming
+
+
+class TorchEngine(Engine):
+    """Batched sampling with a Hugging Face causal LM and its KV cache (CPU or one GPU)."""
+
+    def __init__(self, model: torch.nn.Module, tokenizer: PreTrainedTokenizerBase) -> None:
+        self.model = model.eval()
+        self.tokenizer = tokenizer
+        eos, pad = tokenizer.eos_token_id, tokenizer.pad_token_id
+        if not isinstance(eos, int) or not isinstance(pad, int):
+            raise ValueError("tokenizer needs eos and pad tokens")
+        self.eos_id: int = eos
+        self.pad_id: int = pad
+        self.max_positions = int(getattr(model.config, "max_position_embeddings"))  # noqa: B009
+        self.weight_version = 0
+        # Held for a whole generate() and a whole load_weights(), so a weight swap lands
+        # between generation calls, never inside one.
+        self._lock = threading.Lock()
+        self._specs = {
+            name: TensorSpec(tuple(t.shape), t.dtype) for name, t in model.state_dict().items()
+        }
+
+    @classmethod
+    def from_pretrained(
+        cls, model_dir: str | Path, *, device: str = "cpu", dtype: torch.dtype = torch.float32
+    ) -> TorchEngine:
+        tokenizer = AutoTokenizer.from_pretrained(model_dir)
+        model: torch.nn.Module = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype)
+        return cls(model.to(device), tokenizer)
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.model.parameters()).device
+
+    def weight_specs(self) -> dict[str, TensorSpec]:
+        return dict(self._specs)
+
+    def encode(self, prompt: str, max_new_tokens: int) -> list[int]:
+        """Token ids of ``prompt`` (with bos); ValueError if it leaves no room to generate."""
+        ids = list(self.tokenizer(prompt)["input_ids"])
+        limit = self.max_positions - max_new_tokens
+        if len(ids) > limit:
+            raise ValueError(
+                f"prompt of {len(ids)} tokens exceeds the context: max_position_embeddings "
+                f"{self.max_positions} - max_new_tokens {max_new_tokens} = {limit}"
+            )
+        return ids
+
+    def generate(self, prompts: Sequence[str], params: SamplingParams) -> list[list[Completion]]:
+        encoded = [self.encode(p, params.max_new_tokens) for p in prompts]
+        if not encoded:
+            return []
+        rows = [ids for ids in encoded for _ in range(params.n)]
+        with self._lock:
+            tokens, logprobs, finished = self._sample(rows, params)
+        completions = [
+            Completion(
+                prompt_ids=list(rows[r]),
+                token_ids=tokens[r],
+                logprobs=logprobs[r],
+                finish_reason="stop" if finished[r] else "length",
+                text=str(self.tokenizer.decode(tokens[r], skip_special_tokens=True)),
+            )
+            for r in range(len(rows))
+        ]
+        n = params.n
+        return [completions[p * n : (p + 1) * n] for p in range(len(encoded))]
+
+    @torch.no_grad()
+    def _sample(
+        self, rows: list[list[int]], params: SamplingParams
+    ) -> tuple[list[list[int]], list[list[float]], list[bool]]:
+        device = self.device
+        batch, width = len(rows), max(len(r) for r in rows)
+        # Left padding puts every row's last prompt token in the last column, so one decode
+        # step serves the whole batch; position ids skip the padding.
+        input_ids = torch.full((batch, width), self.pad_id, dtype=torch.long, device=device)
+        attention = torch.zeros((batch, width), dtype=torch.long, device=device)
+        for i, ids in enumerate(rows):
+            input_ids[i, width - len(ids) :] = torch.tensor(ids, device=device)
+            attention[i, width - len(ids) :] = 1
+        positions = (attention.cumsum(-1) - 1).clamp(min=0)
+        generator = torch.Generator(device=device).manual_seed(params.seed)
+
+        out = self.model(
+            input_ids=input_ids,
+            attention_mask=attention,
+            position_ids=positions,
+            use_cache=True,
+            logits_to_keep=1,
+        )
+        cache = out.past_key_values
+        logits = out.logits[:, -1, :]
+        next_pos = positions[:, -1:] + 1
+        done = torch.zeros(batch, dtype=torch.bool, device=device)
+        sampled: list[torch.Tensor] = []
+        sampled_lp: list[torch.Tensor] = []
+        alive: list[torch.Tensor] = []
+        for t in range(params.max_new_tokens):
+            logp = sampling_logprobs(logits, params.temperature)
+            if params.temperature > 0:
+                token = torch.multinomial(logp.exp(), 1, generator=generator).squeeze(1)
+            else:
+                token = logp.argmax(-1)
+            alive.append(~done)
+            token = torch.where(done, torch.full_like(token, self.pad_id), token)
+            sampled.append(token)
+            sampled_lp.append(logp.gather(1, token[:, None]).squeeze(1))
+            done = done | (token == self.eos_id)
+            if bool(done.all()) or t == params.max_new_tokens - 1:
+                break
+            attention = torch.cat([attention, torch.ones_like(attention[:, :1])], dim=1)
+            out = self.model(
+                input_ids=token[:, None],
+                attention_mask=attention,
+                position_ids=next_pos,
+                past_key_values=cache,
+                use_cache=True,
+            )
+            cache = out.past_key_values
+            logits = out.logits[:, -1, :]
+            next_pos = next_pos + 1
+
+        tokens_t = torch.stack(sampled, dim=1).cpu()
+        lp_t = torch.stack(sampled_lp, dim=1).cpu()
+        alive_t = torch.stack(alive, dim=1).cpu()
+        lengths = alive_t.sum(dim=1).tolist()
+        tokens = [tokens_t[i, : lengths[i]].tolist() for i in range(batch)]
+        logprobs = [lp_t[i, : lengths[i]].tolist() for i in range(batch)]
+        return tokens, logprobs, done.cpu().tolist()
+
+    def load_weights(
+        self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int | None = None
+    ) -> None:
+        incoming = validate_weights(self._specs, named_tensors)
+        with self._lock, torch.no_grad():
+            # Validation above guarantees every copy_ below succeeds, so the swap is all or none.
+            for name, target in self.model.state_dict().items():
+                target.copy_(incoming[name])
+            self.weight_version = self.weight_version + 1 if version is None else version

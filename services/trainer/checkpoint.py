@@ -1,0 +1,389 @@
+"""Per-step asynchronous checkpoints of the trainer: policy, optimizer, step, RNG, extra.
+
+A checkpoint is taken in two parts so the training step barely waits:
+
+1. :func:`to_host` copies model and optimizer state (and the RNG state) into CPU memory.
+   This copy is the only part that blocks the step.
+2. :class:`CheckpointWriter` writes the snapshot from a background thread to
+   ``dir/step-<N>/``: files go into a temporary directory that is renamed into place, and
+   the ``latest`` pointer file is replaced last, so a crash at any moment leaves ``latest``
+   naming a complete checkpoint. Only the newest ``keep`` checkpoints stay on disk.
+
+A write error is not swallowed: it is raised by the next :meth:`CheckpointWriter.save` or by
+:meth:`CheckpointWriter.wait`. ``extra`` carries JSON data that must survive a restart with
+the weights it belongs to (the trainer keeps its committed-trajectory watermark there).
+
+Layout of ``dir/step-<N>/``: ``model.safetensors``, ``optimizer.pt``, ``rng.pt`` and
+``meta.json`` (``{"format": 1, "step": N, "extra": {...}}``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import re
+import shutil
+import threading
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from safetensors.torch import load_file, save_file
+
+FORMAT_VERSION = 1
+LATEST = "latest"
+_STEP_DIR = re.compile(r"^step-(\d+)$")
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint could not be written, or what is on disk is not a valid checkpoint."""
+
+
+# --- RNG state ----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class RngState:
+    """Every random generator a training step draws from."""
+
+    torch_cpu: torch.Tensor
+    torch_cuda: list[torch.Tensor]
+    python: tuple[Any, ...]
+    numpy: tuple[Any, ...]
+
+
+def capture_rng() -> RngState:
+    cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []
+    return RngState(
+        torch_cpu=torch.random.get_rng_state().clone(),
+        torch_cuda=[s.clone() for s in cuda],
+        python=random.getstate(),
+        numpy=tuple(np.random.get_state()),
+    )
+
+
+def restore_rng(state: RngState) -> None:
+    torch.random.set_rng_state(state.torch_cpu)
+    if state.torch_cuda and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state.torch_cuda)
+    random.setstate(state.python)
+    np.random.set_state(state.numpy)
+
+
+def _rng_to_plain(state: RngState) -> dict[str, Any]:
+    # Plain containers only, so the file loads with torch.load(weights_only=True).
+    version, internal, gauss = state.python
+    name, keys, pos, has_gauss, cached = state.numpy
+    return {
+        "torch_cpu": state.torch_cpu,
+        "torch_cuda": list(state.torch_cuda),
+        "python": [version, list(internal), gauss],
+        "numpy": [
+            str(name),
+            torch.from_numpy(np.asarray(keys).astype(np.int64)),
+            int(pos),
+            int(has_gauss),
+            float(cached),
+        ],
+    }
+
+
+def _rng_from_plain(d: dict[str, Any]) -> RngState:
+    version, internal, gauss = d["python"]
+    name, keys, pos, has_gauss, cached = d["numpy"]
+    return RngState(
+        torch_cpu=d["torch_cpu"],
+        torch_cuda=list(d["torch_cuda"]),
+        python=(version, tuple(internal), gauss),
+        numpy=(name, keys.numpy().astype(np.uint32), pos, has_gauss, cached),
+    )
+
+
+# --- snapshot in host memory --------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    """Training state copied to CPU memory: safe to write while training goes on."""
+
+    step: int
+    model_state: dict[str, torch.Tensor]
+    optimizer_state: dict[str, Any]
+    rng: RngState
+    extra: dict[str, Any]
+
+
+def _to_cpu(obj: Any) -> Any:
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().to("cpu", copy=True)
+    if isinstance(obj, dict):
+        return {k: _to_cpu(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [_to_cpu(v) for v in obj]
+    if isinstance(obj, tuple):
+        return tuple(_to_cpu(v) for v in obj)
+    return obj
+
+
+def to_host(
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    step: int,
+    rng_state: RngState | None = None,
+    extra: dict[str, Any] | None = None,
+) -> Snapshot:
+    """Copy the state of a step into CPU memory (the blocking part of a checkpoint).
+
+    ``rng_state`` defaults to the generators' state now. ``extra`` must be JSON-serialisable;
+    it is copied, so later changes by the caller do not leak into the snapshot.
+    """
+    try:
+        extra_copy = json.loads(json.dumps(extra or {}, allow_nan=False))
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"checkpoint extra must be JSON-serialisable: {e}") from e
+    if not isinstance(extra_copy, dict):
+        raise ValueError("checkpoint extra must be a JSON object")
+    return Snapshot(
+        step=step,
+        model_state={
+            k: v.detach().to("cpu", copy=True).contiguous() for k, v in model.state_dict().items()
+        },
+        optimizer_state=_to_cpu(optimizer.state_dict()),
+        rng=rng_state if rng_state is not None else capture_rng(),
+        extra=extra_copy,
+    )
+
+
+# --- writing ------------------------------------------------------------------------------
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _fsync_file(path: Path) -> None:
+    with path.open("rb") as f:
+        os.fsync(f.fileno())
+
+
+def _step_dirs(directory: Path) -> list[tuple[int, Path]]:
+    found = []
+    for entry in directory.iterdir() if directory.is_dir() else []:
+        m = _STEP_DIR.match(entry.name)
+        if m and entry.is_dir():
+            found.append((int(m.group(1)), entry))
+    return sorted(found)
+
+
+def write_snapshot(directory: str | Path, snapshot: Snapshot, *, keep: int) -> Path:
+    """Write ``snapshot`` as ``directory/step-<N>`` atomically, point ``latest`` at it, prune.
+
+    Synchronous; :class:`CheckpointWriter` calls it from its thread.
+    """
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    name = f"step-{snapshot.step}"
+    tmp = directory / f".tmp-{name}-{uuid.uuid4().hex[:8]}"
+    tmp.mkdir()
+    try:
+        save_file(snapshot.model_state, str(tmp / "model.safetensors"))
+        torch.save(snapshot.optimizer_state, tmp / "optimizer.pt")
+        torch.save(_rng_to_plain(snapshot.rng), tmp / "rng.pt")
+        meta = {"format": FORMAT_VERSION, "step": snapshot.step, "extra": snapshot.extra}
+        (tmp / "meta.json").write_text(json.dumps(meta, indent=2) + "\n")
+        for f in tmp.iterdir():
+            _fsync_file(f)
+        _fsync_dir(tmp)
+        final = directory / name
+        if final.exists():
+            # The same step written again (a restarted trainer): the new copy wins.
+            shutil.rmtree(final)
+        tmp.rename(final)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    _fsync_dir(directory)
+    pointer_tmp = directory / f".{LATEST}.tmp"
+    pointer_tmp.write_text(name + "\n")
+    _fsync_file(pointer_tmp)
+    pointer_tmp.replace(directory / LATEST)
+    _fsync_dir(directory)
+    _prune(directory, keep=keep, current=final)
+    return final
+
+
+def _prune(directory: Path, *, keep: int, current: Path) -> None:
+    steps = _step_dirs(directory)
+    for _, path in steps[: max(0, len(steps) - keep)]:
+        if path != current:
+            shutil.rmtree(path, ignore_errors=True)
+
+
+class CheckpointWriter:
+    """Writes snapshots from one background thread.
+
+    If snapshots arrive faster than the disk takes them, a snapshot still waiting is
+    replaced by the newer one: the newest state is what a restart wants, and ``extra``
+    (the commit watermark) of the newer snapshot covers the older one's. ``on_written`` is
+    called from the writer thread with (step, extra) once a checkpoint is durable.
+    """
+
+    def __init__(
+        self,
+        directory: str | Path,
+        *,
+        keep: int = 3,
+        on_written: Callable[[int, dict[str, Any]], None] | None = None,
+    ) -> None:
+        if keep < 1:
+            raise ValueError(f"keep must be >= 1, got {keep}")
+        self.directory = Path(directory)
+        self.directory.mkdir(parents=True, exist_ok=True)
+        for stale in self.directory.glob(".tmp-step-*"):
+            # Left by a writer that died mid-write; never referenced by `latest`.
+            shutil.rmtree(stale, ignore_errors=True)
+        self.keep = keep
+        self.on_written = on_written
+        self.durable_step: int | None = None
+        """Step of the newest checkpoint known to be complete on disk."""
+        self._pending: Snapshot | None = None
+        self._busy = False
+        self._error: BaseException | None = None
+        self._closed = False
+        self._cond = threading.Condition()
+        self._thread = threading.Thread(target=self._run, name="checkpoint-writer", daemon=True)
+        self._thread.start()
+
+    def save(self, snapshot: Snapshot) -> None:
+        """Queue ``snapshot`` for writing and return at once; raises an earlier write's error."""
+        with self._cond:
+            self._raise_error()
+            if self._closed:
+                raise CheckpointError("checkpoint writer is closed")
+            self._pending = snapshot
+            self._cond.notify_all()
+
+    def wait(self, timeout: float | None = None) -> None:
+        """Block until everything queued is written; raises a write error."""
+        with self._cond:
+            done = self._cond.wait_for(
+                lambda: (self._pending is None and not self._busy) or self._error is not None,
+                timeout=timeout,
+            )
+            self._raise_error()
+            if not done:
+                raise TimeoutError(f"checkpoint write still running after {timeout}s")
+
+    def close(self, timeout: float | None = None) -> None:
+        """Finish queued writes and stop the thread; raises a write error. Idempotent."""
+        try:
+            self.wait(timeout)
+        finally:
+            with self._cond:
+                self._closed = True
+                self._cond.notify_all()
+            self._thread.join(timeout)
+
+    def _raise_error(self) -> None:
+        if self._error is not None:
+            error, self._error = self._error, None
+            raise CheckpointError(
+                f"writing a checkpoint to {self.directory} failed: {error!r}"
+            ) from error
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                self._cond.wait_for(lambda: self._pending is not None or self._closed)
+                if self._pending is None:
+                    return
+                snapshot, self._pending = self._pending, None
+                self._busy = True
+            try:
+                write_snapshot(self.directory, snapshot, keep=self.keep)
+                if self.on_written is not None:
+                    self.on_written(snapshot.step, snapshot.extra)
+            except BaseException as e:  # handed to the training thread
+                with self._cond:
+                    self._error = e
+            else:
+                with self._cond:
+                    self.durable_step = snapshot.step
+            finally:
+                with self._cond:
+                    self._busy = False
+                    self._cond.notify_all()
+
+
+# --- reading ------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Checkpoint:
+    step: int
+    model_state: dict[str, torch.Tensor]
+    optimizer_state: dict[str, Any]
+    rng: RngState
+    extra: dict[str, Any]
+    path: Path
+
+
+def load_checkpoint(path: str | Path) -> Checkpoint:
+    """Read one ``step-<N>`` directory; CheckpointError if it is incomplete or unreadable."""
+    path = Path(path)
+    try:
+        meta = json.loads((path / "meta.json").read_text())
+        if meta.get("format") != FORMAT_VERSION:
+            raise CheckpointError(f"{path}: unsupported checkpoint format {meta.get('format')!r}")
+        return Checkpoint(
+            step=int(meta["step"]),
+            model_state=load_file(str(path / "model.safetensors")),
+            optimizer_state=torch.load(path / "optimizer.pt", weights_only=True),
+            rng=_rng_from_plain(torch.load(path / "rng.pt", weights_only=True)),
+            extra=dict(meta.get("extra", {})),
+            path=path,
+        )
+    except CheckpointError:
+        raise
+    except Exception as e:  # safetensors, pickle and json all have their own error types
+        raise CheckpointError(f"{path}: not a readable checkpoint: {e!r}") from e
+
+
+def load_latest(directory: str | Path) -> Checkpoint | None:
+    """The checkpoint ``directory/latest`` names, or None when nothing was ever written."""
+    directory = Path(directory)
+    pointer = directory / LATEST
+    if not pointer.exists():
+        return None
+    name = pointer.read_text().strip()
+    if not _STEP_DIR.match(name):
+        raise CheckpointError(f"{pointer}: does not name a checkpoint: {name!r}")
+    target = directory / name
+    if not target.is_dir():
+        raise CheckpointError(f"{pointer} names {name}, which is missing from {directory}")
+    return load_checkpoint(target)
+
+
+def restore(
+    checkpoint: Checkpoint,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer | None = None,
+    *,
+    rng: bool = True,
+) -> int:
+    """Load a checkpoint into ``model`` (strictly), ``optimizer`` and the RNGs; returns its step."""
+    model.load_state_dict(checkpoint.model_state, strict=True)
+    if optimizer is not None:
+        optimizer.load_state_dict(checkpoint.optimizer_state)
+    if rng:
+        restore_rng(checkpoint.rng)
+    return checkpoint.step

@@ -1,0 +1,306 @@
+"""GRPO: group-normalised advantages and the clipped policy-gradient step.
+
+Async RL: a trajectory's "old" logprobs are the behaviour logprobs its rollout reported
+while sampling (possibly under an older weight version), not a recomputation by the
+trainer. The ratio ``exp(logp - behaviour_logp)`` therefore also corrects for staleness,
+and clipping bounds how far one step moves on stale data.
+
+Logprobs here follow the engine's convention (services/rollout/engine.py):
+``log_softmax(logits.float() / T)`` with the sampling temperature T (T = 1 when T = 0).
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+
+def group_advantages(rewards: Sequence[float], *, scale_by_std: bool = True) -> list[float]:
+    """Advantages of one prompt group: ``(r - mean) / std`` (population std).
+
+    A group whose rewards are all equal carries no signal and gets zero advantages.
+    """
+    if not rewards:
+        return []
+    n = len(rewards)
+    mean = sum(rewards) / n
+    centred = [r - mean for r in rewards]
+    std = math.sqrt(sum(c * c for c in centred) / n)
+    if std < 1e-8:
+        return [0.0] * n
+    if not scale_by_std:
+        return centred
+    return [c / std for c in centred]
+
+
+@dataclass(frozen=True)
+class Sample:
+    """One trajectory ready to train on."""
+
+    prompt_ids: list[int]
+    completion_ids: list[int]
+    behaviour_logprobs: list[float]
+    advantage: float
+
+    def __post_init__(self) -> None:
+        if not self.completion_ids:
+            raise ValueError("a sample needs at least one completion token")
+        if len(self.behaviour_logprobs) != len(self.completion_ids):
+            raise ValueError(
+                f"{len(self.behaviour_logprobs)} behaviour logprobs for "
+                f"{len(self.completion_ids)} completion tokens"
+            )
+
+
+@dataclass(frozen=True)
+class GRPOConfig:
+    lr: float = 1e-3
+    temperature: float = 1.0
+    """Must equal the rollouts' sampling temperature: logprobs are taken at it."""
+    clip_eps_low: float = 0.2
+    clip_eps_high: float = 0.2
+    kl_coef: float = 0.0
+    """Weight of the k3 KL to the initial policy; 0 disables it and keeps no reference model."""
+    max_grad_norm: float = 1.0
+    weight_decay: float = 0.0
+    betas: tuple[float, float] = (0.9, 0.99)
+    micro_batch_size: int = 0
+    """Samples per forward/backward (gradients accumulate); 0 = the whole batch at once."""
+    decay_steps: int = 0
+    """Decay lr linearly to ``min_lr_ratio * lr`` over this many steps; 0 keeps it constant."""
+    min_lr_ratio: float = 0.1
+
+
+def lr_at(step: int, config: GRPOConfig) -> float:
+    """Learning rate of optimizer step ``step`` (0-based).
+
+    A pure function of the step, so a trainer restored from a checkpoint resumes the
+    schedule from the checkpoint's step with no scheduler state to save.
+    """
+    if config.decay_steps <= 0:
+        return config.lr
+    progress = min(step, config.decay_steps) / config.decay_steps
+    return config.lr * (1.0 - (1.0 - config.min_lr_ratio) * progress)
+
+
+@dataclass(frozen=True)
+class StepMetrics:
+    loss: float
+    grad_norm: float
+    """Total gradient norm before clipping (what tells you the step was large)."""
+    grad_norm_clipped: float
+    """Norm of the gradient actually applied: min(grad_norm, max_grad_norm)."""
+    ratio_mean: float
+    clip_frac: float
+    """Fraction of tokens whose ratio was clipped in the direction the advantage pushes."""
+    kl: float
+    num_tokens: int
+    num_samples: int
+    lr: float
+    """Learning rate of this step (from the schedule)."""
+    stepped: bool
+    """False when the loss or gradient was non-finite: the optimizer did not step."""
+    nonfinite: bool
+
+
+def batch_tensors(
+    samples: Sequence[Sample], pad_id: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Right-padded ``prompt + completion`` rows and per-target-position tensors.
+
+    Returns ``(input_ids, attention_mask, completion_mask, behaviour_logprobs, advantages)``;
+    the last three are aligned with ``input_ids[:, 1:]`` (the tokens being predicted).
+    """
+    width = max(len(s.prompt_ids) + len(s.completion_ids) for s in samples)
+    b = len(samples)
+    input_ids = torch.full((b, width), pad_id, dtype=torch.long)
+    attention = torch.zeros((b, width), dtype=torch.long)
+    mask = torch.zeros((b, width - 1), dtype=torch.float32)
+    old = torch.zeros((b, width - 1), dtype=torch.float32)
+    adv = torch.zeros((b, 1), dtype=torch.float32)
+    for i, s in enumerate(samples):
+        p, c = len(s.prompt_ids), len(s.completion_ids)
+        input_ids[i, : p + c] = torch.tensor(s.prompt_ids + s.completion_ids)
+        attention[i, : p + c] = 1
+        # Target position t predicts input_ids[t + 1]; completion token k sits at p + k.
+        mask[i, p - 1 : p - 1 + c] = 1.0
+        old[i, p - 1 : p - 1 + c] = torch.tensor(s.behaviour_logprobs)
+        adv[i, 0] = s.advantage
+    return input_ids, attention, mask, old, adv
+
+
+def token_logprobs(
+    model: torch.nn.Module,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    temperature: float,
+) -> torch.Tensor:
+    """``[B, T-1]`` logprob of each next token under ``model`` at ``temperature``.
+
+    Rows are right-padded, so the causal mask alone keeps padding out of real positions.
+    """
+    logits = model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits
+    scale = temperature if temperature > 0 else 1.0
+    logp = torch.log_softmax(logits[:, :-1].float() / scale, dim=-1)
+    return logp.gather(-1, input_ids[:, 1:, None]).squeeze(-1)
+
+
+def completion_logprobs(
+    model: torch.nn.Module, samples: Sequence[Sample], pad_id: int, temperature: float
+) -> list[list[float]]:
+    """Per-token logprobs of each sample's completion under ``model`` (no gradient)."""
+    input_ids, attention, mask, _, _ = batch_tensors(samples, pad_id)
+    with torch.no_grad():
+        logp = token_logprobs(model, input_ids, attention, temperature)
+    return [logp[i][mask[i].bool()].tolist() for i in range(len(samples))]
+
+
+@dataclass(frozen=True)
+class LossParts:
+    loss: torch.Tensor
+    ratio_sum: float
+    clipped: float
+    kl_sum: float
+
+
+def policy_loss(
+    logp: torch.Tensor,
+    old_logp: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    *,
+    clip_eps_low: float,
+    clip_eps_high: float,
+    ref_logp: torch.Tensor | None = None,
+    kl_coef: float = 0.0,
+    num_tokens: int | None = None,
+) -> LossParts:
+    """Clipped-ratio GRPO loss, summed over masked tokens and divided by ``num_tokens``.
+
+    ``advantages`` broadcasts against ``logp`` ([B, 1] per sequence or [B, T] per token).
+    Dividing by the token count of the whole batch (not per sequence) keeps long and short
+    completions weighted per token, and lets micro-batches add up to the full-batch loss.
+    The KL term is the k3 estimator ``exp(ref - logp) - (ref - logp) - 1`` (>= 0, unbiased).
+    """
+    denom = float(num_tokens if num_tokens is not None else mask.sum().item())
+    denom = max(denom, 1.0)
+    ratio = torch.exp(logp - old_logp)
+    clipped_ratio = ratio.clamp(1.0 - clip_eps_low, 1.0 + clip_eps_high)
+    per_token = -torch.minimum(ratio * advantages, clipped_ratio * advantages)
+    # Tokens where the clipped branch won: the update there is cut off.
+    was_clipped = ((ratio * advantages) > (clipped_ratio * advantages)).float()
+    kl_sum = 0.0
+    if ref_logp is not None and kl_coef > 0:
+        delta = ref_logp - logp
+        kl = torch.exp(delta) - delta - 1.0
+        per_token = per_token + kl_coef * kl
+        kl_sum = float((kl * mask).sum().detach())
+    loss = (per_token * mask).sum() / denom
+    return LossParts(
+        loss=loss,
+        ratio_sum=float((ratio.detach() * mask).sum()),
+        clipped=float((was_clipped * mask).sum()),
+        kl_sum=kl_sum,
+    )
+
+
+class GRPOTrainer:
+    """Policy, AdamW and (when kl_coef > 0) a frozen reference copy; one ``step`` per batch."""
+
+    def __init__(self, model: torch.nn.Module, config: GRPOConfig, pad_id: int) -> None:
+        self.model = model
+        self.config = config
+        self.pad_id = pad_id
+        self.ref_model: torch.nn.Module | None = None
+        if config.kl_coef > 0:
+            self.ref_model = copy.deepcopy(model).eval()
+            for p in self.ref_model.parameters():
+                p.requires_grad_(False)
+        self.optimizer = torch.optim.AdamW(
+            model.parameters(), lr=config.lr, betas=config.betas, weight_decay=config.weight_decay
+        )
+
+    @property
+    def steps_taken(self) -> int:
+        """Optimizer steps taken so far, read from the optimizer's own state.
+
+        The lr schedule keys on it, so restoring the optimizer from a checkpoint also puts
+        the schedule back where it was.
+        """
+        for group in self.optimizer.param_groups:
+            for p in group["params"]:
+                state = self.optimizer.state.get(p)
+                if state and "step" in state:
+                    return int(state["step"])
+        return 0
+
+    def step(self, samples: Sequence[Sample]) -> StepMetrics:
+        """One optimizer step on ``samples``; skips the update when anything is non-finite."""
+        if not samples:
+            raise ValueError("cannot train on an empty batch")
+        cfg = self.config
+        self.model.train()
+        self.optimizer.zero_grad(set_to_none=True)
+        num_tokens = sum(len(s.completion_ids) for s in samples)
+        size = cfg.micro_batch_size or len(samples)
+        loss_total, ratio_sum, clipped, kl_sum = 0.0, 0.0, 0.0, 0.0
+        nonfinite = False
+        for start in range(0, len(samples), size):
+            chunk = samples[start : start + size]
+            input_ids, attention, mask, old, adv = batch_tensors(chunk, self.pad_id)
+            logp = token_logprobs(self.model, input_ids, attention, cfg.temperature)
+            ref_logp = None
+            if self.ref_model is not None:
+                with torch.no_grad():
+                    ref_logp = token_logprobs(self.ref_model, input_ids, attention, cfg.temperature)
+            parts = policy_loss(
+                logp,
+                old,
+                adv,
+                mask,
+                clip_eps_low=cfg.clip_eps_low,
+                clip_eps_high=cfg.clip_eps_high,
+                ref_logp=ref_logp,
+                kl_coef=cfg.kl_coef,
+                num_tokens=num_tokens,
+            )
+            if not torch.isfinite(parts.loss):
+                nonfinite = True
+                break
+            parts.loss.backward()
+            loss_total += float(parts.loss.detach())
+            ratio_sum += parts.ratio_sum
+            clipped += parts.clipped
+            kl_sum += parts.kl_sum
+
+        grad_norm = float("nan")
+        if not nonfinite:
+            params = [p for p in self.model.parameters() if p.grad is not None]
+            grad_norm = float(torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm))
+            nonfinite = not math.isfinite(grad_norm)
+        lr = lr_at(self.steps_taken, cfg)
+        if nonfinite:
+            # Never step on a NaN/Inf: it would poison the weights and the optimizer moments.
+            self.optimizer.zero_grad(set_to_none=True)
+        else:
+            for group in self.optimizer.param_groups:
+                group["lr"] = lr
+            self.optimizer.step()
+        self.model.eval()
+        return StepMetrics(
+            loss=loss_total if not nonfinite else float("nan"),
+            grad_norm=grad_norm,
+            grad_norm_clipped=min(grad_norm, cfg.max_grad_norm) if not nonfinite else float("nan"),
+            ratio_mean=ratio_sum / num_tokens,
+            clip_frac=clipped / num_tokens,
+            kl=kl_sum / num_tokens,
+            num_tokens=num_tokens,
+            num_samples=len(samples),
+            lr=lr,
+            stepped=not nonfinite,
+            nonfinite=nonfinite,
+        )

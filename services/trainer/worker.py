@@ -1,0 +1,393 @@
+"""One job on a trainer: load the model, take trajectories in, run GRPO steps, checkpoint,
+publish weight versions, evaluate, and report progress to the coordinator.
+
+The step loop runs torch in a worker thread so the event loop keeps serving trajectory
+streams, weight pulls and heartbeats while a step computes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import math
+import time
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+import grpc
+import torch
+
+from robustrl.v1 import coordinator_pb2, trainer_pb2
+from services.common.coordinator_client import CoordinatorClient
+from services.common.errors import InvalidArgument, Unavailable
+from services.common.jobspec import JobSpec
+from services.common.logs import get_logger
+from services.common.runtime import ServiceRuntime
+from services.common.tasks import TaskItem, UnknownTaskError, get_task
+from services.common.weights import GrpcStreamTransport, WeightTransport
+from services.rollout.engine import SamplingParams, TorchEngine
+from services.rollout.rewards import RewardError, RewardFn, load_reward, score
+from services.trainer import checkpoint, grpo
+from services.trainer.config import TrainerSettings
+from services.trainer.intake import Group, Intake
+from services.trainer.report import write_reward_plot
+
+log = get_logger(__name__)
+
+REPORT_DEADLINE = 10.0
+
+
+class TrainerWorker:
+    def __init__(
+        self,
+        runtime: ServiceRuntime,
+        settings: TrainerSettings,
+        *,
+        job_id: str,
+        epoch: int,
+        spec: JobSpec,
+    ) -> None:
+        self.runtime = runtime
+        self.settings = settings
+        self.job_id = job_id
+        self.epoch = epoch
+        self.spec = spec
+        self.run_dir = Path(settings.runs_dir) / job_id
+        self.intake = Intake(job_id, spec.trainer.max_staleness)
+        self.step = 0
+        self.data_arrived = asyncio.Event()
+        self.outboxes: dict[str, list[asyncio.Queue[trainer_pb2.TrajectoryAck]]] = defaultdict(list)
+        self.uncommitted: dict[str, list[str]] = defaultdict(list)
+        self.transport: WeightTransport | None = None
+        self._task: asyncio.Task[None] | None = None
+        self._stopping = False
+        # Filled by load():
+        self.model: Any = None
+        self.tokenizer: Any = None
+        self.trainer: grpo.GRPOTrainer | None = None
+        self.reward: RewardFn | None = None
+        self.eval_items: list[TaskItem] = []
+        self.checkpoints: checkpoint.CheckpointWriter | None = None
+        # Trained trajectory ids per step, by rollout, until that step's checkpoint is durable.
+        self.pending_commits: dict[int, dict[str, list[str]]] = {}
+        self.loop: asyncio.AbstractEventLoop | None = None
+
+    # ------------------------------------------------------------------ set-up
+
+    def load(self) -> None:
+        """Build everything the job needs; InvalidArgument naming the spec field on bad input."""
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        torch.set_num_threads(self.settings.torch_threads)
+        spec = self.spec
+        path = Path(spec.model.path)
+        if not (path / "config.json").exists():
+            raise InvalidArgument(
+                f"model.path: no model at {path} (run `robustrl model init` to create the tiny one)"
+            )
+        try:
+            task = get_task(spec.task.name)
+        except UnknownTaskError as exc:
+            raise InvalidArgument(f"task.name: {exc}") from exc
+        try:
+            self.eval_items = task.eval_split(spec.task.eval_size)
+        except ValueError as exc:
+            raise InvalidArgument(f"task.eval_size: {exc}") from exc
+        try:
+            self.reward = load_reward(spec.task.reward)
+        except RewardError as exc:
+            raise InvalidArgument(f"task.reward: {exc}") from exc
+        torch.manual_seed(spec.seed)
+        self.tokenizer = AutoTokenizer.from_pretrained(path)
+        self.model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+        config = grpo.GRPOConfig(
+            lr=spec.trainer.lr,
+            temperature=spec.rollout.temperature,
+            clip_eps_low=spec.trainer.clip_eps,
+            clip_eps_high=spec.trainer.clip_eps,
+            kl_coef=spec.trainer.kl_coef,
+            decay_steps=spec.trainer.steps,
+            min_lr_ratio=spec.trainer.min_lr_ratio,
+        )
+        self.trainer = grpo.GRPOTrainer(self.model, config, pad_id=int(self.tokenizer.pad_token_id))
+        self.checkpoints = checkpoint.CheckpointWriter(
+            self.run_dir / "checkpoints",
+            keep=self.settings.keep_checkpoints,
+            on_written=self._on_written,
+        )
+        restored = checkpoint.load_latest(self.run_dir / "checkpoints")
+        if restored is not None:
+            self.step = checkpoint.restore(restored, self.model, self.trainer.optimizer)
+            self.intake.trained_ids = set(restored.extra.get("trained_ids", []))
+            self.intake.trained_groups = set(restored.extra.get("trained_groups", []))
+            log.info("trainer.restored", job=self.job_id, step=self.step)
+
+    def start(self) -> None:
+        assert self.runtime.client is not None
+        self.loop = asyncio.get_running_loop()
+        self.transport = GrpcStreamTransport(
+            self.runtime.client,
+            self.runtime.keys,
+            self.job_id,
+            address=self.runtime.address,
+            epoch=self.epoch,
+        )
+        self._task = asyncio.create_task(self._run(), name=f"train-{self.job_id}")
+
+    async def stop(self) -> None:
+        self._stopping = True
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+        if self.checkpoints is not None:
+            await asyncio.to_thread(self.checkpoints.close)
+
+    # ------------------------------------------------------------------ intake
+
+    def offer(self, trajectory: trainer_pb2.Trajectory) -> tuple[str, str]:
+        verdict = self.intake.offer(trajectory)
+        if verdict[0] == "received":
+            self.data_arrived.set()
+        return verdict
+
+    def subscribe(self, rollout: str) -> asyncio.Queue[trainer_pb2.TrajectoryAck]:
+        queue: asyncio.Queue[trainer_pb2.TrajectoryAck] = asyncio.Queue()
+        self.outboxes[rollout].append(queue)
+        return queue
+
+    def unsubscribe(self, rollout: str, queue: asyncio.Queue[trainer_pb2.TrajectoryAck]) -> None:
+        with contextlib.suppress(ValueError):
+            self.outboxes[rollout].remove(queue)
+
+    def _tell(self, rollout: str, ack: trainer_pb2.TrajectoryAck) -> None:
+        for queue in self.outboxes.get(rollout, []):
+            queue.put_nowait(ack)
+
+    # ------------------------------------------------------------------ the loop
+
+    async def _run(self) -> None:
+        spec = self.spec
+        try:
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+            await self._publish()
+            if self.step == 0:
+                await self._record(self.step, {"eval_reward": await self._evaluate()})
+            last = time.monotonic()
+            while self.step < spec.trainer.steps and not self._stopping:
+                batch, stale = self.intake.take_batch(self.step, spec.trainer.groups_per_step)
+                dropped = self._reject(stale)
+                if not batch:
+                    if dropped:
+                        await self._report({}, [], dropped)
+                    self.data_arrived.clear()
+                    with contextlib.suppress(asyncio.TimeoutError):
+                        await asyncio.wait_for(self.data_arrived.wait(), 1.0)
+                    continue
+                metrics = await self._train(batch)
+                elapsed = time.monotonic() - last
+                last = time.monotonic()
+                metrics["tokens_per_s"] = metrics["tokens"] / max(elapsed, 1e-6)
+                metrics["step_seconds"] = elapsed
+                await self._publish()
+                await self._checkpoint()
+                if self.step % spec.trainer.eval_every == 0 or self.step == spec.trainer.steps:
+                    metrics["eval_reward"] = await self._evaluate()
+                await self._record(self.step, metrics)
+                keep_going = await self._report(metrics, [g.group_id for g in batch], dropped)
+                if not keep_going:
+                    return
+            if self.checkpoints is not None:
+                await asyncio.to_thread(self.checkpoints.wait)
+            await asyncio.sleep(0)  # let the last commit notices go out first
+            write_reward_plot(self.run_dir / "metrics.jsonl", self.run_dir / "reward.png")
+            await self._report({}, [], {}, finished=True)
+            log.info("trainer.finished", job=self.job_id, step=self.step)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # the job cannot go on here: say why, then stop
+            log.error("trainer.failed", job=self.job_id, exc_info=exc)
+            with contextlib.suppress(Exception):
+                await self._report({}, [], {}, error=f"{type(exc).__name__}: {exc}")
+
+    def _reject(self, stale: list[tuple[Group, str]]) -> dict[str, str]:
+        """Tell each rollout which of its trajectories were dropped, so it stops keeping them."""
+        for group, why in stale:
+            log.info("trainer.group_dropped", job=self.job_id, group=group.group_id, reason=why)
+            for traj in group.trajectories.values():
+                ack = trainer_pb2.TrajectoryAck()
+                ack.rejected[traj.trajectory_id] = why
+                self._tell(traj.rollout_instance_id, ack)
+        return {group.group_id: why for group, why in stale}
+
+    async def _train(self, batch: list[Group]) -> dict[str, float]:
+        assert self.trainer is not None
+        samples: list[grpo.Sample] = []
+        rewards: list[float] = []
+        staleness: list[int] = []
+        for group in batch:
+            trajectories = sorted(group.trajectories.values(), key=lambda t: t.trajectory_id)
+            group_rewards = [t.reward for t in trajectories]
+            rewards += group_rewards
+            for traj, adv in zip(trajectories, grpo.group_advantages(group_rewards), strict=True):
+                staleness.append(self.step - traj.weight_version)
+                if adv == 0.0:
+                    # No gradient; leaving it out keeps the per-token normalisation about the
+                    # samples that carry signal.
+                    continue
+                samples.append(
+                    grpo.Sample(
+                        prompt_ids=list(traj.prompt_ids),
+                        completion_ids=list(traj.completion_ids),
+                        behaviour_logprobs=list(traj.logprobs),
+                        advantage=adv,
+                    )
+                )
+        result = await asyncio.to_thread(self.trainer.step, samples) if samples else None
+        self.intake.mark_trained(batch)
+        self._audit(batch)
+        self.step += 1
+        for group in batch:
+            for traj in group.trajectories.values():
+                self.uncommitted[traj.rollout_instance_id].append(traj.trajectory_id)
+        tokens = float(sum(len(t.completion_ids) for g in batch for t in g.trajectories.values()))
+        metrics = {
+            "reward": sum(rewards) / len(rewards),
+            "tokens": tokens,
+            "samples": float(len(samples)),
+            "staleness_mean": sum(staleness) / len(staleness),
+            "staleness_max": float(max(staleness)),
+        }
+        if result is not None:  # None: every group was all-right or all-wrong, nothing to learn
+            metrics |= {
+                "loss": result.loss,
+                "grad_norm": result.grad_norm,
+                "clip_frac": result.clip_frac,
+                "kl": result.kl,
+                "lr": result.lr,
+                "nonfinite": float(result.nonfinite),
+            }
+        return metrics
+
+    def _audit(self, batch: list[Group]) -> None:
+        """trained.jsonl: which trajectories (and weight versions) each step trained on."""
+        line = {
+            "step": self.step,
+            "groups": {
+                g.group_id: {
+                    "ids": sorted(g.trajectories),
+                    "versions": [g.trajectories[t].weight_version for t in sorted(g.trajectories)],
+                }
+                for g in batch
+            },
+        }
+        with (self.run_dir / "trained.jsonl").open("a") as out:
+            out.write(json.dumps(line) + "\n")
+
+    async def _publish(self) -> None:
+        assert self.transport is not None
+        tensors = [(name, t.detach().clone()) for name, t in self.model.state_dict().items()]
+        await self.transport.publish(self.step, tensors)
+        self.runtime.progress.counters.update({"step": self.step, "weight_version": self.step})
+
+    async def _checkpoint(self) -> None:
+        assert self.checkpoints is not None and self.trainer is not None
+        if self.step % self.spec.trainer.checkpoint_every and self.step != self.spec.trainer.steps:
+            return
+        self.pending_commits[self.step] = dict(self.uncommitted)
+        self.uncommitted.clear()
+        extra = {
+            "trained_ids": sorted(self.intake.trained_ids),
+            "trained_groups": sorted(self.intake.trained_groups),
+            "job_id": self.job_id,
+        }
+        # Only the copy to host memory blocks the step; the write goes on in a thread.
+        snapshot = checkpoint.to_host(
+            self.model, self.trainer.optimizer, self.step, checkpoint.capture_rng(), extra
+        )
+        self.checkpoints.save(snapshot)
+
+    def _on_written(self, step: int, extra: dict[str, Any]) -> None:
+        """Writer thread: the checkpoint of `step` is durable. Commit on the event loop."""
+        if self.loop is not None:
+            self.loop.call_soon_threadsafe(self._commit_through, step)
+
+    def _commit_through(self, step: int) -> None:
+        """Everything trained up to `step` is in a durable checkpoint: rollouts may drop it."""
+        for done in sorted(s for s in self.pending_commits if s <= step):
+            for rollout, ids in self.pending_commits.pop(done).items():
+                self._tell(rollout, trainer_pb2.TrajectoryAck(committed_ids=ids))
+        log.info("trainer.committed", job=self.job_id, step=step)
+
+    async def _evaluate(self) -> float:
+        assert self.reward is not None
+        engine = TorchEngine(self.model, self.tokenizer)
+        prompts = [item.prompt for item in self.eval_items]
+        params = SamplingParams(
+            n=1,
+            temperature=0.0,
+            max_new_tokens=self.spec.rollout.max_new_tokens,
+            seed=self.spec.seed,
+        )
+        outputs = await asyncio.to_thread(engine.generate, prompts, params)
+        total = 0.0
+        for item, completions in zip(self.eval_items, outputs, strict=True):
+            total += score(self.reward, item.prompt, completions[0].text, item.answer)
+        return total / max(1, len(self.eval_items))
+
+    async def _record(self, step: int, metrics: dict[str, float]) -> None:
+        line = {"step": step, "version": step, "time": time.time(), **metrics}
+        with (self.run_dir / "metrics.jsonl").open("a") as out:
+            out.write(json.dumps(line) + "\n")
+
+    async def _report(
+        self,
+        metrics: dict[str, float],
+        trained: list[str],
+        dropped: dict[str, str],
+        *,
+        finished: bool = False,
+        error: str = "",
+    ) -> bool:
+        finite = {k: v for k, v in metrics.items() if math.isfinite(v)}
+        request = coordinator_pb2.ReportProgressRequest(
+            job_id=self.job_id,
+            instance_id=self.runtime.instance_id,
+            epoch=self.epoch,
+            step=self.step,
+            weight_version=self.step,
+            metrics=finite,
+            trained_group_ids=trained,
+            discarded_groups=dropped,
+            finished=finished,
+            error=error,
+        )
+        return await report_to_coordinator(self.runtime, request)
+
+
+async def report_to_coordinator(
+    runtime: ServiceRuntime, request: coordinator_pb2.ReportProgressRequest
+) -> bool:
+    """ReportProgress to the leader, riding out a leader change (up to ~30 s).
+
+    A loop rather than gRPC's retry policy: after a failover the leader is at another
+    address, which only a fresh look in etcd finds.
+    """
+    assert runtime.client is not None
+    client = CoordinatorClient(runtime.client, runtime.keys)
+    delay = 0.2
+    for _ in range(20):
+        try:
+            reply = await client.write(lambda s: s.ReportProgress(request, timeout=REPORT_DEADLINE))
+            return bool(reply.keep_going)
+        except (grpc.aio.AioRpcError, Unavailable) as exc:
+            code = (
+                exc.code() if isinstance(exc, grpc.aio.AioRpcError) else grpc.StatusCode.UNAVAILABLE
+            )
+            if code != grpc.StatusCode.UNAVAILABLE:
+                raise
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, 2.0)
+    raise Unavailable("no coordinator leader answered progress reports for ~30 s")

@@ -1,0 +1,149 @@
+"""A shortened GRPO job through real service processes: it learns, and nothing is lost or
+trained twice."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from services.cli.stack import StackState, find_etcd
+from tests.e2e.test_cli_stack import EXAMPLE, REPO, Cli
+
+STEPS = 100
+STALENESS = 1
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny model, made by the repo's own command (seeded, so the same every run)."""
+    out = tmp_path_factory.mktemp("model") / "tiny-qwen"
+    subprocess.run(
+        [sys.executable, "-m", "services.cli.main", "model", "init", "--out", str(out)],
+        cwd=REPO,
+        check=True,
+        capture_output=True,
+        timeout=600,
+    )
+    return out
+
+
+@pytest.fixture
+def stack(tmp_path: Path) -> Iterator[Cli]:
+    cli = Cli(tmp_path / "home")
+    cli.env["ROBUSTRL_TRAINER_RUNS_DIR"] = str(tmp_path / "runs")
+    cli.run("up", "--trainers", "1", "--rollouts", "2")
+    try:
+        yield cli
+    finally:
+        cli.run("down", check=False)
+
+
+def etcd_json(cli: Cli, key: str) -> dict[str, object]:
+    state = StackState.load(cli.home)
+    assert state is not None
+    etcdctl = Path(find_etcd()).with_name("etcdctl")
+    out = subprocess.run(
+        [str(etcdctl), f"--endpoints={state.etcd_endpoints}", "get", key, "--print-value-only"],
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=30,
+    ).stdout
+    value: dict[str, object] = json.loads(out)
+    return value
+
+
+@pytest.mark.slow
+def test_a_short_job_learns_and_accounts_for_every_trajectory(
+    stack: Cli, model_dir: Path, tmp_path: Path
+) -> None:
+    stack.run(
+        "submit",
+        str(EXAMPLE),
+        "--id",
+        "learn",
+        f"model.path={model_dir}",
+        f"trainer.steps={STEPS}",
+        "trainer.eval_every=10",
+        f"trainer.max_staleness={STALENESS}",
+    )
+    watch = stack.run("watch", "learn", check=False)
+    assert watch.returncode == 0, watch.stdout + watch.stderr
+
+    status = stack.json("status", "learn")
+    assert isinstance(status, dict) and status["phase"] == "SUCCEEDED"
+    assert status["step"] == STEPS and status["weight_version"] == STEPS
+
+    run = tmp_path / "runs" / "learn"
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    evals = [r["eval_reward"] for r in rows if "eval_reward" in r]
+    assert len(evals) >= 3
+    assert evals[-1] > evals[0] + 0.1, f"eval reward did not rise: {evals}"
+    assert (run / "reward.png").stat().st_size > 0
+
+    # No trajectory id trained twice; every trained trajectory within the staleness bound.
+    trained_ids: list[str] = []
+    trained_groups: list[str] = []
+    for line in (run / "trained.jsonl").read_text().splitlines():
+        entry = json.loads(line)
+        for group, detail in entry["groups"].items():
+            trained_groups.append(group)
+            trained_ids += detail["ids"]
+            for version in detail["versions"]:
+                assert 0 <= entry["step"] - version <= STALENESS, (entry["step"], version)
+    assert len(trained_ids) == len(set(trained_ids))
+    assert len(trained_groups) == len(set(trained_groups)) == STEPS * 64
+
+    # Every prompt group ever leased is trained or accounted for, with a reason.
+    ledger = etcd_json(stack, "/robustrl/work/learn")
+    leased = {f"learn-g{i:06d}" for i in range(int(str(ledger["next_index"])))}
+    discarded = ledger["discarded"]
+    assert isinstance(discarded, dict) and all(discarded.values())
+    assert ledger["trained"] == len(trained_groups)
+    assert leased == set(trained_groups) | discarded.keys()
+    assert not set(trained_groups) & discarded.keys()
+
+
+@pytest.mark.slow
+def test_bad_job_input_fails_the_job_with_a_clear_message_and_no_crash(
+    stack: Cli, model_dir: Path, tmp_path: Path
+) -> None:
+    plugin = tmp_path / "bad_reward.py"
+    plugin.write_text(
+        "def raises(prompt, completion, answer):\n    raise ValueError('boom')\n\n"
+        "def text(prompt, completion, answer):\n    return 'high'\n"
+    )
+    cases = {
+        "no-model": (["model.path=/nonexistent/model"], "model.path"),
+        "no-task": ([f"model.path={model_dir}", "task.name=chess"], "unknown task"),
+        "no-plugin": ([f"model.path={model_dir}", "task.reward=nowhere:fn"], "task.reward"),
+        "raises": ([f"model.path={model_dir}", f"task.reward={plugin}:raises"], "boom"),
+        "not-a-number": (
+            [f"model.path={model_dir}", f"task.reward={plugin}:text"],
+            "expected a float",
+        ),
+        "too-long": ([f"model.path={model_dir}", "rollout.max_new_tokens=100000"], "context"),
+    }
+    for job, (overrides, text) in cases.items():
+        stack.run("submit", str(EXAMPLE), "--id", job, "trainer.steps=3", *overrides)
+        stack.run("watch", job, check=False)
+        status = stack.json("status", job)
+        assert isinstance(status, dict)
+        assert status["phase"] == "FAILED", (job, status["phase"], status["message"])
+        assert text in str(status["message"]), (job, status["message"])
+    # Every service survived all of that and is free for the next job.
+    members = stack.members()
+    assert sorted(str(m["instance_id"]) for m in members) == [
+        "coordinator-0",
+        "coordinator-1",
+        "monitor-0",
+        "rollout-0",
+        "rollout-1",
+        "trainer-0",
+    ]
+    assert all(not m["job_id"] for m in members)

@@ -1,0 +1,202 @@
+"""Checkpoints restore training exactly, land atomically, and never fail silently."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import random
+import shutil
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+from services.trainer.checkpoint import (
+    CheckpointError,
+    CheckpointWriter,
+    capture_rng,
+    load_checkpoint,
+    load_latest,
+    restore,
+    to_host,
+    write_snapshot,
+)
+
+
+def _model() -> torch.nn.Module:
+    return torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 2))
+
+
+def _train(model: torch.nn.Module, optimizer: torch.optim.Optimizer, steps: int) -> list[float]:
+    """Steps that draw from every RNG, so a wrongly restored generator changes the result."""
+    losses = []
+    for _ in range(steps):
+        x = torch.randn(16, 4) + random.random() + float(np.random.rand())
+        loss = model(torch.nn.functional.dropout(x, 0.3)).pow(2).mean()
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        losses.append(float(loss.detach()))
+    return losses
+
+
+def _fresh(seed: int) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    torch.manual_seed(seed)
+    model = _model()
+    return model, torch.optim.AdamW(model.parameters(), lr=1e-2)
+
+
+def test_round_trip_restores_training_bitwise(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    random.seed(0)
+    np.random.seed(0)
+    model, optimizer = _fresh(0)
+    _train(model, optimizer, 3)
+    extra: dict[str, Any] = {"committed": {"rollout-a": ["t1", "t2"]}, "watermark": 41}
+    snapshot = to_host(model, optimizer, step=3, extra=extra)
+    extra["watermark"] = 99  # later changes by the caller do not leak into the snapshot
+    writer = CheckpointWriter(tmp_path, keep=2)
+    writer.save(snapshot)
+    writer.close()
+
+    expected_losses = _train(model, optimizer, 4)
+    expected_state = {k: v.clone() for k, v in model.state_dict().items()}
+
+    # Everything scrambled: another init, no optimizer history, other RNG states.
+    other, other_opt = _fresh(123)
+    random.seed(5)
+    np.random.seed(5)
+    ckpt = load_latest(tmp_path)
+    assert ckpt is not None
+    assert ckpt.step == 3
+    assert ckpt.extra == {"committed": {"rollout-a": ["t1", "t2"]}, "watermark": 41}
+    assert restore(ckpt, other, other_opt) == 3
+    assert _train(other, other_opt, 4) == expected_losses
+    for k, v in other.state_dict().items():
+        assert torch.equal(v, expected_state[k]), k
+
+
+def test_snapshot_is_a_copy_not_a_view(tmp_path: Path) -> None:
+    model, optimizer = _fresh(0)
+    _train(model, optimizer, 1)
+    snapshot = to_host(model, optimizer, step=1)
+    frozen = {k: v.clone() for k, v in snapshot.model_state.items()}
+    moments = snapshot.optimizer_state["state"][0]["exp_avg"].clone()
+    _train(model, optimizer, 2)
+    for k, v in snapshot.model_state.items():
+        assert torch.equal(v, frozen[k])
+    assert torch.equal(snapshot.optimizer_state["state"][0]["exp_avg"], moments)
+
+
+def test_extra_must_be_json(tmp_path: Path) -> None:
+    model, optimizer = _fresh(0)
+    with pytest.raises(ValueError, match="JSON"):
+        to_host(model, optimizer, step=0, extra={"ids": {"a", "b"}})
+    with pytest.raises(ValueError, match="JSON"):
+        to_host(model, optimizer, step=0, extra={"x": float("nan")})
+
+
+def test_latest_pointer_and_pruning(tmp_path: Path) -> None:
+    model, optimizer = _fresh(0)
+    written: list[tuple[int, dict[str, Any]]] = []
+    writer = CheckpointWriter(tmp_path, keep=2, on_written=lambda s, e: written.append((s, e)))
+    for step in range(1, 5):
+        _train(model, optimizer, 1)
+        writer.save(to_host(model, optimizer, step=step, extra={"step": step}))
+        writer.wait()
+    writer.close()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["latest", "step-3", "step-4"]
+    assert (tmp_path / "latest").read_text().strip() == "step-4"
+    assert writer.durable_step == 4
+    assert written == [(s, {"step": s}) for s in range(1, 5)]
+    meta = json.loads((tmp_path / "step-4" / "meta.json").read_text())
+    assert meta == {"format": 1, "step": 4, "extra": {"step": 4}}
+    ckpt = load_latest(tmp_path)
+    assert ckpt is not None and ckpt.step == 4
+    assert load_checkpoint(tmp_path / "step-3").step == 3
+
+
+def test_nothing_written_means_no_checkpoint(tmp_path: Path) -> None:
+    assert load_latest(tmp_path) is None
+    assert load_latest(tmp_path / "missing") is None
+
+
+def test_an_unfinished_write_is_invisible_and_cleaned_up(tmp_path: Path) -> None:
+    model, optimizer = _fresh(0)
+    write_snapshot(tmp_path, to_host(model, optimizer, step=1), keep=3)
+    # A writer that died mid-way through step 2 leaves only its temp directory.
+    partial = tmp_path / ".tmp-step-2-deadbeef"
+    partial.mkdir()
+    (partial / "model.safetensors").write_bytes(b"half a file")
+    ckpt = load_latest(tmp_path)
+    assert ckpt is not None and ckpt.step == 1
+    CheckpointWriter(tmp_path).close()
+    assert not partial.exists()
+
+
+def test_rewriting_a_step_replaces_it(tmp_path: Path) -> None:
+    model, optimizer = _fresh(0)
+    write_snapshot(tmp_path, to_host(model, optimizer, step=1, extra={"v": 1}), keep=3)
+    write_snapshot(tmp_path, to_host(model, optimizer, step=1, extra={"v": 2}), keep=3)
+    ckpt = load_latest(tmp_path)
+    assert ckpt is not None and ckpt.extra == {"v": 2}
+
+
+def test_a_write_error_surfaces_on_wait_and_on_the_next_save(tmp_path: Path) -> None:
+    model, optimizer = _fresh(0)
+    target = tmp_path / "ckpt"
+    writer = CheckpointWriter(target)
+    shutil.rmtree(target)
+    target.write_text("not a directory")  # every write into it now fails
+    writer.save(to_host(model, optimizer, step=1))
+    with pytest.raises(CheckpointError, match="failed"):
+        writer.wait()
+    # Without a wait, the failure of step 2 is reported by a later save().
+    writer.save(to_host(model, optimizer, step=2))
+    deadline = time.monotonic() + 10
+    with pytest.raises(CheckpointError):
+        while time.monotonic() < deadline:
+            writer.save(to_host(model, optimizer, step=3))
+            time.sleep(0.01)
+    assert writer.durable_step is None
+    with contextlib.suppress(CheckpointError):
+        writer.wait()  # a step-3 write queued by the loop may fail too
+    target.unlink()
+    writer.save(to_host(model, optimizer, step=4))
+    writer.close()
+    assert writer.durable_step == 4
+
+
+def test_a_dangling_pointer_is_an_error(tmp_path: Path) -> None:
+    model, optimizer = _fresh(0)
+    write_snapshot(tmp_path, to_host(model, optimizer, step=1), keep=3)
+    shutil.rmtree(tmp_path / "step-1")
+    with pytest.raises(CheckpointError, match="missing"):
+        load_latest(tmp_path)
+
+
+def test_a_corrupt_checkpoint_is_an_error(tmp_path: Path) -> None:
+    model, optimizer = _fresh(0)
+    path = write_snapshot(tmp_path, to_host(model, optimizer, step=1), keep=3)
+    (path / "model.safetensors").write_bytes(b"garbage")
+    with pytest.raises(CheckpointError, match="not a readable checkpoint"):
+        load_latest(tmp_path)
+
+
+def test_rng_capture_restores_every_generator() -> None:
+    from services.trainer.checkpoint import restore_rng
+
+    state = capture_rng()
+    first = (torch.rand(3), random.random(), np.random.rand())
+    restore_rng(state)
+    second = (torch.rand(3), random.random(), np.random.rand())
+    assert torch.equal(first[0], second[0])
+    assert first[1:] == second[1:]
+
+
+def test_writer_rejects_bad_keep(tmp_path: Path) -> None:
+    with pytest.raises(ValueError):
+        CheckpointWriter(tmp_path, keep=0)

@@ -1,0 +1,277 @@
+"""The torch engine samples what it says it samples, and swaps weights all-or-nothing."""
+
+from __future__ import annotations
+
+import importlib.util
+import threading
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+import torch
+
+from services.rollout.engine import SamplingParams, TorchEngine, sampling_logprobs
+from services.trainer.grpo import Sample, completion_logprobs
+from services.trainer.modelgen import ModelShape, init_model
+
+TINY = ModelShape(
+    hidden_size=16,
+    intermediate_size=32,
+    num_layers=1,
+    num_heads=2,
+    num_kv_heads=1,
+    max_position_embeddings=24,
+)
+PROMPTS = ["3+4=", "12+17=", "1+1=", "19+13="]
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    torch.set_num_threads(1)
+    return init_model(tmp_path_factory.mktemp("tiny"), seed=0, shape=TINY)
+
+
+@pytest.fixture
+def engine(model_dir: Path) -> TorchEngine:
+    return TorchEngine.from_pretrained(model_dir)
+
+
+def _single_sequence_logprobs(
+    engine: TorchEngine, prompt_ids: list[int], completion_ids: list[int], temperature: float
+) -> list[float]:
+    """Reference: one unpadded full forward over prompt + completion, no KV cache."""
+    ids = torch.tensor([prompt_ids + completion_ids])
+    with torch.no_grad():
+        logits = engine.model(input_ids=ids).logits[0]
+    logp = sampling_logprobs(logits, temperature)
+    p = len(prompt_ids)
+    return [float(logp[p - 1 + k, tok]) for k, tok in enumerate(completion_ids)]
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7, 0.0])
+def test_logprobs_match_a_full_forward_of_the_same_tokens(
+    engine: TorchEngine, temperature: float
+) -> None:
+    groups = engine.generate(
+        PROMPTS, SamplingParams(n=3, temperature=temperature, max_new_tokens=6, seed=3)
+    )
+    completions = [c for g in groups for c in g]
+    assert len(completions) == len(PROMPTS) * 3
+    for c in completions:
+        ref = _single_sequence_logprobs(engine, c.prompt_ids, c.token_ids, temperature)
+        assert c.logprobs == pytest.approx(ref, abs=1e-5)
+    # The trainer's batched recomputation agrees too: ratio 1 on policy.
+    samples = [Sample(c.prompt_ids, c.token_ids, c.logprobs, 0.0) for c in completions]
+    trainer_lp = completion_logprobs(engine.model, samples, engine.pad_id, temperature)
+    for c, lp in zip(completions, trainer_lp, strict=True):
+        assert lp == pytest.approx(c.logprobs, abs=1e-5)
+
+
+def test_greedy_takes_the_argmax(engine: TorchEngine) -> None:
+    groups = engine.generate(PROMPTS, SamplingParams(n=1, temperature=0.0, max_new_tokens=5))
+    for group in groups:
+        c = group[0]
+        ids = list(c.prompt_ids)
+        for tok in c.token_ids:
+            with torch.no_grad():
+                logits = engine.model(input_ids=torch.tensor([ids])).logits[0, -1]
+            assert tok == int(logits.argmax())
+            ids.append(tok)
+
+
+def test_sampling_is_seeded(engine: TorchEngine) -> None:
+    params = SamplingParams(n=4, temperature=1.0, max_new_tokens=6, seed=11)
+    first = engine.generate(PROMPTS, params)
+    assert engine.generate(PROMPTS, params) == first
+    other = engine.generate(
+        PROMPTS, SamplingParams(n=4, temperature=1.0, max_new_tokens=6, seed=12)
+    )
+    assert other != first
+
+
+def test_finish_reasons_and_lengths(engine: TorchEngine) -> None:
+    groups = engine.generate(PROMPTS, SamplingParams(n=8, temperature=1.5, max_new_tokens=4))
+    for group in groups:
+        for c in group:
+            assert len(c.logprobs) == len(c.token_ids)
+            assert engine.eos_id not in c.token_ids[:-1]
+            if c.finish_reason == "stop":
+                assert c.token_ids[-1] == engine.eos_id
+            else:
+                assert len(c.token_ids) == 4 and c.token_ids[-1] != engine.eos_id
+
+
+def test_stops_at_eos(engine: TorchEngine) -> None:
+    # An output head that strongly prefers eos whatever the hidden state.
+    config: Any = engine.model.config
+    head = torch.nn.Linear(config.hidden_size, config.vocab_size, bias=True)
+    with torch.no_grad():
+        head.weight.zero_()
+        head.bias.fill_(-50.0)
+        head.bias[engine.eos_id] = 50.0
+    engine.model.lm_head = head
+    groups = engine.generate(PROMPTS, SamplingParams(n=2, temperature=1.0, max_new_tokens=5))
+    for group in groups:
+        for c in group:
+            assert c.token_ids == [engine.eos_id]
+            assert c.finish_reason == "stop"
+            assert c.text == ""
+
+
+def test_rejects_a_prompt_longer_than_the_context(engine: TorchEngine) -> None:
+    limit = TINY.max_position_embeddings - 8  # tokens a prompt may have with 8 new tokens
+    fits = "1" * (limit - 1)  # plus bos
+    engine.generate([fits], SamplingParams(max_new_tokens=8))
+    with pytest.raises(ValueError, match="exceeds the context"):
+        engine.generate([fits + "1"], SamplingParams(max_new_tokens=8))
+
+
+def test_bad_sampling_params_are_rejected() -> None:
+    with pytest.raises(ValueError):
+        SamplingParams(n=0)
+    with pytest.raises(ValueError):
+        SamplingParams(temperature=-1.0)
+    with pytest.raises(ValueError):
+        SamplingParams(max_new_tokens=0)
+
+
+def _other_weights(model_dir: Path, tmp_path: Path) -> TorchEngine:
+    init_model(tmp_path / "other", seed=1, shape=TINY)
+    return TorchEngine.from_pretrained(tmp_path / "other")
+
+
+def test_load_weights_swaps_the_whole_model(
+    engine: TorchEngine, model_dir: Path, tmp_path: Path
+) -> None:
+    other = _other_weights(model_dir, tmp_path)
+    params = SamplingParams(n=2, temperature=1.0, max_new_tokens=5, seed=5)
+    assert engine.generate(PROMPTS, params) != other.generate(PROMPTS, params)
+    engine.load_weights(other.model.state_dict().items(), version=7)
+    assert engine.weight_version == 7
+    assert engine.generate(PROMPTS, params) == other.generate(PROMPTS, params)
+    engine.load_weights(other.model.state_dict().items())
+    assert engine.weight_version == 8
+
+
+@pytest.mark.parametrize("fault", ["shape", "dtype", "missing", "unknown", "duplicate"])
+def test_load_weights_rejects_a_mismatch_and_changes_nothing(
+    engine: TorchEngine, model_dir: Path, tmp_path: Path, fault: str
+) -> None:
+    before = {k: v.clone() for k, v in engine.model.state_dict().items()}
+    update = list(_other_weights(model_dir, tmp_path).model.state_dict().items())
+    # The bad tensor comes last, so a non-atomic loader would already have copied the rest.
+    name, tensor = update[-1]
+    if fault == "shape":
+        update[-1] = (name, tensor[:-1])
+    elif fault == "dtype":
+        update[-1] = (name, tensor.double())
+    elif fault == "missing":
+        update.pop()
+    elif fault == "unknown":
+        update.append(("model.layers.9.mlp.up_proj.weight", tensor))
+    else:
+        update.append(update[0])
+    with pytest.raises(ValueError, match="model unchanged"):
+        engine.load_weights(update, version=3)
+    assert engine.weight_version == 0
+    for k, v in engine.model.state_dict().items():
+        assert torch.equal(v, before[k]), k
+
+
+def test_a_weight_swap_waits_for_the_generation_in_progress(
+    engine: TorchEngine, model_dir: Path, tmp_path: Path
+) -> None:
+    other = _other_weights(model_dir, tmp_path)
+    params = SamplingParams(n=2, temperature=1.0, max_new_tokens=5, seed=5)
+    expected_old = engine.generate(PROMPTS, params)
+    started, release = threading.Event(), threading.Event()
+    real_forward = engine.model.forward
+    calls = 0
+
+    def slow_forward(*args: object, **kwargs: object) -> object:
+        nonlocal calls
+        calls += 1
+        if calls == 2:  # inside the decode loop: the first step was sampled with old weights
+            started.set()
+            release.wait(5)
+        return real_forward(*args, **kwargs)
+
+    engine.model.forward = slow_forward
+    result: list[object] = []
+    gen = threading.Thread(target=lambda: result.append(engine.generate(PROMPTS, params)))
+    gen.start()
+    assert started.wait(5)
+    swap = threading.Thread(target=lambda: engine.load_weights(other.model.state_dict().items()))
+    swap.start()
+    swap.join(0.2)
+    assert swap.is_alive(), "load_weights must wait for the generate() in progress"
+    release.set()
+    gen.join(5)
+    swap.join(5)
+    engine.model.forward = real_forward
+    assert result == [expected_old]
+    assert engine.weight_version == 1
+
+
+# --- vLLM engine ------------------------------------------------------------------------
+
+
+def test_vllm_engine_module_needs_no_vllm_to_import() -> None:
+    from services.rollout import vllm_engine
+
+    if importlib.util.find_spec("vllm") is None:
+        with pytest.raises(ImportError, match=r"robustrl\[gpu\]"):
+            vllm_engine.VLLMEngine("unused")
+
+
+def test_vllm_weight_specs_come_from_the_checkpoint_header(
+    engine: TorchEngine, model_dir: Path
+) -> None:
+    from services.rollout.vllm_engine import checkpoint_specs
+
+    assert checkpoint_specs(model_dir) == engine.weight_specs()
+
+
+def test_vllm_outputs_convert_to_completions() -> None:
+    from services.rollout.vllm_engine import completion_from_output
+
+    def lp(x: float) -> SimpleNamespace:
+        return SimpleNamespace(logprob=x)
+
+    stopped = SimpleNamespace(
+        token_ids=[7, 2],
+        logprobs=[{7: lp(-0.5), 3: lp(-2.0)}, {2: lp(-0.1)}],
+        finish_reason="stop",
+        text="4",
+    )
+    c = completion_from_output([1, 5], stopped, eos_id=2)
+    assert (c.token_ids, c.logprobs, c.finish_reason, c.text) == ([7, 2], [-0.5, -0.1], "stop", "4")
+    cut = SimpleNamespace(token_ids=[7], logprobs=[{7: lp(-0.5)}], finish_reason="length", text="4")
+    assert completion_from_output([1], cut, eos_id=2).finish_reason == "length"
+    missing = SimpleNamespace(token_ids=[7], logprobs=None, finish_reason="length", text="4")
+    with pytest.raises(RuntimeError, match="logprobs"):
+        completion_from_output([1], missing, eos_id=2)
+
+
+@pytest.mark.gpu
+def test_vllm_engine_matches_the_torch_engine(model_dir: Path, tmp_path: Path) -> None:
+    pytest.importorskip("vllm")
+    if not torch.cuda.is_available():
+        pytest.skip("vLLM needs a CUDA GPU")
+    from services.rollout.vllm_engine import VLLMEngine
+
+    reference = TorchEngine.from_pretrained(model_dir)
+    vllm = VLLMEngine(model_dir, dtype="float32", gpu_memory_utilization=0.2, enforce_eager=True)
+    groups = vllm.generate(PROMPTS, SamplingParams(n=3, temperature=0.8, max_new_tokens=6, seed=1))
+    for c in (c for g in groups for c in g):
+        ref = _single_sequence_logprobs(reference, c.prompt_ids, c.token_ids, 0.8)
+        assert c.logprobs == pytest.approx(ref, abs=1e-3)
+    other = _other_weights(model_dir, tmp_path)
+    vllm.load_weights(other.model.state_dict().items(), version=4)
+    assert vllm.weight_version == 4
+    greedy = SamplingParams(n=1, temperature=0.0, max_new_tokens=6)
+    got = [g[0].token_ids for g in vllm.generate(PROMPTS, greedy)]
+    assert got == [g[0].token_ids for g in other.generate(PROMPTS, greedy)]
+    with pytest.raises(ValueError, match="model unchanged"):
+        vllm.load_weights(list(other.model.state_dict().items())[:-1])

@@ -1,0 +1,293 @@
+"""GRPO math: advantages, the clipped ratio, k3 KL, and a trainer step that never eats NaN."""
+
+from __future__ import annotations
+
+import copy
+import math
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from services.trainer.grpo import (
+    GRPOConfig,
+    GRPOTrainer,
+    Sample,
+    batch_tensors,
+    completion_logprobs,
+    group_advantages,
+    lr_at,
+    policy_loss,
+)
+from services.trainer.modelgen import ModelShape, init_model
+
+TINY = ModelShape(
+    hidden_size=16,
+    intermediate_size=32,
+    num_layers=1,
+    num_heads=2,
+    num_kv_heads=1,
+    max_position_embeddings=24,
+)
+PAD = 0
+
+
+# --- advantages ---------------------------------------------------------------------------
+
+
+def test_group_advantages_are_normalised() -> None:
+    adv = group_advantages([1.0, 0.0, 0.0, 0.0])
+    assert sum(adv) == pytest.approx(0.0, abs=1e-12)
+    assert math.sqrt(sum(a * a for a in adv) / 4) == pytest.approx(1.0)
+    # mean 0.25, population std sqrt(3)/4
+    assert adv[0] == pytest.approx(0.75 / (math.sqrt(3) / 4))
+    assert adv[1] == adv[2] == adv[3] == pytest.approx(-0.25 / (math.sqrt(3) / 4))
+
+
+def test_a_group_with_equal_rewards_has_no_signal() -> None:
+    assert group_advantages([1.0, 1.0, 1.0]) == [0.0, 0.0, 0.0]
+    assert group_advantages([0.0] * 8) == [0.0] * 8
+    assert group_advantages([]) == []
+
+
+def test_advantages_without_std_scaling_are_centred_rewards() -> None:
+    assert group_advantages([2.0, 0.0], scale_by_std=False) == [1.0, -1.0]
+
+
+# --- the clipped objective ----------------------------------------------------------------
+
+
+def _loss(
+    ratio: float, advantage: float, eps: float = 0.2
+) -> tuple[float, float, float, torch.Tensor]:
+    old = torch.zeros(1, 1)
+    logp = torch.full((1, 1), math.log(ratio), requires_grad=True)
+    parts = policy_loss(
+        logp,
+        old,
+        torch.full((1, 1), advantage),
+        torch.ones(1, 1),
+        clip_eps_low=eps,
+        clip_eps_high=eps,
+    )
+    parts.loss.backward()
+    assert logp.grad is not None
+    return float(parts.loss.detach()), parts.ratio_sum, parts.clipped, logp.grad
+
+
+@pytest.mark.parametrize(
+    ("ratio", "advantage", "expected_loss", "clipped"),
+    [
+        (1.0, 1.0, -1.0, False),
+        (1.5, 1.0, -1.2, True),  # too far up on a good token: capped at 1 + eps, no gradient
+        (0.5, 1.0, -0.5, False),  # below the band on a good token: pessimistic branch, learns
+        (0.5, -1.0, 0.8, True),  # too far down on a bad token: capped at 1 - eps, no gradient
+        (1.5, -1.0, 1.5, False),  # above the band on a bad token: unclipped, pushed down
+    ],
+)
+def test_ratio_clipping(
+    ratio: float, advantage: float, expected_loss: float, clipped: bool
+) -> None:
+    loss, ratio_sum, n_clipped, grad = _loss(ratio, advantage)
+    assert loss == pytest.approx(expected_loss, rel=1e-5)
+    assert ratio_sum == pytest.approx(ratio, rel=1e-5)
+    assert n_clipped == (1.0 if clipped else 0.0)
+    if clipped:
+        assert float(grad.abs().sum()) == 0.0
+    else:
+        # d/dlogp of -ratio * A = -ratio * A
+        assert float(grad) == pytest.approx(-ratio * advantage, rel=1e-5)
+
+
+def test_asymmetric_clip_band() -> None:
+    old = torch.zeros(1, 1)
+    logp = torch.full((1, 1), math.log(1.25))
+    parts = policy_loss(
+        logp, old, torch.ones(1, 1), torch.ones(1, 1), clip_eps_low=0.2, clip_eps_high=0.28
+    )
+    assert parts.clipped == 0.0  # inside [0.8, 1.28]
+    assert float(parts.loss) == pytest.approx(-1.25)
+
+
+def test_padding_does_not_count() -> None:
+    logp = torch.tensor([[0.0, 5.0]])
+    mask = torch.tensor([[1.0, 0.0]])
+    parts = policy_loss(
+        logp, torch.zeros(1, 2), torch.ones(1, 1), mask, clip_eps_low=0.2, clip_eps_high=0.2
+    )
+    assert float(parts.loss) == pytest.approx(-1.0)
+    assert parts.ratio_sum == pytest.approx(1.0)
+
+
+def test_k3_kl_is_zero_at_the_reference_and_positive_elsewhere() -> None:
+    logp = torch.tensor([[-1.0, -2.0]])
+    mask = torch.ones(1, 2)
+    zero = torch.zeros(1, 1)
+    same = policy_loss(
+        logp, logp, zero, mask, clip_eps_low=0.2, clip_eps_high=0.2, ref_logp=logp, kl_coef=1.0
+    )
+    assert same.kl_sum == pytest.approx(0.0)
+    ref = torch.tensor([[-1.5, -1.0]])
+    moved = policy_loss(
+        logp, logp, zero, mask, clip_eps_low=0.2, clip_eps_high=0.2, ref_logp=ref, kl_coef=0.5
+    )
+    delta = ref - logp
+    expected = float((torch.exp(delta) - delta - 1).sum())
+    assert moved.kl_sum == pytest.approx(expected)
+    assert float(moved.loss) == pytest.approx(0.5 * expected / 2)
+
+
+def test_lr_schedule() -> None:
+    constant = GRPOConfig(lr=1e-3)
+    assert lr_at(0, constant) == lr_at(10_000, constant) == 1e-3
+    decay = GRPOConfig(lr=1e-3, decay_steps=100, min_lr_ratio=0.1)
+    assert lr_at(0, decay) == pytest.approx(1e-3)
+    assert lr_at(50, decay) == pytest.approx(0.55e-3)
+    assert lr_at(100, decay) == lr_at(500, decay) == pytest.approx(1e-4)
+
+
+# --- batching and the trainer ---------------------------------------------------------------
+
+
+def test_batch_alignment() -> None:
+    samples = [Sample([1, 5, 6], [7, 2], [-0.1, -0.2], 1.5), Sample([1, 5], [8], [-0.3], -1.0)]
+    input_ids, attention, mask, old, adv = batch_tensors(samples, PAD)
+    assert input_ids.tolist() == [[1, 5, 6, 7, 2], [1, 5, 8, 0, 0]]
+    assert attention.tolist() == [[1, 1, 1, 1, 1], [1, 1, 1, 0, 0]]
+    # target position t predicts input_ids[t + 1]
+    assert mask.tolist() == [[0, 0, 1, 1], [0, 1, 0, 0]]
+    assert old[0, 2:].tolist() == pytest.approx([-0.1, -0.2])
+    assert old[1, 1].item() == pytest.approx(-0.3)
+    assert adv.squeeze(1).tolist() == [1.5, -1.0]
+
+
+def test_sample_validates_lengths() -> None:
+    with pytest.raises(ValueError):
+        Sample([1], [2, 3], [-0.1], 0.0)
+    with pytest.raises(ValueError):
+        Sample([1], [], [], 0.0)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    torch.set_num_threads(1)
+    return init_model(tmp_path_factory.mktemp("tiny"), seed=0, shape=TINY)
+
+
+def _policy(model_dir: Path) -> torch.nn.Module:
+    model: torch.nn.Module = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    return model
+
+
+def _on_policy(
+    model: torch.nn.Module, prompt: list[int], completion: list[int], adv: float
+) -> Sample:
+    lp = completion_logprobs(
+        model, [Sample(prompt, completion, [0.0] * len(completion), 0.0)], PAD, 1.0
+    )
+    return Sample(prompt, completion, lp[0], adv)
+
+
+def test_a_step_raises_the_good_completion_and_lowers_the_bad(model_dir: Path) -> None:
+    model = _policy(model_dir)
+    trainer = GRPOTrainer(model, GRPOConfig(lr=1e-2), pad_id=PAD)
+    prompt = [1, 5, 4, 6, 16]
+    good, bad = [7, 2], [9, 2]
+    batch = [_on_policy(model, prompt, good, 1.0), _on_policy(model, prompt, bad, -1.0)]
+    before = completion_logprobs(model, batch, PAD, 1.0)
+    metrics = trainer.step(batch)
+    after = completion_logprobs(model, batch, PAD, 1.0)
+    assert metrics.stepped and not metrics.nonfinite
+    assert metrics.ratio_mean == pytest.approx(1.0, abs=1e-5)  # behaviour == current policy
+    assert metrics.clip_frac == 0.0
+    assert metrics.kl == 0.0
+    assert metrics.num_tokens == 4 and metrics.num_samples == 2
+    assert metrics.grad_norm > 0 and metrics.grad_norm_clipped <= 1.0
+    assert sum(after[0]) > sum(before[0])
+    assert sum(after[1]) < sum(before[1])
+    assert trainer.steps_taken == 1
+    assert metrics.lr == 1e-2
+    assert trainer.ref_model is None
+
+
+def test_stale_behaviour_logprobs_are_clipped(model_dir: Path) -> None:
+    model = _policy(model_dir)
+    trainer = GRPOTrainer(model, GRPOConfig(lr=1e-3), pad_id=PAD)
+    fresh = _on_policy(model, [1, 5, 4, 6, 16], [7, 2], 1.0)
+    # The rollout's policy gave these tokens far less mass: ratio ~ e >> 1 + eps.
+    stale = Sample(
+        fresh.prompt_ids, fresh.completion_ids, [lp - 1.0 for lp in fresh.behaviour_logprobs], 1.0
+    )
+    metrics = trainer.step([stale])
+    assert metrics.ratio_mean == pytest.approx(math.e, rel=1e-4)
+    assert metrics.clip_frac == 1.0
+
+
+def test_non_finite_loss_skips_the_update(model_dir: Path) -> None:
+    model = _policy(model_dir)
+    trainer = GRPOTrainer(model, GRPOConfig(lr=1e-2), pad_id=PAD)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    poisoned = Sample([1, 5, 4, 6, 16], [7, 2], [float("nan"), -0.1], 1.0)
+    metrics = trainer.step([poisoned])
+    assert metrics.nonfinite and not metrics.stepped
+    assert math.isnan(metrics.loss)
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, before[k]), k
+    assert trainer.steps_taken == 0
+    assert all(p.grad is None for p in model.parameters())
+
+
+def test_kl_keeps_a_frozen_reference_only_when_enabled(model_dir: Path) -> None:
+    model = _policy(model_dir)
+    trainer = GRPOTrainer(model, GRPOConfig(lr=1e-2, kl_coef=0.1), pad_id=PAD)
+    assert trainer.ref_model is not None
+    assert all(not p.requires_grad for p in trainer.ref_model.parameters())
+    ref_before = {k: v.clone() for k, v in trainer.ref_model.state_dict().items()}
+    batch = [_on_policy(model, [1, 5, 4, 6, 16], [7, 2], 1.0)]
+    first = trainer.step(batch)
+    assert first.kl == pytest.approx(0.0, abs=1e-6)  # policy == reference before the update
+    second = trainer.step(batch)
+    assert second.kl > 0.0
+    for k, v in trainer.ref_model.state_dict().items():
+        assert torch.equal(v, ref_before[k]), k
+
+
+def test_micro_batches_give_the_same_update(model_dir: Path) -> None:
+    prompts = [[1, 5, 4, 6, 16], [1, 7, 4, 8, 16], [1, 9, 4, 9, 16]]
+    completions = [[7, 2], [8, 9, 2], [10]]
+    results = []
+    for micro in (0, 1):
+        model = _policy(model_dir)
+        trainer = GRPOTrainer(model, GRPOConfig(lr=1e-2, micro_batch_size=micro), pad_id=PAD)
+        batch = [
+            _on_policy(model, p, c, a)
+            for p, c, a in zip(prompts, completions, [1.0, -0.5, -0.5], strict=True)
+        ]
+        metrics = trainer.step(batch)
+        results.append((metrics, {k: v.clone() for k, v in model.state_dict().items()}))
+    (full, full_state), (micro_m, micro_state) = results
+    assert micro_m.loss == pytest.approx(full.loss, rel=1e-5, abs=1e-7)
+    assert micro_m.grad_norm == pytest.approx(full.grad_norm, rel=1e-4)
+    for k, v in full_state.items():
+        assert torch.allclose(v, micro_state[k], atol=1e-6), k
+
+
+def test_the_lr_schedule_resumes_from_a_restored_optimizer(model_dir: Path) -> None:
+    config = GRPOConfig(lr=1e-2, decay_steps=4, min_lr_ratio=0.5)
+    model = _policy(model_dir)
+    trainer = GRPOTrainer(model, config, pad_id=PAD)
+    batch = [_on_policy(model, [1, 5, 4, 6, 16], [7, 2], 1.0)]
+    lrs = [trainer.step(batch).lr for _ in range(3)]
+    assert lrs == pytest.approx([1e-2, 0.875e-2, 0.75e-2])
+    resumed = GRPOTrainer(_policy(model_dir), config, pad_id=PAD)
+    # A copy, as from a checkpoint: load_state_dict may keep the given tensors.
+    resumed.optimizer.load_state_dict(copy.deepcopy(trainer.optimizer.state_dict()))
+    assert resumed.steps_taken == 3
+    assert resumed.step(batch).lr == pytest.approx(trainer.step(batch).lr)
+
+
+def test_an_empty_batch_is_an_error(model_dir: Path) -> None:
+    trainer = GRPOTrainer(_policy(model_dir), GRPOConfig(), pad_id=PAD)
+    with pytest.raises(ValueError, match="empty"):
+        trainer.step([])

@@ -1,0 +1,78 @@
+"""The coordinator's work ledger: leasing, backpressure, take-backs and settlement."""
+
+from __future__ import annotations
+
+from services.coordinator import work
+
+
+def ledger() -> work.WorkLedger:
+    return work.WorkLedger(job_id="j")
+
+
+def lease(
+    led: work.WorkLedger, who: str, n: int, *, budget: int = 8, now: float = 0.0
+) -> list[str]:
+    return work.lease(
+        led, instance_id=who, epoch=1, max_groups=n, budget=budget, now=now, lease_seconds=10.0
+    )
+
+
+def test_leases_walk_the_dataset_and_respect_the_budget() -> None:
+    led = ledger()
+    assert lease(led, "r0", 3) == ["j-g000000", "j-g000001", "j-g000002"]
+    assert lease(led, "r1", 10, budget=5) == ["j-g000003", "j-g000004"]
+    assert lease(led, "r1", 1, budget=5) == []  # 5 outstanding: nothing more until trained
+    work.complete(led, "r0", ["j-g000000"])
+    assert lease(led, "r1", 1, budget=5) == []  # delivered but untrained still counts
+    work.record_progress(led, ["j-g000000"], {})
+    assert lease(led, "r1", 1, budget=5) == ["j-g000005"]
+
+
+def test_a_dead_holders_groups_are_leased_again_first_with_the_same_ids() -> None:
+    led = ledger()
+    mine = lease(led, "r0", 2)
+    lease(led, "r1", 1)
+    assert work.release_holder(led, "r0", "r0 left the registry") == mine
+    assert lease(led, "r1", 3) == [*mine, "j-g000003"]
+    assert led.released == {g: ["r0 left the registry"] for g in mine}
+
+
+def test_late_leases_expire() -> None:
+    led = ledger()
+    groups = lease(led, "r0", 2, now=0.0)
+    assert work.expire(led, now=5.0) == []
+    assert work.expire(led, now=11.0) == groups
+    assert led.requeued == groups and not led.open
+
+
+def test_a_completion_from_someone_who_no_longer_holds_the_lease_is_ignored() -> None:
+    led = ledger()
+    [group] = lease(led, "r0", 1)
+    work.release_holder(led, "r0", "fenced")
+    lease(led, "r1", 1)
+    assert work.complete(led, "r0", [group]) == [group]  # the zombie changes nothing
+    assert led.open[group].instance_id == "r1"
+    assert work.complete(led, "r1", [group]) == []
+    assert led.delivered == [group]
+
+
+def test_settled_groups_leave_every_other_state() -> None:
+    led = ledger()
+    a, b, c = lease(led, "r0", 3)
+    work.complete(led, "r0", [a, b])
+    # The trainer may settle a group before its rollout reported completion.
+    work.record_progress(led, [a, c], {b: "stale"})
+    assert led.trained == 2 and led.discarded == {b: "stale"}
+    assert not led.open and not led.delivered
+    assert work.complete(led, "r0", [c]) == [c]  # a late completion of a trained group: ignored
+    assert not led.delivered
+
+
+def test_a_finished_job_accounts_for_every_group_it_leased() -> None:
+    led = ledger()
+    a, b, c = lease(led, "r0", 3)
+    work.complete(led, "r0", [a])
+    work.release_holder(led, "r0", "lost")
+    work.record_progress(led, [a], {})
+    assert set(work.settle_leftovers(led, "job succeeded first")) == {b, c}
+    assert led.next_index == led.trained + len(led.discarded)
