@@ -8,11 +8,11 @@ lease is lost, so owners can step down (an elected leader) or register again (a 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import time
 
 import aetcd
 
+from services.common.aio import cancel_and_wait
 from services.common.logs import get_logger
 
 log = get_logger(__name__)
@@ -60,10 +60,7 @@ class Session:
         if self._closed:
             return
         self._closed = True
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+        await cancel_and_wait(self._task)
         if not self.lost:
             try:
                 await asyncio.wait_for(self.client.revoke_lease(self.lease_id), 2.0)

@@ -10,7 +10,6 @@ members of finished jobs. Everything it decides is written to etcd before it is 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import time
 from typing import TypeAlias
@@ -18,6 +17,7 @@ from typing import TypeAlias
 import grpc
 
 from robustrl.v1 import coordinator_pb2, rollout_pb2_grpc, trainer_pb2, trainer_pb2_grpc
+from services.common.aio import cancel_and_wait
 from services.common.channels import open_channel
 from services.common.errors import Aborted, FailedPrecondition, InvalidArgument
 from services.common.jobspec import JobSpec
@@ -100,10 +100,7 @@ class JobDriver:
         self._task = asyncio.create_task(self._run(), name="job-driver")
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+        await cancel_and_wait(self._task)
 
     async def on_elected(self) -> None:
         """Reload every running job's ledger from etcd (a new leader trusts only etcd)."""

@@ -14,6 +14,7 @@ import json
 from collections.abc import Awaitable, Callable
 from typing import Any
 
+from services.common.aio import cancel_and_wait
 from services.common.election import Election, current_leader
 from services.common.errors import NotLeader, Unavailable
 from services.common.logs import get_logger
@@ -105,10 +106,7 @@ class Leadership:
         raise NotLeader(leader["address"] if leader else None)
 
     async def resign(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+        await cancel_and_wait(self._task)
         if self.election is not None and self.is_leader:
             with contextlib.suppress(Exception):
                 await self.election.resign()

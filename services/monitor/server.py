@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import time
 from collections.abc import AsyncIterator
 
 import grpc
 
 from robustrl.v1 import common_pb2, monitor_pb2, monitor_pb2_grpc
+from services.common.aio import cancel_and_wait
 from services.common.config import EtcdSettings
 from services.common.errors import InvalidArgument
 from services.common.logs import get_logger
@@ -46,11 +46,7 @@ class MonitorServicer(monitor_pb2_grpc.MonitorServicer):
         ]
 
     async def stop(self) -> None:
-        for task in self._tasks:
-            task.cancel()
-        for task in self._tasks:
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+        await cancel_and_wait(*self._tasks)
 
     async def Heartbeat(
         self,

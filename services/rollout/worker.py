@@ -18,6 +18,7 @@ import grpc
 import torch
 
 from robustrl.v1 import coordinator_pb2, trainer_pb2, trainer_pb2_grpc
+from services.common.aio import cancel_and_wait
 from services.common.channels import open_channel
 from services.common.coordinator_client import CoordinatorClient
 from services.common.errors import InvalidArgument, Unavailable
@@ -95,11 +96,7 @@ class RolloutWorker:
         ]
 
     async def stop(self) -> None:
-        for task in self._tasks:
-            task.cancel()
-        for task in self._tasks:
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+        await cancel_and_wait(*self._tasks)
 
     @property
     def coordinator(self) -> CoordinatorClient:

@@ -20,6 +20,7 @@ import grpc
 import torch
 
 from robustrl.v1 import coordinator_pb2, trainer_pb2
+from services.common.aio import cancel_and_wait
 from services.common.coordinator_client import CoordinatorClient
 from services.common.errors import InvalidArgument, Unavailable
 from services.common.jobspec import JobSpec
@@ -138,10 +139,7 @@ class TrainerWorker:
 
     async def stop(self) -> None:
         self._stopping = True
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+        await cancel_and_wait(self._task)
         if self.checkpoints is not None:
             await asyncio.to_thread(self.checkpoints.close)
 
