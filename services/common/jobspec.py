@@ -58,6 +58,10 @@ class TrainerSpec(_Strict):
     max_staleness: int = Field(default=1, ge=0)
     """k: a trajectory made with weight version v may train step s only if s - v <= k (0: sync)."""
 
+    weight_transport: Literal["ucx", "grpc"] = "ucx"
+    """How weight versions travel: UCX (point to point, rollouts relay to each other) or the
+    gRPC stream (fallback and baseline; also used automatically when UCX cannot start)."""
+
     checkpoint_every: int = Field(default=1, ge=1)
     eval_every: int = Field(default=5, ge=1)
 

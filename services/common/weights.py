@@ -113,6 +113,9 @@ class WeightTransport(ABC):
     async def fetch(self, announcement: Announcement) -> NamedTensors:
         """Pull and verify the announced version; WeightIntegrityError if it is corrupt."""
 
+    async def close(self) -> None:  # noqa: B027 - a transport may hold nothing to release
+        """Stop serving and release what the transport holds. Idempotent."""
+
 
 class GrpcStreamTransport(WeightTransport):
     """Weights over a gRPC server stream from the trainer (`Trainer.PullWeights`)."""

@@ -25,12 +25,8 @@ from services.common.errors import InvalidArgument, Unavailable
 from services.common.jobspec import JobSpec
 from services.common.logs import get_logger
 from services.common.runtime import ServiceRuntime
-from services.common.weights import (
-    GrpcStreamTransport,
-    WeightIntegrityError,
-    WeightTransport,
-    latest_announcement,
-)
+from services.common.ucx_transport import make_transport
+from services.common.weights import WeightIntegrityError, WeightTransport, latest_announcement
 from services.rollout.config import RolloutSettings
 from services.rollout.engine import SamplingParams, TorchEngine
 from services.rollout.rewards import RewardError, RewardFn, load_reward, score
@@ -86,10 +82,6 @@ class RolloutWorker:
         self.engine = TorchEngine.from_pretrained(str(path))
 
     def start(self) -> None:
-        assert self.runtime.client is not None
-        self.transport = GrpcStreamTransport(
-            self.runtime.client, self.runtime.keys, self.job_id, address="", epoch=0
-        )
         self._tasks = [
             asyncio.create_task(self._generate_loop(), name=f"generate-{self.job_id}"),
             asyncio.create_task(self._stream_loop(), name=f"stream-{self.job_id}"),
@@ -97,6 +89,8 @@ class RolloutWorker:
 
     async def stop(self) -> None:
         await cancel_and_wait(*self._tasks)
+        if self.transport is not None:
+            await self.transport.close()
 
     @property
     def coordinator(self) -> CoordinatorClient:
@@ -107,6 +101,18 @@ class RolloutWorker:
 
     async def _generate_loop(self) -> None:
         progress = self.runtime.progress
+        assert self.runtime.client is not None
+        # Pulled versions are kept and served to peers (relay), so a new or recovered rollout
+        # does not have to go to the trainer for them.
+        self.transport = await make_transport(
+            self.spec.trainer.weight_transport,
+            self.runtime.client,
+            self.runtime.keys,
+            self.job_id,
+            instance_id=self.runtime.instance_id,
+            host=self.runtime.settings.resolved_advertise_host(),
+            session_ttl=self.runtime.etcd_settings.session_ttl,
+        )
         while True:
             request = coordinator_pb2.LeaseWorkRequest(
                 job_id=self.job_id,

@@ -27,7 +27,8 @@ from services.common.jobspec import JobSpec
 from services.common.logs import get_logger
 from services.common.runtime import ServiceRuntime
 from services.common.tasks import TaskItem, UnknownTaskError, get_task
-from services.common.weights import GrpcStreamTransport, WeightTransport
+from services.common.ucx_transport import make_transport
+from services.common.weights import WeightTransport
 from services.rollout.engine import SamplingParams, TorchEngine
 from services.rollout.rewards import RewardError, RewardFn, load_reward, score
 from services.trainer import checkpoint, grpo
@@ -126,20 +127,14 @@ class TrainerWorker:
             log.info("trainer.restored", job=self.job_id, step=self.step)
 
     def start(self) -> None:
-        assert self.runtime.client is not None
         self.loop = asyncio.get_running_loop()
-        self.transport = GrpcStreamTransport(
-            self.runtime.client,
-            self.runtime.keys,
-            self.job_id,
-            address=self.runtime.address,
-            epoch=self.epoch,
-        )
         self._task = asyncio.create_task(self._run(), name=f"train-{self.job_id}")
 
     async def stop(self) -> None:
         self._stopping = True
         await cancel_and_wait(self._task)
+        if self.transport is not None:
+            await self.transport.close()
         if self.checkpoints is not None:
             await asyncio.to_thread(self.checkpoints.close)
 
@@ -170,6 +165,19 @@ class TrainerWorker:
         spec = self.spec
         try:
             self.run_dir.mkdir(parents=True, exist_ok=True)
+            assert self.runtime.client is not None
+            self.transport = await make_transport(
+                spec.trainer.weight_transport,
+                self.runtime.client,
+                self.runtime.keys,
+                self.job_id,
+                instance_id=self.runtime.instance_id,
+                epoch=self.epoch,
+                grpc_address=self.runtime.address,
+                host=self.runtime.settings.resolved_advertise_host(),
+                session_ttl=self.runtime.etcd_settings.session_ttl,
+            )
+            log.info("trainer.weights_transport", kind=self.transport.name)
             await self._publish()
             if self.step == 0:
                 await self._record(self.step, {"eval_reward": await self._evaluate()})

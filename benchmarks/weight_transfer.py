@@ -1,0 +1,546 @@
+"""Weight transfer throughput: our UCX transport against its ceiling and its baselines.
+
+One run measures, per payload size, side by side:
+  memcpy        an in-process tensor copy (the memory ceiling of this host)
+  plain ucxx    ucxx tagged send/recv of the same bytes in the same bucket size, between two
+                processes, on an open endpoint into a ready buffer (the transport's ceiling)
+  ucx transport UcxTransport.pull: etcd manifest and holders, connect, pull the buckets into a
+                fresh staging buffer, sha256 every bucket, return the tensors
+  grpc stream   GrpcStreamTransport.fetch through a real gRPC server (the fallback/baseline)
+and then fans one version out to N pullers: all from the trainer, versus with relays (the
+trainer serves one puller at a time; pullers that are done serve the others).
+
+Sender and receivers are separate processes (this file re-run with --worker), with an etcd of
+their own. Throughput is payload bytes / wall seconds (GB = 1e9 B); each point is the median
+of --repeat runs.
+
+    python benchmarks/weight_transfer.py                      # 64 and 256 MiB, fan-out to 4
+    python benchmarks/weight_transfer.py --sizes 64,256,1024  # the full list (~12 GiB RAM)
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import hashlib
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import AsyncIterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+MIB = 1 << 20
+UCX_JOB = "bench-ucx"
+GRPC_JOB = "bench-grpc"
+TENSOR_BYTES = 16 * MIB  # the payload is cut into model-like tensors of this size
+
+
+def make_payload(nbytes: int, seed: int) -> list[tuple[str, torch.Tensor]]:
+    """Random bytes shaped as float32/bfloat16 tensors (bit patterns only, never computed)."""
+    gen = torch.Generator().manual_seed(seed)
+    out: list[tuple[str, torch.Tensor]] = []
+    for i, start in enumerate(range(0, nbytes, TENSOR_BYTES)):
+        size = min(TENSOR_BYTES, nbytes - start)
+        raw = torch.randint(0, 256, (size,), dtype=torch.uint8, generator=gen)
+        dtype = torch.float32 if i % 2 == 0 else torch.bfloat16
+        out.append((f"layers.{i}.weight", raw.view(dtype)))
+    return out
+
+
+# =========================================================================== worker side
+
+
+class Worker:
+    """One benchmark process: a weight sender or receiver, driven over stdin/stdout."""
+
+    def __init__(self, args: argparse.Namespace) -> None:
+        self.args = args
+        self.client: Any = None
+        self.keys: Any = None
+        self.ucx: Any = None
+        self.grpc_transport: Any = None
+        self.grpc_server: Any = None
+        self.grpc_address = ""
+        self.plain_listener: Any = None
+        self.plain_buffer: torch.Tensor | None = None
+        self.plain_ep: Any = None
+        self.plain_recv: torch.Tensor | None = None
+
+    async def start(self) -> dict[str, Any]:
+        from services.common.config import EtcdSettings
+        from services.common.etcd_client import connect_etcd
+        from services.common.keys import KeySpace
+        from services.common.logs import configure_logging
+        from services.common.ucx_transport import UcxTransport
+
+        level = os.environ.get("BENCH_LOG_LEVEL", "warning")
+        configure_logging(service="bench", instance=self.args.instance, level=level)
+        settings = EtcdSettings(endpoints=self.args.endpoints, prefix="/bench")
+        self.client = await connect_etcd(settings)
+        self.keys = KeySpace("/bench")
+        self.ucx = UcxTransport(
+            self.client,
+            self.keys,
+            UCX_JOB,
+            instance_id=self.args.instance,
+            bucket_bytes=self.args.bucket_mib * MIB,
+            keep_versions=1,
+            relay=self.args.relay,
+            max_pullers=self.args.max_pullers,
+            pull_timeout=300,
+        )
+        await self.ucx.start()
+        return {"address": self.ucx.address}
+
+    async def handle(self, cmd: dict[str, Any]) -> dict[str, Any]:
+        op = cmd["cmd"]
+        handler = getattr(self, f"do_{op}")
+        result: dict[str, Any] = await handler(cmd)
+        return result
+
+    # ---------------------------------------------------------------- sender
+
+    async def do_publish(self, cmd: dict[str, Any]) -> dict[str, Any]:
+        """Hold one payload three ways: UCX transport, gRPC transport, plain ucxx."""
+        from services.common.ucx_transport import allocate_buffer, load_ucxx
+        from services.common.weights import GrpcStreamTransport
+
+        nbytes, version = int(cmd["bytes"]), int(cmd["version"])
+        tensors = make_payload(nbytes, seed=version)
+        started = time.perf_counter()
+        await self.ucx.publish(version, tensors)
+        publish_s = time.perf_counter() - started
+        if cmd.get("grpc", True):
+            if self.grpc_server is None:
+                await self._start_grpc()
+            self.grpc_transport = GrpcStreamTransport(
+                self.client, self.keys, GRPC_JOB, address=self.grpc_address, epoch=0
+            )
+            await self.grpc_transport.publish(version, tensors)
+        if cmd.get("plain", True):
+            ucxx = load_ucxx()
+            self.plain_buffer = allocate_buffer(nbytes)
+            self.plain_buffer.copy_(torch.randint(0, 256, (nbytes,), dtype=torch.uint8))
+            if self.plain_listener is None:
+                self.plain_listener = ucxx.create_listener(self._plain_serve, port=None)
+        plain_port = self.plain_listener.port if self.plain_listener is not None else 0
+        return {"publish_s": publish_s, "plain_address": f"127.0.0.1:{plain_port}"}
+
+    async def _start_grpc(self) -> None:
+        """A gRPC server with only Trainer.PullWeights, delegated to GrpcStreamTransport.serve
+        exactly as the trainer's servicer does."""
+        import grpc
+
+        from robustrl.v1 import trainer_pb2
+
+        worker = self
+
+        async def pull_weights(request: Any, context: Any) -> AsyncIterator[Any]:
+            async for chunk in worker.grpc_transport.serve(request):
+                yield chunk
+
+        handler = grpc.method_handlers_generic_handler(
+            "robustrl.v1.Trainer",
+            {
+                "PullWeights": grpc.unary_stream_rpc_method_handler(
+                    pull_weights,
+                    request_deserializer=trainer_pb2.PullWeightsRequest.FromString,
+                    response_serializer=trainer_pb2.WeightChunk.SerializeToString,
+                )
+            },
+        )
+        self.grpc_server = grpc.aio.server()
+        self.grpc_server.add_generic_rpc_handlers((handler,))
+        port = self.grpc_server.add_insecure_port("127.0.0.1:0")
+        await self.grpc_server.start()
+        self.grpc_address = f"127.0.0.1:{port}"
+
+    async def _plain_serve(self, ep: Any) -> None:
+        """Plain ucxx: on each request, send the buffer in bucket-sized tagged messages."""
+        with contextlib.suppress(Exception):
+            while True:
+                request = json.loads(bytes(await ep.recv_obj()))
+                assert self.plain_buffer is not None
+                bucket = int(request["bucket"])
+                for i, start in enumerate(range(0, int(request["bytes"]), bucket)):
+                    view = self.plain_buffer[start : start + bucket]
+                    await ep.send(view.numpy(), tag=i)
+
+    async def do_state(self, cmd: dict[str, Any]) -> dict[str, Any]:
+        return {"counters": self.ucx.counters.as_dict(), "held": self.ucx.held_versions()}
+
+    # ---------------------------------------------------------------- receiver
+
+    async def do_ucx_pull(self, cmd: dict[str, Any]) -> dict[str, Any]:
+        started = time.perf_counter()
+        tensors = await self.ucx.pull(UCX_JOB, int(cmd["version"]))
+        seconds = time.perf_counter() - started
+        del tensors
+        return {"seconds": seconds, "counters": self.ucx.counters.as_dict()}
+
+    async def do_grpc_fetch(self, cmd: dict[str, Any]) -> dict[str, Any]:
+        from services.common.weights import GrpcStreamTransport, latest_announcement
+
+        transport = GrpcStreamTransport(self.client, self.keys, GRPC_JOB, address="", epoch=0)
+        announcement = await latest_announcement(self.client, self.keys, GRPC_JOB)
+        assert announcement is not None and announcement.version == int(cmd["version"])
+        started = time.perf_counter()
+        tensors = await transport.fetch(announcement)
+        seconds = time.perf_counter() - started
+        del tensors
+        return {"seconds": seconds}
+
+    async def do_plain(self, cmd: dict[str, Any]) -> dict[str, Any]:
+        from services.common.ucx_transport import allocate_buffer, load_ucxx
+
+        ucxx = load_ucxx()
+        nbytes, bucket = int(cmd["bytes"]), int(cmd["bucket"])
+        if self.plain_ep is None:
+            host, _, port = cmd["address"].rpartition(":")
+            self.plain_ep = await ucxx.create_endpoint(host, int(port))
+        if self.plain_recv is None or self.plain_recv.numel() != nbytes:
+            self.plain_recv = allocate_buffer(nbytes)
+        started = time.perf_counter()
+        await self.plain_ep.send_obj(json.dumps({"bytes": nbytes, "bucket": bucket}).encode())
+        for i, start in enumerate(range(0, nbytes, bucket)):
+            await self.plain_ep.recv(self.plain_recv[start : start + bucket].numpy(), tag=i)
+        return {"seconds": time.perf_counter() - started}
+
+    async def do_plain_reset(self, cmd: dict[str, Any]) -> dict[str, Any]:
+        if self.plain_ep is not None:
+            self.plain_ep.abort()
+        self.plain_ep = None
+        self.plain_recv = None
+        return {}
+
+    async def close(self) -> None:
+        if self.plain_ep is not None:
+            self.plain_ep.abort()
+        if self.plain_listener is not None:
+            self.plain_listener.close()
+        if self.grpc_server is not None:
+            await self.grpc_server.stop(0)
+        await self.ucx.close()
+        await self.client.close()
+
+
+async def worker_main(args: argparse.Namespace) -> None:
+    worker = Worker(args)
+    ready = await worker.start()
+    print(json.dumps({"event": "ready", **ready}), flush=True)
+    loop = asyncio.get_running_loop()
+    try:
+        while True:
+            line = await loop.run_in_executor(None, sys.stdin.readline)
+            if not line or json.loads(line)["cmd"] == "exit":
+                break
+            cmd = json.loads(line)
+            reply = await worker.handle(cmd)
+            print(json.dumps({"id": cmd["id"], **reply}), flush=True)
+    finally:
+        await worker.close()
+
+
+# =========================================================================== driver side
+
+
+class Proc:
+    """A worker process as the driver sees it."""
+
+    def __init__(self, name: str, proc: asyncio.subprocess.Process, log: Path) -> None:
+        self.name = name
+        self.proc = proc
+        self.log = log
+        self.info: dict[str, Any] = {}
+        self._ids = 0
+        self._replies: dict[int, dict[str, Any]] = {}
+
+    async def _line(self, timeout: float) -> dict[str, Any]:
+        assert self.proc.stdout is not None
+        line = await asyncio.wait_for(self.proc.stdout.readline(), timeout)
+        if not line:
+            raise RuntimeError(f"worker {self.name} died:\n{self.log.read_text()[-3000:]}")
+        message: dict[str, Any] = json.loads(line)
+        return message
+
+    def send(self, cmd: str, **fields: Any) -> int:
+        assert self.proc.stdin is not None
+        self._ids += 1
+        self.proc.stdin.write((json.dumps({"cmd": cmd, "id": self._ids, **fields}) + "\n").encode())
+        return self._ids
+
+    async def reply(self, request_id: int, timeout: float = 600) -> dict[str, Any]:
+        while request_id not in self._replies:
+            message = await self._line(timeout)
+            self._replies[message["id"]] = message
+        return self._replies.pop(request_id)
+
+    async def call(self, cmd: str, **fields: Any) -> dict[str, Any]:
+        return await self.reply(self.send(cmd, **fields))
+
+    async def stop(self) -> None:
+        if self.proc.returncode is None:
+            with contextlib.suppress(ConnectionError):
+                self.send("exit")
+            try:
+                await asyncio.wait_for(self.proc.wait(), 15)
+            except TimeoutError:
+                self.proc.kill()
+                await self.proc.wait()
+
+
+class Driver:
+    def __init__(self, args: argparse.Namespace, workdir: Path) -> None:
+        self.args = args
+        self.workdir = workdir
+        self.endpoints = ""
+        self.etcd: subprocess.Popen[bytes] | None = None
+        self.procs: list[Proc] = []
+
+    def start_etcd(self) -> None:
+        from services.cli.stack import etcd_healthy, find_etcd, free_port
+
+        client, peer = free_port(), free_port()
+        self.endpoints = f"127.0.0.1:{client}"
+        self.etcd = subprocess.Popen(
+            [
+                find_etcd(),
+                "--name=bench",
+                f"--data-dir={self.workdir / 'etcd'}",
+                f"--listen-client-urls=http://{self.endpoints}",
+                f"--advertise-client-urls=http://{self.endpoints}",
+                f"--listen-peer-urls=http://127.0.0.1:{peer}",
+                f"--initial-advertise-peer-urls=http://127.0.0.1:{peer}",
+                f"--initial-cluster=bench=http://127.0.0.1:{peer}",
+                "--log-level=error",
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        deadline = time.monotonic() + 30
+        while not etcd_healthy(self.endpoints):
+            if time.monotonic() > deadline or self.etcd.poll() is not None:
+                raise RuntimeError("etcd did not start")
+            time.sleep(0.1)
+
+    async def spawn(self, *specs: tuple[str, bool, int]) -> list[Proc]:
+        """Start workers side by side: (instance, relay, max_pullers) each."""
+        group = []
+        for name, relay, max_pullers in specs:
+            log = self.workdir / f"{name}.log"
+            proc = await asyncio.create_subprocess_exec(
+                sys.executable,
+                __file__,
+                "--worker",
+                "--endpoints",
+                self.endpoints,
+                "--instance",
+                name,
+                "--bucket-mib",
+                str(self.args.bucket_mib),
+                "--max-pullers",
+                str(max_pullers),
+                *(["--relay"] if relay else []),
+                cwd=REPO,
+                stdin=asyncio.subprocess.PIPE,
+                stdout=asyncio.subprocess.PIPE,
+                stderr=log.open("wb"),
+            )
+            group.append(Proc(name, proc, log))
+        self.procs.extend(group)
+        for p in group:
+            message = await p._line(120)
+            p.info = message
+        return group
+
+    async def stop(self, procs: list[Proc]) -> None:
+        await asyncio.gather(*(p.stop() for p in procs))
+        for p in procs:
+            self.procs.remove(p)
+
+    async def close(self) -> None:
+        await self.stop(list(self.procs))
+        if self.etcd is not None:
+            self.etcd.terminate()
+            self.etcd.wait(10)
+
+
+def memcpy_gbps(nbytes: int, repeat: int) -> float:
+    src = torch.randint(0, 256, (nbytes,), dtype=torch.uint8)
+    dst = torch.empty_like(src)
+    dst.copy_(src)  # first touch outside the timing
+    times = []
+    for _ in range(repeat):
+        started = time.perf_counter()
+        dst.copy_(src)
+        times.append(time.perf_counter() - started)
+    return nbytes / statistics.median(times) / 1e9
+
+
+def sha256_gbps(nbytes: int, bucket: int) -> float:
+    """What bucket verification alone can reach here, with the transport's thread count."""
+    data = torch.randint(0, 256, (nbytes,), dtype=torch.uint8)
+    views = [data[s : s + bucket].numpy() for s in range(0, nbytes, bucket)]
+    with ThreadPoolExecutor(max_workers=min(4, os.cpu_count() or 1)) as pool:
+        started = time.perf_counter()
+        list(pool.map(lambda v: hashlib.sha256(v.data).hexdigest(), views))
+        return nbytes / (time.perf_counter() - started) / 1e9
+
+
+async def point_to_point(driver: Driver, sizes_mib: list[int]) -> list[dict[str, Any]]:
+    """Each repeat publishes a new version (untimed), then times, side by side: plain ucxx,
+    the first pull of that version (what a rollout does), a second pull of it (what the next
+    puller of the same holder sees), and the gRPC fetch."""
+    args = driver.args
+    bucket = args.bucket_mib * MIB
+    sender, receiver = await driver.spawn(("trainer", False, 0), ("receiver", False, 0))
+    rows = []
+    version = 0
+    try:
+        for size_mib in sizes_mib:
+            nbytes = size_mib * MIB
+            times: dict[str, list[float]] = {"plain": [], "ucx": [], "ucx_again": [], "grpc": []}
+            plain_address = ""
+            publish_s: list[float] = []
+            await receiver.call("plain_reset")
+            for repeat in range(args.repeat):
+                version += 1
+                published = await sender.call(
+                    "publish", bytes=nbytes, version=version, plain=repeat == 0
+                )
+                publish_s.append(published["publish_s"])
+                if repeat == 0:
+                    plain_address = published["plain_address"]
+                    # Warm the endpoint and buffers, as a running pipeline's would be.
+                    await receiver.call("plain", address=plain_address, bytes=nbytes, bucket=bucket)
+                plain = await receiver.call(
+                    "plain", address=plain_address, bytes=nbytes, bucket=bucket
+                )
+                times["plain"].append(plain["seconds"])
+                for key in ("ucx", "ucx_again"):
+                    pulled = await receiver.call("ucx_pull", version=version)
+                    times[key].append(pulled["seconds"])
+                times["grpc"].append(
+                    (await receiver.call("grpc_fetch", version=version))["seconds"]
+                )
+            row: dict[str, Any] = {"size_mib": size_mib, "memcpy": memcpy_gbps(nbytes, args.repeat)}
+            row.update({k: nbytes / statistics.median(v) / 1e9 for k, v in times.items()})
+            row["publish"] = nbytes / statistics.median(publish_s) / 1e9
+            rows.append(row)
+            print(f"  measured {size_mib} MiB", file=sys.stderr, flush=True)
+    finally:
+        await receiver.call("plain_reset")
+        await driver.stop([sender, receiver])
+    return rows
+
+
+async def fan_out(driver: Driver, size_mib: int, pullers: int, relays: bool) -> dict[str, Any]:
+    """Time until all pullers hold the version. With relays the trainer serves one puller at a
+    time and every puller that is done serves the others (ties go to relays)."""
+    specs = [("trainer", False, 1 if relays else 0)]
+    specs += [(f"puller-{i}", relays, 0) for i in range(pullers)]
+    trainer, *group = await driver.spawn(*specs)
+    try:
+        await trainer.call("publish", bytes=size_mib * MIB, version=1, grpc=False, plain=False)
+        started = time.perf_counter()
+        ids = [p.send("ucx_pull", version=1) for p in group]
+        replies = await asyncio.gather(*(p.reply(i) for p, i in zip(group, ids, strict=True)))
+        seconds = time.perf_counter() - started
+        served = (await trainer.call("state"))["counters"]["buckets_served"]
+        total = sum(sum(r["counters"]["buckets_by_source"].values()) for r in replies)
+    finally:
+        await driver.stop([trainer, *group])
+    return {
+        "mode": "relays (trainer serves 1 at a time)" if relays else "all from the trainer",
+        "seconds": seconds,
+        "gbps": pullers * size_mib * MIB / seconds / 1e9,
+        "trainer_share": served / total,
+    }
+
+
+def print_report(
+    rows: list[dict[str, Any]], fan: list[dict[str, Any]], args: argparse.Namespace, sha: float
+) -> None:
+    env = {k: v for k, v in os.environ.items() if k.startswith(("UCX_", "UCXPY_"))}
+    load = ", ".join(f"{x:.1f}" for x in os.getloadavg())
+    print(f"\nweight transfer, bucket {args.bucket_mib} MiB, median of {args.repeat}, GB/s")
+    print(f"host: {os.cpu_count()} cpus, load average {load} (other work skews every column)")
+    print(f"UCX env: {env or 'transport defaults'}")
+    header = (
+        f"{'payload':>9} {'memcpy':>8} {'plain ucxx':>11} {'ours':>8} {'ours again':>11}"
+        f" {'grpc':>8} {'ours/plain':>11} {'ours/grpc':>10}"
+    )
+    print(header)
+    print("-" * len(header))
+    for r in rows:
+        print(
+            f"{r['size_mib']:>5} MiB {r['memcpy']:>8.2f} {r['plain']:>11.2f} {r['ucx']:>8.2f}"
+            f" {r['ucx_again']:>11.2f} {r['grpc']:>8.2f} {r['ucx'] / r['plain']:>11.2f}"
+            f" {r['ucx'] / r['grpc']:>10.2f}"
+        )
+    print(
+        "ours: first pull of a freshly published version; ours again: a second pull of it"
+        " from the same holder"
+    )
+    publish = ", ".join(f"{r['size_mib']} MiB {r['publish']:.2f}" for r in rows)
+    print(f"UcxTransport.publish (pack, sha256, etcd), GB/s: {publish}")
+    print(f"(sha256 of buckets in the transport's thread pool alone: {sha:.2f} GB/s)")
+    if fan:
+        print(f"\nfan-out of one {args.fanout_mib} MiB version to {args.pullers} pullers")
+        print(f"{'mode':<36} {'seconds':>8} {'aggregate GB/s':>15} {'from trainer':>13}")
+        for f in fan:
+            print(
+                f"{f['mode']:<36} {f['seconds']:>8.2f} {f['gbps']:>15.2f}"
+                f" {f['trainer_share']:>12.0%}"
+            )
+        print(f"relays / trainer-only time: {fan[1]['seconds'] / fan[0]['seconds']:.2f}")
+
+
+async def driver_main(args: argparse.Namespace) -> None:
+    sizes = [int(s) for s in args.sizes.split(",") if s]
+    with tempfile.TemporaryDirectory(prefix="weight-bench-") as tmp:
+        driver = Driver(args, Path(tmp))
+        driver.start_etcd()
+        try:
+            rows = await point_to_point(driver, sizes)
+            fan = []
+            if args.pullers > 0:
+                for relays in (False, True):
+                    fan.append(await fan_out(driver, args.fanout_mib, args.pullers, relays))
+        finally:
+            await driver.close()
+    sha = sha256_gbps(max(sizes) * MIB, args.bucket_mib * MIB)
+    print_report(rows, fan, args, sha)
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--sizes", default="64,256", help="payload sizes in MiB (64,256,1024)")
+    parser.add_argument("--bucket-mib", type=int, default=32)
+    parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument("--pullers", type=int, default=4, help="fan-out pullers; 0 skips it")
+    parser.add_argument("--fanout-mib", type=int, default=256)
+    # Worker-side flags (the driver passes them).
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--endpoints", default="", help=argparse.SUPPRESS)
+    parser.add_argument("--instance", default="", help=argparse.SUPPRESS)
+    parser.add_argument("--relay", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--max-pullers", type=int, default=0, help=argparse.SUPPRESS)
+    return parser.parse_args(argv)
+
+
+if __name__ == "__main__":
+    parsed = parse_args(sys.argv[1:])
+    asyncio.run(worker_main(parsed) if parsed.worker else driver_main(parsed))

@@ -1,0 +1,390 @@
+"""The UCX weight plane across real processes: real ucxx endpoints on loopback, real etcd.
+
+Every trainer, relay and puller is its own process (tests/integration/ucx_peer.py) driven
+over stdin/stdout; the test kills them by pid. Tensors are small (about 2 MiB in nine 256 KiB
+buckets): process start-up dominates, and the file takes about 40 s on two idle cores.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import random
+import sys
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from services.common.config import EtcdSettings
+from services.common.keys import KeySpace
+from services.common.ucx_transport import (
+    ROLE_RELAY,
+    ROLE_TRAINER,
+    BucketManifest,
+    HolderRecord,
+    WeightKeys,
+    choose_holder,
+    make_transport,
+    plan_layout,
+)
+from services.common.weights import GrpcStreamTransport
+from tests.integration.ucx_peer import make_tensors, tensors_digest
+from tests.support import eventually
+
+JOB = "job-1"
+REPO = Path(__file__).resolve().parents[2]
+N_BUCKETS = len(plan_layout(make_tensors(0), 256 << 10)[2])
+
+
+class Peer:
+    """One ucx_peer process: send a command, await its reply line."""
+
+    def __init__(self, name: str, proc: asyncio.subprocess.Process, log_path: Path) -> None:
+        self.name = name
+        self.proc = proc
+        self.log_path = log_path
+        self.address = ""
+        self._next_id = 0
+        self._replies: dict[int, dict[str, Any]] = {}
+
+    async def _read(self, timeout: float) -> dict[str, Any]:
+        assert self.proc.stdout is not None
+        line = await asyncio.wait_for(self.proc.stdout.readline(), timeout)
+        if not line:
+            raise AssertionError(
+                f"{self.name} exited; its log:\n{self.log_path.read_text()[-3000:]}"
+            )
+        message: dict[str, Any] = json.loads(line)
+        return message
+
+    async def ready(self, timeout: float = 30.0) -> None:
+        message = await self._read(timeout)
+        assert message.get("event") == "ready", message
+        self.address = message["address"]
+
+    def send(self, cmd: str, **fields: Any) -> int:
+        assert self.proc.stdin is not None
+        self._next_id += 1
+        line = json.dumps({"cmd": cmd, "id": self._next_id, **fields}) + "\n"
+        self.proc.stdin.write(line.encode())
+        return self._next_id
+
+    async def reply(self, request_id: int, timeout: float = 30.0) -> dict[str, Any]:
+        while request_id not in self._replies:
+            message = await self._read(timeout)
+            self._replies[message["id"]] = message
+        return self._replies.pop(request_id)
+
+    async def call(self, cmd: str, timeout: float = 30.0, **fields: Any) -> dict[str, Any]:
+        return await self.reply(self.send(cmd, **fields), timeout)
+
+    def kill(self) -> None:
+        if self.proc.returncode is None:
+            self.proc.kill()
+
+
+@pytest.fixture
+async def peers(etcd_settings: EtcdSettings, tmp_path: Path) -> AsyncIterator[Any]:
+    """A factory for peer processes; every one still running at the end is killed by pid."""
+    started: list[Peer] = []
+
+    async def spawn(name: str, *extra: str) -> Peer:
+        log_path = tmp_path / f"{name}.log"
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable,
+            "-m",
+            "tests.integration.ucx_peer",
+            "--endpoints",
+            etcd_settings.endpoints,
+            "--prefix",
+            etcd_settings.prefix,
+            "--job",
+            JOB,
+            "--instance",
+            name,
+            *extra,
+            cwd=REPO,
+            stdin=asyncio.subprocess.PIPE,
+            stdout=asyncio.subprocess.PIPE,
+            stderr=log_path.open("wb"),
+            env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        )
+        peer = Peer(name, proc, log_path)
+        started.append(peer)
+        return peer
+
+    async def start(*specs: tuple[str, ...]) -> list[Peer]:
+        """Start peers side by side (imports dominate start-up), then wait until all serve."""
+        group = [await spawn(name, *extra) for name, *extra in specs]
+        await asyncio.gather(*(p.ready() for p in group))
+        return group
+
+    yield start
+    # A clean exit closes the transport (listener, endpoints, lease); kill only what hangs.
+    for peer in started:
+        if peer.proc.returncode is None:
+            with contextlib.suppress(ConnectionError):
+                peer.send("exit")
+    for peer in started:
+        try:
+            await asyncio.wait_for(peer.proc.wait(), 10)
+        except TimeoutError:
+            peer.kill()
+            await peer.proc.wait()
+
+
+def _only_from(counters: dict[str, Any], source: str) -> bool:
+    return counters["buckets_by_source"] == {source: N_BUCKETS}
+
+
+async def test_pulled_tensors_are_bitwise_identical(
+    peers: Any, etcd_client: Any, etcd_settings: EtcdSettings, tmp_path: Path
+) -> None:
+    trainer, puller = await peers(("trainer", "--epoch", "3"), ("puller",))
+    assert (await trainer.call("publish", version=1, seed=11))["ok"]
+
+    saved = tmp_path / "pulled.pt"
+    result = await puller.call("pull", version=1, save=str(saved))
+
+    assert result["ok"], result
+    expected = make_tensors(11)
+    got = torch.load(saved, weights_only=True)
+    assert [n for n, _ in got] == [n for n, _ in expected]
+    for (name, want), (_, have) in zip(expected, got, strict=True):
+        assert have.dtype == want.dtype and have.shape == want.shape, name
+        want_bytes = want.contiguous().reshape(-1).view(torch.uint8)
+        assert torch.equal(have.contiguous().reshape(-1).view(torch.uint8), want_bytes), name
+    assert _only_from(result["counters"], "trainer")
+    # The manifest is in etcd with the trainer's epoch; both processes are holders now.
+    wkeys = WeightKeys(KeySpace(etcd_settings.prefix))
+    manifest = BucketManifest.from_json((await etcd_client.get(wkeys.manifest(JOB, 1))).value)
+    assert manifest.trainer_epoch == 3 and len(manifest.buckets) == N_BUCKETS
+    holders = {
+        HolderRecord.from_json(kv.value).instance_id: HolderRecord.from_json(kv.value)
+        for kv in await etcd_client.get_prefix(wkeys.holders(JOB, 1))
+    }
+    assert holders["trainer"].role == ROLE_TRAINER and holders["puller"].role == ROLE_RELAY
+
+
+async def test_a_relay_serves_the_next_puller_instead_of_the_trainer(peers: Any) -> None:
+    trainer, relay, late = await peers(("trainer",), ("relay",), ("late",))
+    await trainer.call("publish", version=1, seed=5)
+    assert _only_from((await relay.call("pull", version=1))["counters"], "trainer")
+
+    result = await late.call("pull", version=1)
+
+    assert result["ok"] and result["digest"] == tensors_digest(make_tensors(5))
+    assert _only_from(result["counters"], "relay")
+    served = (await trainer.call("state"))["counters"]["buckets_served"]
+    assert served == N_BUCKETS  # only the relay's pull touched the trainer
+
+
+async def test_a_process_holding_the_tensors_relays_them_and_wrong_ones_are_refused(
+    peers: Any,
+) -> None:
+    trainer, holder, puller = await peers(("trainer",), ("holder",), ("puller",))
+    await trainer.call("publish", version=1, seed=5)
+
+    wrong = await holder.call("hold", version=1, seed=6)
+    right = await holder.call("hold", version=1, seed=5)
+    result = await puller.call("pull", version=1)
+
+    assert not wrong["ok"] and "do not match the manifest" in wrong["error"]
+    assert right["ok"]
+    assert result["ok"] and result["digest"] == tensors_digest(make_tensors(5))
+    assert _only_from(result["counters"], "holder")
+
+
+async def test_a_source_killed_mid_pull_is_replaced_and_verified_buckets_kept(
+    peers: Any,
+) -> None:
+    trainer, relay, puller = await peers(("trainer",), ("relay", "--stall-after", "2"), ("puller",))
+    await trainer.call("publish", version=1, seed=7)
+    await relay.call("pull", version=1)
+
+    pulling = puller.send("pull", version=1)  # prefers the relay; it stalls after 2 buckets
+    await relay.call("wait_served", buckets=2)
+    relay.kill()  # SIGKILL mid-pull
+    result = await puller.reply(pulling, timeout=60)
+
+    assert result["ok"] and result["digest"] == tensors_digest(make_tensors(7))
+    counters = result["counters"]
+    assert counters["buckets_by_source"] == {"relay": 2, "trainer": N_BUCKETS - 2}
+    assert counters["source_failures"] == 1 and counters["source_switches"] == 1
+
+
+async def test_a_hung_source_is_abandoned_after_the_stall_timeout(peers: Any) -> None:
+    trainer, relay, puller = await peers(
+        ("trainer",), ("relay", "--stall-after", "2"), ("puller", "--stall-timeout", "2")
+    )
+    await trainer.call("publish", version=1, seed=8)
+    await relay.call("pull", version=1)
+
+    result = await puller.call("pull", version=1)  # the relay stays alive but sends nothing
+
+    assert result["ok"] and result["digest"] == tensors_digest(make_tensors(8))
+    counters = result["counters"]
+    assert counters["buckets_by_source"] == {"relay": 2, "trainer": N_BUCKETS - 2}
+    assert counters["source_failures"] == 1
+
+
+async def test_a_corrupt_bucket_is_never_used_and_is_pulled_again_elsewhere(peers: Any) -> None:
+    trainer, relay, puller = await peers(("trainer",), ("relay", "--corrupt", "1"), ("puller",))
+    await trainer.call("publish", version=1, seed=9)
+    await relay.call("pull", version=1)
+
+    result = await puller.call("pull", version=1)
+
+    assert result["ok"] and result["digest"] == tensors_digest(make_tensors(9))
+    counters = result["counters"]
+    assert counters["checksum_failures"] == 1
+    assert counters["buckets_by_source"] == {"relay": N_BUCKETS - 1, "trainer": 1}
+
+
+async def test_a_late_joiner_gets_the_current_version_from_a_relay_with_the_trainer_gone(
+    peers: Any,
+) -> None:
+    # The joiner's process starts with the others only to save start-up time: it first looks
+    # at etcd, and pulls, after the trainer is gone.
+    trainer, relay, joiner = await peers(("trainer",), ("relay",), ("joiner",))
+    await trainer.call("publish", version=1, seed=1)
+    await trainer.call("publish", version=2, seed=2)
+    assert (await relay.call("fetch_latest"))["ok"]
+    trainer.kill()
+    await trainer.proc.wait()
+
+    result = await joiner.call("fetch_latest")
+
+    assert result["ok"] and result["digest"] == tensors_digest(make_tensors(2))
+    assert _only_from(result["counters"], "relay")
+
+
+async def test_a_holder_asked_for_what_it_does_not_hold_answers_with_a_clear_error(
+    peers: Any,
+) -> None:
+    trainer, asker = await peers(("trainer",), ("asker",))
+    await trainer.call("publish", version=1, seed=3)
+
+    missing_version = await asker.call("ask", address=trainer.address, version=7)
+    missing_bucket = await asker.call("ask", address=trainer.address, version=1, buckets=[999])
+    present = await asker.call("ask", address=trainer.address, version=1, buckets=[0])
+    no_manifest = await asker.call("pull", version=7)
+
+    assert missing_version["code"] == "not_held"
+    assert "holds versions [1]" in missing_version["message"]
+    assert "not version 7" in missing_version["message"]
+    assert missing_bucket["code"] == "no_such_bucket"
+    assert present["ok"] and present["sizes"] == [[0, 256 << 10]]
+    assert not no_manifest["ok"] and "no manifest for version 7" in no_manifest["error"]
+
+
+async def test_superseded_versions_leave_etcd_and_the_holders(
+    peers: Any, etcd_client: Any, etcd_settings: EtcdSettings
+) -> None:
+    trainer, relay = await peers(("trainer", "--keep", "2"), ("relay", "--keep", "2"))
+    await trainer.call("publish", version=1, seed=1)
+    await relay.call("pull", version=1)
+    await trainer.call("publish", version=2, seed=2)
+    await trainer.call("publish", version=3, seed=3)
+
+    wkeys = WeightKeys(KeySpace(etcd_settings.prefix))
+    assert not await etcd_client.get_prefix(wkeys.version(JOB, 1))
+    assert await etcd_client.get(wkeys.manifest(JOB, 3)) is not None
+
+    async def relay_dropped_v1() -> bool:
+        return (await relay.call("state"))["held"] == []
+
+    await eventually(relay_dropped_v1, timeout=10)
+    assert (await trainer.call("state"))["held"] == [2, 3]
+
+
+async def test_a_manifest_from_an_older_trainer_epoch_is_ignored(
+    peers: Any, etcd_client: Any, etcd_settings: EtcdSettings
+) -> None:
+    old, new, puller = await peers(
+        ("trainer-old", "--epoch", "1"), ("trainer-new", "--epoch", "2"), ("puller",)
+    )
+    await old.call("publish", version=1, seed=1)
+    await new.call("publish", version=2, seed=2)
+    assert (await puller.call("fetch_latest"))["ok"]  # sees epoch 2
+
+    zombie = await old.call("publish", version=3, seed=3)  # the fenced trainer publishes late
+    assert not zombie["ok"] and zombie["error"].startswith("Fenced")
+    # Even a manifest that reached etcd behind the guard is not pulled from the older epoch.
+    wkeys = WeightKeys(KeySpace(etcd_settings.prefix))
+    raw = (await etcd_client.get(wkeys.manifest(JOB, 2))).value
+    stale = BucketManifest.from_json(raw)
+    forged = BucketManifest(
+        JOB, 4, 1, stale.total_bytes, stale.bucket_bytes, stale.tensors, stale.buckets
+    )
+    await etcd_client.put(wkeys.manifest(JOB, 4), forged.to_json())
+
+    result = await puller.call("pull", version=4)
+    latest = await puller.call("latest")
+
+    assert not result["ok"] and "older than epoch 2" in result["error"]
+    assert latest["version"] == 2
+
+
+async def test_make_transport_falls_back_to_grpc_when_asked_or_when_ucx_cannot_start(
+    etcd_client: Any, etcd_settings: EtcdSettings
+) -> None:
+    keys = KeySpace(etcd_settings.prefix)
+    asked = await make_transport(
+        "grpc", etcd_client, keys, JOB, instance_id="r", grpc_address="x:1"
+    )
+    assert isinstance(asked, GrpcStreamTransport)
+    with pytest.raises(ValueError):
+        await make_transport("carrier-pigeon", etcd_client, keys, JOB, instance_id="r")
+
+    # A host where UCX finds no usable transport (here: a bogus UCX_TLS) gets gRPC, not a crash.
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable,
+        "-m",
+        "tests.integration.ucx_peer",
+        "--endpoints",
+        etcd_settings.endpoints,
+        "--prefix",
+        etcd_settings.prefix,
+        "--instance",
+        "probe",
+        "--probe-transport",
+        cwd=REPO,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+        env={**os.environ, "UCX_TLS": "no-such-transport"},
+    )
+    out, err = await asyncio.wait_for(proc.communicate(), 60)
+    assert proc.returncode == 0, err.decode()[-2000:]
+    assert json.loads(out.decode().splitlines()[-1]) == {"event": "transport", "name": "grpc"}
+    assert b"weights.ucx_unavailable" in err
+
+
+def test_choose_holder_spreads_load_and_spares_the_trainer() -> None:
+    def holder(name: str, role: str, active: int, cap: int = 0) -> HolderRecord:
+        return HolderRecord(name, f"h:{len(name)}", role, 1, "d", active, cap)
+
+    rng = random.Random(0)
+    trainer = holder("trainer", ROLE_TRAINER, 0)
+    busy_relay = holder("relay-a", ROLE_RELAY, 2)
+    idle_relay = holder("relay-b", ROLE_RELAY, 0)
+    assert choose_holder([trainer, busy_relay, idle_relay], rng) == idle_relay
+    assert choose_holder([trainer, busy_relay], rng) == trainer
+    assert choose_holder([holder("full", ROLE_RELAY, 1, cap=1)], rng) is None
+    assert choose_holder([], rng) is None
+
+
+@pytest.mark.gpu
+async def test_cuda_tensors_move_device_to_device(peers: Any) -> None:
+    trainer, puller = await peers(("trainer", "--device", "cuda"), ("puller", "--device", "cuda"))
+    await trainer.call("publish", version=1, seed=4)
+
+    result = await puller.call("pull", version=1)
+
+    assert result["ok"] and result["device"] == "cuda"
+    assert result["digest"] == tensors_digest(make_tensors(4))
