@@ -1,0 +1,94 @@
+"""Role-aware detectors: they fire on real failures and never on normal RL behaviour."""
+
+from __future__ import annotations
+
+from services.monitor import progress_detectors as pd
+
+CFG = pd.ProgressConfig(rollout_hang_window=10.0, collective_budget=30.0)
+
+
+def rollout(name: str = "r0", job: str = "j") -> pd.Signals:
+    return pd.Signals(role="rollout", instance_id=name, job_id=job)
+
+
+def beat(
+    s: pd.Signals, now: float, *, tokens: float, in_flight: float, rate: float = 100.0
+) -> None:
+    pd.observe(
+        s,
+        phase="generating",
+        phase_started_at=0.0,
+        now=now,
+        counters={
+            "tokens_generated": tokens,
+            "requests_in_flight": in_flight,
+            "tokens_per_s": rate,
+        },
+    )
+
+
+def test_a_rollout_with_requests_and_no_tokens_is_a_hang_suspect() -> None:
+    r = rollout()
+    beat(r, 0.0, tokens=100, in_flight=4)
+    beat(r, 5.0, tokens=100, in_flight=4)
+    assert pd.rollout_hang_suspects([r], 9.0, CFG) == []
+    [finding] = pd.rollout_hang_suspects([r], 10.5, CFG)
+    assert finding.kind == "ROLLOUT_HANG_SUSPECT" and "4 requests in flight" in finding.evidence
+
+
+def test_long_tail_generation_and_idleness_are_never_hangs() -> None:
+    long_tail, idle = rollout("tail"), rollout("idle")
+    for t in range(0, 200, 5):
+        beat(long_tail, float(t), tokens=float(t), in_flight=1)  # one slow request, tokens flowing
+        beat(idle, float(t), tokens=50, in_flight=0)  # waiting for weights or work
+    assert pd.rollout_hang_suspects([long_tail, idle], 200.0, CFG) == []
+
+
+def test_a_trainer_phase_over_its_budget_is_a_hang_but_waiting_for_data_never_is() -> None:
+    busy = pd.Signals(
+        role="trainer", instance_id="t0", phase="forward_backward", phase_started_at=1000.0
+    )
+    waiting = pd.Signals(
+        role="trainer", instance_id="t1", phase="waiting_data", phase_started_at=1000.0
+    )
+    assert pd.trainer_hangs([busy, waiting], 1100.0, CFG) == []
+    [finding] = pd.trainer_hangs([busy, waiting], 1121.0, CFG)
+    assert finding.instance_id == "t0" and "forward_backward" in finding.evidence
+
+
+def test_a_collective_hang_names_the_rank_that_never_entered() -> None:
+    ranks = [
+        pd.Signals(
+            role="trainer",
+            instance_id=f"t{i}",
+            job_id="j",
+            rank=i,
+            phase="collective",
+            phase_started_at=0.0,
+            counters={"collective_seq": 7.0},
+        )
+        for i in range(3)
+    ]
+    ranks[2].phase, ranks[2].counters = "forward_backward", {"collective_seq": 6.0}
+    assert pd.collective_hangs(ranks, 20.0, CFG) == []
+    [finding] = pd.collective_hangs(ranks, 31.0, CFG)
+    assert (finding.instance_id, finding.rank) == ("t2", 2)
+    assert "#7" in finding.evidence and "rank 2 has not entered" in finding.evidence
+
+
+def test_non_finite_is_reported_once_per_occurrence_with_where() -> None:
+    t = pd.Signals(role="trainer", instance_id="t0", counters={"nonfinite_loss": 1.0, "step": 12.0})
+    [finding] = pd.nonfinite([t])
+    assert "loss at step 12" in finding.evidence
+    assert pd.nonfinite([t]) == []
+    t.counters["nonfinite_loss"] = 2.0
+    assert len(pd.nonfinite([t])) == 1
+
+
+def test_degraded_needs_peers_and_a_large_gap() -> None:
+    peers = [rollout(f"r{i}") for i in range(4)]
+    for p, rate in zip(peers, [100.0, 110.0, 90.0, 20.0], strict=True):
+        beat(p, 0.0, tokens=1, in_flight=1, rate=rate)
+    [finding] = pd.degraded(peers, CFG)
+    assert finding.instance_id == "r3"
+    assert pd.degraded(peers[2:], CFG) == []
