@@ -13,16 +13,9 @@ import torch
 
 from services.rollout.engine import SamplingParams, TorchEngine, sampling_logprobs
 from services.trainer.grpo import Sample, completion_logprobs
-from services.trainer.modelgen import ModelShape, init_model
+from services.trainer.modelgen import init_model
+from tests.unit.tiny_model import TINY
 
-TINY = ModelShape(
-    hidden_size=16,
-    intermediate_size=32,
-    num_layers=1,
-    num_heads=2,
-    num_kv_heads=1,
-    max_position_embeddings=24,
-)
 PROMPTS = ["3+4=", "12+17=", "1+1=", "19+13="]
 
 

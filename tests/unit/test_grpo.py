@@ -20,16 +20,9 @@ from services.trainer.grpo import (
     lr_at,
     policy_loss,
 )
-from services.trainer.modelgen import ModelShape, init_model
+from services.trainer.modelgen import init_model
+from tests.unit.tiny_model import TINY
 
-TINY = ModelShape(
-    hidden_size=16,
-    intermediate_size=32,
-    num_layers=1,
-    num_heads=2,
-    num_kv_heads=1,
-    max_position_embeddings=24,
-)
 PAD = 0
 
 

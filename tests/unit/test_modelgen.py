@@ -12,7 +12,6 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from services.common.tasks import UnknownTaskError, get_task
 from services.trainer.modelgen import (
-    ModelShape,
     SFTConfig,
     build_tokenizer,
     init_model,
@@ -20,15 +19,7 @@ from services.trainer.modelgen import (
     sft_batch,
     sft_warmup,
 )
-
-TINY = ModelShape(
-    hidden_size=16,
-    intermediate_size=32,
-    num_layers=1,
-    num_heads=2,
-    num_kv_heads=1,
-    max_position_embeddings=24,
-)
+from tests.unit.tiny_model import TINY
 
 
 @pytest.fixture(autouse=True)
