@@ -26,6 +26,22 @@ class StackClient(CoordinatorClient):
         members, _ = await self.registry.list(role)
         return members
 
+    async def work_summary(self, job_id: str) -> dict[str, int] | None:
+        """Counts from the job's work ledger: every group leased, and where it went."""
+        raw = await self.etcd.get(self.keys.work(job_id))
+        if raw is None:
+            return None
+        ledger = json.loads(raw.value)
+        return {
+            "leased": ledger["next_index"],
+            "trained": ledger["trained"],
+            "dropped": len(ledger["discarded"]),
+            "open": len(ledger["open"]),
+            "delivered": len(ledger["delivered"]),
+            "requeued": len(ledger["requeued"]),
+            "taken_back": sum(len(v) for v in ledger["released"].values()),
+        }
+
     async def incidents(self, job_id: str = "") -> list[dict[str, Any]]:
         result = await self.etcd.get_prefix(self.keys.incidents())
         records = [json.loads(kv.value) for kv in result]

@@ -252,6 +252,7 @@ def cmd_status(args: argparse.Namespace) -> int:
             job = job_dict(await client.read(lambda s: s.GetJob(request, timeout=DEFAULT_DEADLINE)))
             bound = [m.model_dump() for m in await client.members() if m.job_id == args.job]
             job["bound_members"] = bound
+            job["work"] = await client.work_summary(args.job)
             if args.json:
                 emit_json(job)
                 return 0
@@ -259,6 +260,8 @@ def cmd_status(args: argparse.Namespace) -> int:
             console.print(f"  step {job['step']}  weight version {job['weight_version']}")
             for key, value in sorted(job["metrics"].items()):
                 console.print(f"  {key}: {value:.4g}")
+            if job["work"]:
+                console.print("  groups: " + ", ".join(f"{k} {v}" for k, v in job["work"].items()))
             for m in bound:
                 console.print(f"  member {m['role']} {m['instance_id']} ({m['address']})")
             return 0

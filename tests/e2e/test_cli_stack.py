@@ -27,14 +27,16 @@ class Cli:
         self.env = {k: v for k, v in os.environ.items() if not k.startswith("ROBUSTRL_")}
         self.env["ROBUSTRL_HOME"] = str(home)
 
-    def run(self, *args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
+    def run(
+        self, *args: str, check: bool = True, timeout: float = 120
+    ) -> subprocess.CompletedProcess[str]:
         result = subprocess.run(
             [sys.executable, "-m", "services.cli.main", *args],
             capture_output=True,
             text=True,
             env=self.env,
             cwd=REPO,
-            timeout=120,
+            timeout=timeout,
         )
         if check and result.returncode != 0:
             raise AssertionError(f"robustrl {' '.join(args)} failed: {result.stderr}")

@@ -13,6 +13,7 @@ import pytest
 
 from services.cli.stack import StackState, find_etcd
 from tests.e2e.test_cli_stack import EXAMPLE, REPO, Cli
+from tests.support import eventually_sync
 
 STEPS = 100
 STALENESS = 1
@@ -59,6 +60,7 @@ def etcd_json(cli: Cli, key: str) -> dict[str, object]:
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(480)  # about 70 s here; room for a loaded CI machine
 def test_a_short_job_learns_and_accounts_for_every_trajectory(
     stack: Cli, model_dir: Path, tmp_path: Path
 ) -> None:
@@ -72,7 +74,7 @@ def test_a_short_job_learns_and_accounts_for_every_trajectory(
         "trainer.eval_every=10",
         f"trainer.max_staleness={STALENESS}",
     )
-    watch = stack.run("watch", "learn", check=False)
+    watch = stack.run("watch", "learn", check=False, timeout=420)
     assert watch.returncode == 0, watch.stdout + watch.stderr
 
     status = stack.json("status", "learn")
@@ -99,7 +101,13 @@ def test_a_short_job_learns_and_accounts_for_every_trajectory(
     assert len(trained_ids) == len(set(trained_ids))
     assert len(trained_groups) == len(set(trained_groups)) == STEPS * 64
 
-    # Every prompt group ever leased is trained or accounted for, with a reason.
+    # Every prompt group ever leased is trained or accounted for, with a reason. Leftovers
+    # are settled on the coordinator's next round after the job ends: wait for that.
+    def settled() -> bool:
+        work = stack.json("status", "learn")["work"]  # type: ignore[index]
+        return bool(work) and work["open"] == work["delivered"] == work["requeued"] == 0
+
+    eventually_sync(settled, timeout=15)
     ledger = etcd_json(stack, "/robustrl/work/learn")
     leased = {f"learn-g{i:06d}" for i in range(int(str(ledger["next_index"])))}
     discarded = ledger["discarded"]
@@ -107,9 +115,14 @@ def test_a_short_job_learns_and_accounts_for_every_trajectory(
     assert ledger["trained"] == len(trained_groups)
     assert leased == set(trained_groups) | discarded.keys()
     assert not set(trained_groups) & discarded.keys()
+    # The same accounting, as a user reads it.
+    work = stack.json("status", "learn")["work"]  # type: ignore[index]
+    assert work["leased"] == len(leased) == work["trained"] + work["dropped"]
+    assert work["open"] == work["delivered"] == work["requeued"] == 0
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(300)
 def test_bad_job_input_fails_the_job_with_a_clear_message_and_no_crash(
     stack: Cli, model_dir: Path, tmp_path: Path
 ) -> None:
