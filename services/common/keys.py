@@ -4,6 +4,10 @@
 <prefix>/election/coordinator/<lease hex> coordinator candidates; lowest create revision leads
 <prefix>/jobs/<job_id>                    job record (JSON); writes compare its mod revision
 <prefix>/incidents/<incident_id>          incident record (JSON)
+<prefix>/work/<job_id>                    the job's work ledger (leases, trained/dropped groups)
+<prefix>/weights/<job_id>                 latest published weight version and where it is
+<prefix>/weights/<job_id>/v/<V>/manifest  tensors, buckets and checksums of version V (UCX)
+<prefix>/weights/<job_id>/v/<V>/holders/<instance>  who serves version V, under its lease
 """
 
 from __future__ import annotations

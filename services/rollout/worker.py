@@ -66,6 +66,7 @@ class RolloutWorker:
         self.acked = asyncio.Event()
         self.outbox: asyncio.Queue[list[trainer_pb2.Trajectory]] = asyncio.Queue()
         self.tokens_generated = 0
+        self.loaded_epoch = 0  # trainer epoch of the weights in the engine (0: from disk)
         self._tasks: list[asyncio.Task[None]] = []
 
     def load(self) -> None:
@@ -112,6 +113,7 @@ class RolloutWorker:
             instance_id=self.runtime.instance_id,
             host=self.runtime.settings.resolved_advertise_host(),
             session_ttl=self.runtime.etcd_settings.session_ttl,
+            keep_versions=1,  # at most the held version plus the one being pulled
         )
         while True:
             request = coordinator_pb2.LeaseWorkRequest(
@@ -212,7 +214,12 @@ class RolloutWorker:
         assert self.engine is not None and self.runtime.client is not None
         while True:
             latest = await latest_announcement(self.runtime.client, self.runtime.keys, self.job_id)
-            if latest is not None and latest.version > self.engine.weight_version:
+            if latest is not None and (
+                latest.trainer_epoch > self.loaded_epoch
+                or latest.version > self.engine.weight_version
+            ):
+                # A newer trainer epoch wins even with a lower version: a restored trainer
+                # goes back to its checkpoint's step.
                 assert self.transport is not None
                 try:
                     tensors = await self.transport.fetch(latest)
@@ -224,6 +231,7 @@ class RolloutWorker:
                     continue
                 # Swapped between generation batches: no batch ever mixes two versions.
                 self.engine.load_weights(tensors, version=latest.version)
+                self.loaded_epoch = latest.trainer_epoch
                 log.info("rollout.weights_loaded", job=self.job_id, version=latest.version)
             if self.engine.weight_version >= min_version:
                 return
