@@ -81,17 +81,6 @@ class Election:
         await self.client.delete(self.key)
         self.revision = 0
 
-    async def proclaim(self, value: bytes) -> None:
-        """Change the leader's advertised value without losing leadership."""
-        tx = self.client.transactions
-        ok, _ = await self.client.transaction(
-            compare=[tx.create(self.key) == self.revision],
-            success=[tx.put(self.key, value, lease=self.session.lease_id)],
-            failure=[],
-        )
-        if not ok:
-            raise RuntimeError("not the leader any more")
-
     def leader_guard(self) -> Any:
         """A transaction comparison that holds only while this candidate's key is unchanged."""
         return self.client.transactions.create(self.key) == self.revision

@@ -7,6 +7,7 @@ handler deals with status codes and nothing that we anticipated escapes as UNKNO
 from __future__ import annotations
 
 import grpc
+import pydantic
 
 
 class RobustrlError(Exception):
@@ -71,3 +72,13 @@ class NotLeader(Unavailable):
             metadata={LEADER_METADATA_KEY: leader_address or ""},
         )
         self.leader_address = leader_address
+
+
+def describe_validation_error(exc: pydantic.ValidationError) -> str:
+    """One line naming each invalid field by its dotted path (`trainer.lr: ...`)."""
+    parts = []
+    for err in exc.errors():
+        where = ".".join(str(p) for p in err["loc"]) or "<root>"
+        msg = "unknown field" if err["type"] == "extra_forbidden" else err["msg"]
+        parts.append(f"{where}: {msg}")
+    return "; ".join(parts)

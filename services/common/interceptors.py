@@ -16,7 +16,7 @@ import grpc
 import pydantic
 from prometheus_client import Counter, Histogram
 
-from services.common.errors import RobustrlError
+from services.common.errors import RobustrlError, describe_validation_error
 from services.common.logs import get_logger
 
 log = get_logger(__name__)
@@ -25,20 +25,15 @@ RPCS = Counter("robustrl_rpcs_total", "RPCs handled", ["method", "code"])
 RPC_SECONDS = Histogram("robustrl_rpc_seconds", "RPC handling time (unary calls)", ["method"])
 
 
-def validation_message(exc: pydantic.ValidationError) -> str:
-    """One line naming each invalid field by its dotted path."""
-    parts = []
-    for err in exc.errors():
-        where = ".".join(str(p) for p in err["loc"]) or "<root>"
-        parts.append(f"{where}: {err['msg']}")
-    return "invalid field " + "; ".join(parts)
-
-
 def _status_of(exc: BaseException) -> tuple[grpc.StatusCode, str, dict[str, str]] | None:
     if isinstance(exc, RobustrlError):
         return exc.code, exc.message, exc.metadata
     if isinstance(exc, pydantic.ValidationError):
-        return grpc.StatusCode.INVALID_ARGUMENT, validation_message(exc), {}
+        return (
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "invalid field " + describe_validation_error(exc),
+            {},
+        )
     if isinstance(
         exc, aetcd.exceptions.ConnectionFailedError | aetcd.exceptions.ConnectionTimeoutError
     ):

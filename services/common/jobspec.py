@@ -12,7 +12,7 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from services.common.errors import InvalidArgument
+from services.common.errors import InvalidArgument, describe_validation_error
 
 JOB_ID_RE = re.compile(r"^[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?$")
 
@@ -132,12 +132,7 @@ def parse_spec(text: str, overrides: list[str] | None = None) -> JobSpec:
     try:
         spec = JobSpec.model_validate(data)
     except ValidationError as exc:
-        parts = []
-        for err in exc.errors():
-            where = ".".join(str(p) for p in err["loc"]) or "<root>"
-            msg = "unknown field" if err["type"] == "extra_forbidden" else err["msg"]
-            parts.append(f"{where}: {msg}")
-        raise InvalidArgument("invalid job spec: " + "; ".join(parts)) from exc
+        raise InvalidArgument("invalid job spec: " + describe_validation_error(exc)) from exc
     if spec.id and not JOB_ID_RE.match(spec.id):
         raise InvalidArgument(f"invalid job spec: id: {spec.id!r} is not a valid job id")
     return spec

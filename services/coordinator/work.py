@@ -48,10 +48,6 @@ def group_index(group: str) -> int:
     return int(group.rsplit("-g", 1)[1])
 
 
-def outstanding(ledger: WorkLedger) -> int:
-    return len(ledger.open) + len(ledger.delivered) + len(ledger.requeued)
-
-
 def lease(
     ledger: WorkLedger,
     *,

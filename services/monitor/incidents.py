@@ -7,7 +7,6 @@ restarted monitor, serves the same incident history, resumable from a revision.
 from __future__ import annotations
 
 import secrets
-import time
 from collections.abc import AsyncIterator
 
 import aetcd
@@ -97,7 +96,3 @@ class IncidentLog:
                     continue
                 seen.add(record.incident_id)
                 yield record
-
-
-def now() -> float:
-    return time.time()
