@@ -25,13 +25,17 @@ _sym_db = _symbol_database.Default()
 from robustrl.v1 import trainer_pb2 as robustrl_dot_v1_dot_trainer__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19robustrl/v1/rollout.proto\x12\x0brobustrl.v1\x1a\x19robustrl/v1/trainer.proto2\x94\x01\n\x07Rollout\x12\x43\n\tGetStatus\x12\x1d.robustrl.v1.GetStatusRequest\x1a\x17.robustrl.v1.RoleStatus\x12\x44\n\x07\x43ontrol\x12\x1b.robustrl.v1.ControlRequest\x1a\x1c.robustrl.v1.ControlResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19robustrl/v1/rollout.proto\x12\x0brobustrl.v1\x1a\x19robustrl/v1/trainer.proto\"\x1e\n\x0cProbeRequest\x12\x0e\n\x06wait_s\x18\x01 \x01(\x01\"j\n\rProbeResponse\x12\x13\n\x0bprogressing\x18\x01 \x01(\x08\x12\x1a\n\x12requests_in_flight\x18\x02 \x01(\x03\x12\x18\n\x10tokens_generated\x18\x03 \x01(\x01\x12\x0e\n\x06\x64\x65tail\x18\x04 \x01(\t2\xd4\x01\n\x07Rollout\x12\x43\n\tGetStatus\x12\x1d.robustrl.v1.GetStatusRequest\x1a\x17.robustrl.v1.RoleStatus\x12\x44\n\x07\x43ontrol\x12\x1b.robustrl.v1.ControlRequest\x1a\x1c.robustrl.v1.ControlResponse\x12>\n\x05Probe\x12\x19.robustrl.v1.ProbeRequest\x1a\x1a.robustrl.v1.ProbeResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'robustrl.v1.rollout_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_ROLLOUT']._serialized_start=70
-  _globals['_ROLLOUT']._serialized_end=218
+  _globals['_PROBEREQUEST']._serialized_start=69
+  _globals['_PROBEREQUEST']._serialized_end=99
+  _globals['_PROBERESPONSE']._serialized_start=101
+  _globals['_PROBERESPONSE']._serialized_end=207
+  _globals['_ROLLOUT']._serialized_start=210
+  _globals['_ROLLOUT']._serialized_end=422
 # @@protoc_insertion_point(module_scope)

@@ -4,5 +4,68 @@ isort:skip_file
 """
 
 from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+import builtins as _builtins
+import sys
+import typing as _typing
+
+if sys.version_info >= (3, 11):
+    from typing import TypeAlias as _TypeAlias, Never as _Never
+else:
+    from typing_extensions import TypeAlias as _TypeAlias, Never as _Never
 
 DESCRIPTOR: _descriptor.FileDescriptor
+
+@_typing.final
+class ProbeRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    WAIT_S_FIELD_NUMBER: _builtins.int
+    wait_s: _builtins.float
+    """Seconds to wait for a new token, in (0, 60]."""
+    def __init__(
+        self,
+        *,
+        wait_s: _builtins.float = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["wait_s", b"wait_s"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ProbeRequest: _TypeAlias = ProbeRequest  # noqa: Y015
+
+@_typing.final
+class ProbeResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    PROGRESSING_FIELD_NUMBER: _builtins.int
+    REQUESTS_IN_FLIGHT_FIELD_NUMBER: _builtins.int
+    TOKENS_GENERATED_FIELD_NUMBER: _builtins.int
+    DETAIL_FIELD_NUMBER: _builtins.int
+    progressing: _builtins.bool
+    """A new token arrived within wait_s, the generation in flight finished, or nothing is in
+    flight.
+    """
+    requests_in_flight: _builtins.int
+    """Prompts being generated when the probe answered."""
+    tokens_generated: _builtins.float
+    """The rollout's cumulative count of generated tokens when the probe answered."""
+    detail: _builtins.str
+    """What the probe saw, for a person reading the incident."""
+    def __init__(
+        self,
+        *,
+        progressing: _builtins.bool = ...,
+        requests_in_flight: _builtins.int = ...,
+        tokens_generated: _builtins.float = ...,
+        detail: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["detail", b"detail", "progressing", b"progressing", "requests_in_flight", b"requests_in_flight", "tokens_generated", b"tokens_generated"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ProbeResponse: _TypeAlias = ProbeResponse  # noqa: Y015

@@ -3,6 +3,7 @@
 import grpc
 import warnings
 
+from robustrl.v1 import rollout_pb2 as robustrl_dot_v1_dot_rollout__pb2
 from robustrl.v1 import trainer_pb2 as robustrl_dot_v1_dot_trainer__pb2
 
 GRPC_GENERATED_VERSION = '1.85.1'
@@ -45,6 +46,11 @@ class RolloutStub:
                 request_serializer=robustrl_dot_v1_dot_trainer__pb2.ControlRequest.SerializeToString,
                 response_deserializer=robustrl_dot_v1_dot_trainer__pb2.ControlResponse.FromString,
                 _registered_method=True)
+        self.Probe = channel.unary_unary(
+                '/robustrl.v1.Rollout/Probe',
+                request_serializer=robustrl_dot_v1_dot_rollout__pb2.ProbeRequest.SerializeToString,
+                response_deserializer=robustrl_dot_v1_dot_rollout__pb2.ProbeResponse.FromString,
+                _registered_method=True)
 
 
 class RolloutServicer:
@@ -63,6 +69,15 @@ class RolloutServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Probe(self, request, context):
+        """Asked by the monitor when a rollout looks hung: wait up to wait_s for a new token.
+        With no request in flight the answer is progressing at once (idle is never a hang).
+        INVALID_ARGUMENT unless 0 < wait_s <= 60.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_RolloutServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -75,6 +90,11 @@ def add_RolloutServicer_to_server(servicer, server):
                     servicer.Control,
                     request_deserializer=robustrl_dot_v1_dot_trainer__pb2.ControlRequest.FromString,
                     response_serializer=robustrl_dot_v1_dot_trainer__pb2.ControlResponse.SerializeToString,
+            ),
+            'Probe': grpc.unary_unary_rpc_method_handler(
+                    servicer.Probe,
+                    request_deserializer=robustrl_dot_v1_dot_rollout__pb2.ProbeRequest.FromString,
+                    response_serializer=robustrl_dot_v1_dot_rollout__pb2.ProbeResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -132,6 +152,33 @@ class Rollout:
             '/robustrl.v1.Rollout/Control',
             robustrl_dot_v1_dot_trainer__pb2.ControlRequest.SerializeToString,
             robustrl_dot_v1_dot_trainer__pb2.ControlResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Probe(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/robustrl.v1.Rollout/Probe',
+            robustrl_dot_v1_dot_rollout__pb2.ProbeRequest.SerializeToString,
+            robustrl_dot_v1_dot_rollout__pb2.ProbeResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -5,6 +5,7 @@ isort:skip_file
 
 from collections import abc as _abc
 from grpc import aio as _aio
+from robustrl.v1 import rollout_pb2 as _rollout_pb2
 from robustrl.v1 import trainer_pb2 as _trainer_pb2
 import abc as _abc_1
 import grpc as _grpc
@@ -35,6 +36,11 @@ class RolloutStub:
     def __new__(cls, channel: _aio.Channel) -> RolloutAsyncStub: ...
     GetStatus: _grpc.UnaryUnaryMultiCallable[_trainer_pb2.GetStatusRequest, _trainer_pb2.RoleStatus]
     Control: _grpc.UnaryUnaryMultiCallable[_trainer_pb2.ControlRequest, _trainer_pb2.ControlResponse]
+    Probe: _grpc.UnaryUnaryMultiCallable[_rollout_pb2.ProbeRequest, _rollout_pb2.ProbeResponse]
+    """Asked by the monitor when a rollout looks hung: wait up to wait_s for a new token.
+    With no request in flight the answer is progressing at once (idle is never a hang).
+    INVALID_ARGUMENT unless 0 < wait_s <= 60.
+    """
 
 @_typing.type_check_only
 class RolloutAsyncStub(RolloutStub):
@@ -43,6 +49,11 @@ class RolloutAsyncStub(RolloutStub):
     def __init__(self, channel: _aio.Channel) -> None: ...
     GetStatus: _aio.UnaryUnaryMultiCallable[_trainer_pb2.GetStatusRequest, _trainer_pb2.RoleStatus]  # type: ignore[assignment]
     Control: _aio.UnaryUnaryMultiCallable[_trainer_pb2.ControlRequest, _trainer_pb2.ControlResponse]  # type: ignore[assignment]
+    Probe: _aio.UnaryUnaryMultiCallable[_rollout_pb2.ProbeRequest, _rollout_pb2.ProbeResponse]  # type: ignore[assignment]
+    """Asked by the monitor when a rollout looks hung: wait up to wait_s for a new token.
+    With no request in flight the answer is progressing at once (idle is never a hang).
+    INVALID_ARGUMENT unless 0 < wait_s <= 60.
+    """
 
 class RolloutServicer(metaclass=_abc_1.ABCMeta):
     """A rollout turns prompt groups into scored trajectories with its inference engine."""
@@ -60,5 +71,16 @@ class RolloutServicer(metaclass=_abc_1.ABCMeta):
         request: _trainer_pb2.ControlRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_trainer_pb2.ControlResponse, _abc.Awaitable[_trainer_pb2.ControlResponse]]: ...
+
+    @_abc_1.abstractmethod
+    def Probe(
+        self,
+        request: _rollout_pb2.ProbeRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_rollout_pb2.ProbeResponse, _abc.Awaitable[_rollout_pb2.ProbeResponse]]:
+        """Asked by the monitor when a rollout looks hung: wait up to wait_s for a new token.
+        With no request in flight the answer is progressing at once (idle is never a hang).
+        INVALID_ARGUMENT unless 0 < wait_s <= 60.
+        """
 
 def add_RolloutServicer_to_server(servicer: RolloutServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

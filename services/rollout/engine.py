@@ -7,6 +7,19 @@ trainer's convention exactly: ``log_softmax(logits.float() / T)`` at temperature
 At T = 0 the engine decodes greedily and reports ``log_softmax(logits.float())`` (T = 1);
 greedy samples are for evaluation, not training.
 
+``min_new_tokens`` takes the end-of-sequence token out of the distribution a token is drawn
+from until that many tokens are sampled (long-tail generations for tests). The reported
+logprob stays that of the model's own distribution, which is what the trainer recomputes, so
+the GRPO ratio is still 1 on policy.
+
+Progress: ``generate`` calls ``on_tokens(k)`` as tokens are produced, ``k`` being how many
+completions got a new token, so a caller can tell a long generation from a hung one. The torch
+engine calls it after every decode step, from the thread that runs ``generate``.
+
+A row whose distribution is not a distribution (NaN or Inf logits from broken weights or
+hardware) does not crash the batch: it gets the end-of-sequence token, and its non-finite
+logprob is reported as is, for the rollout to count and drop.
+
 Weights are swapped whole and atomically between generation calls (``load_weights``); a
 tensor with an unknown name, a missing name, or the wrong shape or dtype rejects the whole
 update and leaves the model as it was.
@@ -16,7 +29,7 @@ from __future__ import annotations
 
 import threading
 from abc import ABC, abstractmethod
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
@@ -26,6 +39,9 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenize
 
 FinishReason = Literal["stop", "length"]
 
+TokenCallback = Callable[[int], None]
+"""Called with how many completions got a new token (see the module docstring)."""
+
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -34,6 +50,9 @@ class SamplingParams:
     temperature: float = 1.0
     """0 decodes greedily."""
     max_new_tokens: int = 8
+    min_new_tokens: int = 0
+    """End-of-sequence cannot be sampled before this many tokens (0: any time); at most
+    max_new_tokens. Equal to it: every completion is exactly max_new_tokens long."""
     seed: int = 0
     """Same seed, prompts, params and weights -> same completions."""
 
@@ -44,6 +63,11 @@ class SamplingParams:
             raise ValueError(f"temperature must be >= 0, got {self.temperature}")
         if self.max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        if not 0 <= self.min_new_tokens <= self.max_new_tokens:
+            raise ValueError(
+                f"min_new_tokens must be in [0, max_new_tokens={self.max_new_tokens}], "
+                f"got {self.min_new_tokens}"
+            )
 
 
 @dataclass(frozen=True)
@@ -71,8 +95,14 @@ class Engine(ABC):
     """Version of the weights in use: set by load_weights, 0 for the weights loaded at start."""
 
     @abstractmethod
-    def generate(self, prompts: Sequence[str], params: SamplingParams) -> list[list[Completion]]:
-        """``params.n`` completions for each prompt, in prompt order."""
+    def generate(
+        self,
+        prompts: Sequence[str],
+        params: SamplingParams,
+        on_tokens: TokenCallback | None = None,
+    ) -> list[list[Completion]]:
+        """``params.n`` completions for each prompt, in prompt order. ``on_tokens`` hears of
+        new tokens as they come (per decode step, or coarser where the engine cannot say)."""
 
     @abstractmethod
     def load_weights(
@@ -169,13 +199,18 @@ class TorchEngine(Engine):
             )
         return ids
 
-    def generate(self, prompts: Sequence[str], params: SamplingParams) -> list[list[Completion]]:
+    def generate(
+        self,
+        prompts: Sequence[str],
+        params: SamplingParams,
+        on_tokens: TokenCallback | None = None,
+    ) -> list[list[Completion]]:
         encoded = [self.encode(p, params.max_new_tokens) for p in prompts]
         if not encoded:
             return []
         rows = [ids for ids in encoded for _ in range(params.n)]
         with self._lock:
-            tokens, logprobs, finished = self._sample(rows, params)
+            tokens, logprobs, finished = self._sample(rows, params, on_tokens)
         completions = [
             Completion(
                 prompt_ids=list(rows[r]),
@@ -189,9 +224,34 @@ class TorchEngine(Engine):
         n = params.n
         return [completions[p * n : (p + 1) * n] for p in range(len(encoded))]
 
+    def _pick(
+        self,
+        logp: torch.Tensor,
+        params: SamplingParams,
+        suppress_eos: bool,
+        generator: torch.Generator,
+    ) -> torch.Tensor:
+        """The next token of each row, drawn from ``logp`` (eos masked out if asked)."""
+        if suppress_eos:
+            logp = logp.index_fill(1, torch.tensor([self.eos_id], device=logp.device), -torch.inf)
+        probs = logp.exp()
+        total = probs.sum(-1)
+        # NaN anywhere makes the sum NaN; all mass on a masked eos makes it 0.
+        broken = ~(torch.isfinite(total) & (total > 0))
+        if params.temperature > 0:
+            # A broken row draws from a stand-in (uniform) and is given eos below.
+            probs = torch.where(broken[:, None], 1.0, probs)
+            token = torch.multinomial(probs, 1, generator=generator).squeeze(1)
+        else:
+            token = logp.argmax(-1)
+        return torch.where(broken, torch.full_like(token, self.eos_id), token)
+
     @torch.no_grad()
     def _sample(
-        self, rows: list[list[int]], params: SamplingParams
+        self,
+        rows: list[list[int]],
+        params: SamplingParams,
+        on_tokens: TokenCallback | None = None,
     ) -> tuple[list[list[int]], list[list[float]], list[bool]]:
         device = self.device
         batch, width = len(rows), max(len(r) for r in rows)
@@ -221,14 +281,13 @@ class TorchEngine(Engine):
         alive: list[torch.Tensor] = []
         for t in range(params.max_new_tokens):
             logp = sampling_logprobs(logits, params.temperature)
-            if params.temperature > 0:
-                token = torch.multinomial(logp.exp(), 1, generator=generator).squeeze(1)
-            else:
-                token = logp.argmax(-1)
+            token = self._pick(logp, params, t < params.min_new_tokens, generator)
             alive.append(~done)
             token = torch.where(done, torch.full_like(token, self.pad_id), token)
             sampled.append(token)
             sampled_lp.append(logp.gather(1, token[:, None]).squeeze(1))
+            if on_tokens is not None:
+                on_tokens(int(alive[-1].sum()))
             done = done | (token == self.eos_id)
             if bool(done.all()) or t == params.max_new_tokens - 1:
                 break

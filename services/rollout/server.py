@@ -1,9 +1,13 @@
-"""The Rollout gRPC service: status and control; BIND starts generating for the job."""
+"""The Rollout gRPC service: status and control (BIND starts generating for the job), and the
+probe the monitor asks when a rollout looks hung."""
 
 from __future__ import annotations
 
+import grpc
+
 from robustrl.v1 import rollout_pb2, rollout_pb2_grpc
 from services.common.config import EtcdSettings
+from services.common.errors import InvalidArgument
 from services.common.jobspec import JobSpec
 from services.common.role_server import RoleControl
 from services.common.runtime import ServiceRuntime
@@ -11,6 +15,9 @@ from services.rollout.config import RolloutSettings
 from services.rollout.worker import RolloutWorker
 
 SERVICE_NAME = rollout_pb2.DESCRIPTOR.services_by_name["Rollout"].full_name
+
+MAX_PROBE_WAIT_S = 60.0
+"""Longest wait a probe may ask for: it holds an RPC (and the monitor's probe task) open."""
 
 
 class RolloutServicer(RoleControl, rollout_pb2_grpc.RolloutServicer):
@@ -20,11 +27,41 @@ class RolloutServicer(RoleControl, rollout_pb2_grpc.RolloutServicer):
 
         super().__init__(runtime, make_worker)
 
+    async def Probe(
+        self, request: rollout_pb2.ProbeRequest, context: grpc.aio.ServicerContext
+    ) -> rollout_pb2.ProbeResponse:
+        # `not (a < x <= b)` also refuses NaN.
+        if not 0 < request.wait_s <= MAX_PROBE_WAIT_S:
+            raise InvalidArgument(
+                f"wait_s must be in (0, {MAX_PROBE_WAIT_S:.0f}] seconds, got {request.wait_s}"
+            )
+        worker = self.worker
+        if not isinstance(worker, RolloutWorker):
+            return rollout_pb2.ProbeResponse(
+                progressing=True,
+                requests_in_flight=0,
+                tokens_generated=self.runtime.progress.counters.get("tokens_generated", 0.0),
+                detail="idle: no job bound",
+            )
+        # Waits on the event loop for the generation thread's token count to move.
+        result = await worker.meter.probe(request.wait_s)
+        return rollout_pb2.ProbeResponse(
+            progressing=result.progressing,
+            requests_in_flight=result.requests_in_flight,
+            tokens_generated=result.tokens_generated,
+            detail=result.detail,
+        )
 
-async def serve(settings: RolloutSettings, etcd: EtcdSettings) -> ServiceRuntime:
+
+async def start(settings: RolloutSettings, etcd: EtcdSettings) -> RolloutServicer:
+    """Start a rollout; the servicer is how an in-process caller (a test) reaches its worker."""
     runtime = ServiceRuntime("rollout", settings, etcd, service_names=[SERVICE_NAME])
     servicer = RolloutServicer(runtime, settings)
     rollout_pb2_grpc.add_RolloutServicer_to_server(servicer, runtime.host.server)
     await runtime.start()
     runtime.host.before_stop.insert(0, servicer.stop_worker)
-    return runtime
+    return servicer
+
+
+async def serve(settings: RolloutSettings, etcd: EtcdSettings) -> ServiceRuntime:
+    return (await start(settings, etcd)).runtime

@@ -9,6 +9,10 @@ temperature scaling, which is the distribution the token was sampled from and wh
 trainer recomputes (``log_softmax(logits / T)``). At temperature 0 vLLM decodes greedily
 and the logprobs are those of the unscaled logits, matching the torch engine's convention.
 Prefix caching is off: a cache built under old weights must not serve new ones.
+``min_new_tokens`` maps to vLLM's ``min_tokens`` (eos is not sampled before it).
+
+Progress is coarse: ``LLM.generate`` reports nothing until the batch is done, so ``on_tokens``
+hears of every token at once when it returns.
 
 Weights: ``load_weights`` validates the whole update against the checkpoint's names,
 shapes and dtypes first (nothing is sent to the workers on a mismatch), then hands it to
@@ -31,6 +35,7 @@ from services.rollout.engine import (
     Engine,
     SamplingParams,
     TensorSpec,
+    TokenCallback,
     validate_weights,
 )
 
@@ -158,7 +163,12 @@ class VLLMEngine(Engine):
             )
         return ids
 
-    def generate(self, prompts: Sequence[str], params: SamplingParams) -> list[list[Completion]]:
+    def generate(
+        self,
+        prompts: Sequence[str],
+        params: SamplingParams,
+        on_tokens: TokenCallback | None = None,
+    ) -> list[list[Completion]]:
         encoded = [self.encode(p, params.max_new_tokens) for p in prompts]
         if not encoded:
             return []
@@ -166,6 +176,7 @@ class VLLMEngine(Engine):
             n=params.n,
             temperature=params.temperature,
             max_tokens=params.max_new_tokens,
+            min_tokens=params.min_new_tokens,
             seed=params.seed,
             logprobs=0,
             skip_special_tokens=True,
@@ -173,10 +184,13 @@ class VLLMEngine(Engine):
         requests = [{"prompt_token_ids": ids} for ids in encoded]
         with self._lock:
             outputs = self._llm.generate(requests, sampling, use_tqdm=False)
-        return [
+        completions = [
             [completion_from_output(ids, o, self.eos_id) for o in out.outputs]
             for ids, out in zip(encoded, outputs, strict=True)
         ]
+        if on_tokens is not None:
+            on_tokens(sum(len(c.token_ids) for group in completions for c in group))
+        return completions
 
     def load_weights(
         self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int | None = None

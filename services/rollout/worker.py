@@ -4,14 +4,33 @@ trajectories to the trainer, keep every trajectory until the trainer commits or 
 Trajectory ids are `<group id>/<index>`: stable for a group whoever generates it, so a group
 leased again after a failure de-duplicates at the trainer. Generation runs in a worker
 thread; the event loop keeps the trajectory stream, heartbeats and weight pulls going.
+
+What the monitor reads in the beats (kept by `GenerationMeter`):
+- `tokens_generated`: tokens sampled by this process, counted after every decode step from
+  the generation thread, so a long generation keeps it growing;
+- `requests_in_flight`: prompts inside the engine now; 0 while leasing, waiting for weights,
+  scoring or delivering (none of that is generation, so none of it can be a generation hang);
+- `oldest_request_age_s`: seconds the oldest of them has been in the engine (0 when none);
+- `tokens_per_s`: tokens over the last `RATE_WINDOW_S` seconds;
+- `nonfinite_logprobs`: NaN/Inf logprobs of sampled tokens seen by this process. A group with
+  one is never sent to the trainer and is not completed: its lease runs out and the
+  coordinator leases it again.
+
+With `rollout.long_tail_every` N > 0, every Nth group of the job (by group index, so the same
+group whoever generates it) is generated with exactly `max_new_tokens * long_tail_factor`
+tokens, to show that a long generation is not taken for a hang.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import math
 import time
 import zlib
+from collections import deque
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import grpc
@@ -27,6 +46,7 @@ from services.common.logs import get_logger
 from services.common.runtime import ServiceRuntime
 from services.common.ucx_transport import make_transport
 from services.common.weights import WeightIntegrityError, WeightTransport, latest_announcement
+from services.coordinator.work import group_index
 from services.rollout.config import RolloutSettings
 from services.rollout.engine import SamplingParams, TorchEngine
 from services.rollout.rewards import RewardError, RewardFn, load_reward, score
@@ -37,9 +57,145 @@ RPC_DEADLINE = 10.0
 RESEND_BATCH = 256
 """Trajectories per message when re-sending after a reconnect."""
 
+RATE_WINDOW_S = 5.0
+"""Span of the recent token rate (`tokens_per_s`)."""
+
+GAUGE_INTERVAL_S = 0.25
+"""How often the gauges that change with time alone (request age, token rate) are refreshed:
+a hung generation thread cannot refresh them."""
+
 
 class JobError(Exception):
     """This rollout cannot do the job's work; the coordinator fails the job with the message."""
+
+
+@dataclass(frozen=True)
+class ProbeResult:
+    progressing: bool
+    requests_in_flight: int
+    tokens_generated: float
+    detail: str
+
+
+class GenerationMeter:
+    """The rollout's progress counters (see the module docstring) and the probe over them.
+
+    `on_tokens` runs on the generation thread; everything else on the event loop. Every key
+    exists before the thread writes, so a beat copying the counters never sees the dict
+    change size; a float store is atomic under the GIL. The cumulative counters carry on
+    from what this process already reported, so they never go down when a new job binds.
+    """
+
+    def __init__(self, counters: dict[str, float]) -> None:
+        self.counters = counters
+        for name in ("tokens_generated", "nonfinite_logprobs"):
+            counters.setdefault(name, 0.0)
+        for name in ("requests_in_flight", "oldest_request_age_s", "tokens_per_s"):
+            counters[name] = 0.0
+        self.tokens = counters["tokens_generated"]
+        self.nonfinite = counters["nonfinite_logprobs"]
+        self.in_flight = 0
+        self.in_flight_since = 0.0
+        self._samples: deque[tuple[float, float]] = deque()
+        self._wakers: list[Callable[[], None]] = []
+
+    @property
+    def probes_waiting(self) -> int:
+        return len(self._wakers)
+
+    def on_tokens(self, count: int) -> None:
+        """The engine sampled `count` new tokens (generation thread)."""
+        self.tokens += count
+        self.counters["tokens_generated"] = self.tokens
+        self._wake()
+
+    def _wake(self) -> None:
+        for wake in tuple(self._wakers):
+            wake()
+
+    @contextlib.contextmanager
+    def generating(self, requests: int) -> Iterator[None]:
+        """`requests` prompts are inside the engine for the duration."""
+        self.in_flight, self.in_flight_since = requests, time.monotonic()
+        self.counters["requests_in_flight"] = float(requests)
+        try:
+            yield
+        finally:
+            self.in_flight = 0
+            self.counters["requests_in_flight"] = 0.0
+            self.counters["oldest_request_age_s"] = 0.0
+            self._wake()
+
+    def count_nonfinite(self, count: int) -> None:
+        self.nonfinite += count
+        self.counters["nonfinite_logprobs"] = self.nonfinite
+
+    def refresh(self, now: float) -> None:
+        """Update the time-driven gauges (`now`: time.monotonic())."""
+        self.counters["oldest_request_age_s"] = (
+            max(now - self.in_flight_since, 0.0) if self.in_flight else 0.0
+        )
+        samples = self._samples
+        samples.append((now, self.tokens))
+        while len(samples) > 1 and now - samples[1][0] >= RATE_WINDOW_S:
+            samples.popleft()
+        then, tokens_then = samples[0]
+        self.counters["tokens_per_s"] = (
+            (self.tokens - tokens_then) / (now - then) if now > then else 0.0
+        )
+
+    async def probe(self, wait_s: float) -> ProbeResult:
+        """Progressing unless requests are in flight and no token comes within `wait_s`."""
+        if self.in_flight == 0:
+            return ProbeResult(True, 0, self.tokens, "idle: no requests in flight")
+        loop = asyncio.get_running_loop()
+        woken = asyncio.Event()
+
+        def wake() -> None:
+            with contextlib.suppress(RuntimeError):  # the loop closed under a late thread
+                loop.call_soon_threadsafe(woken.set)
+
+        before, in_flight, started = self.tokens, self.in_flight, time.monotonic()
+        self._wakers.append(wake)
+        try:
+            while True:
+                # Cleared before the check: a token counted after the check sets it again.
+                woken.clear()
+                remaining = started + wait_s - time.monotonic()
+                if self.tokens > before or self.in_flight == 0 or remaining <= 0:
+                    break
+                with contextlib.suppress(asyncio.TimeoutError):
+                    await asyncio.wait_for(woken.wait(), remaining)
+        finally:
+            self._wakers.remove(wake)
+        took = time.monotonic() - started
+        if self.tokens > before:
+            return ProbeResult(
+                True,
+                self.in_flight,
+                self.tokens,
+                f"{self.tokens - before:.0f} new tokens in {took:.2f}s "
+                f"with {in_flight} requests in flight",
+            )
+        if self.in_flight == 0:
+            return ProbeResult(True, 0, self.tokens, "the generation in flight finished")
+        return ProbeResult(
+            False,
+            self.in_flight,
+            self.tokens,
+            f"no new token in {took:.1f}s with {self.in_flight} requests in flight for "
+            f"{time.monotonic() - self.in_flight_since:.1f}s "
+            f"({self.tokens:.0f} tokens generated before)",
+        )
+
+
+@dataclass
+class Generated:
+    """One lease's generation: what goes to the trainer, and the groups it covers."""
+
+    trajectories: list[trainer_pb2.Trajectory] = field(default_factory=list)
+    group_ids: list[str] = field(default_factory=list)
+    """Groups whose trajectories are all in `trajectories` (dropped ones are not)."""
 
 
 class RolloutWorker:
@@ -65,7 +221,7 @@ class RolloutWorker:
         self.received: set[str] = set()
         self.acked = asyncio.Event()
         self.outbox: asyncio.Queue[list[trainer_pb2.Trajectory]] = asyncio.Queue()
-        self.tokens_generated = 0
+        self.meter = GenerationMeter(runtime.progress.counters)
         self.loaded_epoch = 0  # trainer epoch of the weights in the engine (0: from disk)
         self._tasks: list[asyncio.Task[None]] = []
 
@@ -81,11 +237,20 @@ class RolloutWorker:
         except RewardError as exc:
             raise InvalidArgument(f"task.reward: {exc}") from exc
         self.engine = TorchEngine.from_pretrained(str(path))
+        rollout = self.spec.rollout
+        longest = rollout.max_new_tokens * rollout.long_tail_factor
+        if rollout.long_tail_every and longest >= self.engine.max_positions:
+            raise InvalidArgument(
+                f"rollout.long_tail_factor: a long-tail group generates max_new_tokens * "
+                f"long_tail_factor = {longest} tokens, more than the model's context of "
+                f"{self.engine.max_positions} positions leaves room for after a prompt"
+            )
 
     def start(self) -> None:
         self._tasks = [
             asyncio.create_task(self._generate_loop(), name=f"generate-{self.job_id}"),
             asyncio.create_task(self._stream_loop(), name=f"stream-{self.job_id}"),
+            asyncio.create_task(self._gauge_loop(), name=f"gauges-{self.job_id}"),
         ]
 
     async def stop(self) -> None:
@@ -138,55 +303,90 @@ class RolloutWorker:
             try:
                 await self._ensure_weights(reply.min_weight_version)
                 progress.phase = "generating"
-                progress.counters["requests_in_flight"] = float(len(reply.groups))
-                trajectories = await self._generate(list(reply.groups))
+                generated = await self._generate(list(reply.groups))
             except JobError as exc:
                 log.error("rollout.job_error", job=self.job_id, error=str(exc))
                 await self._complete([], error=str(exc))
                 return
-            finally:
-                progress.counters["requests_in_flight"] = 0.0
+            trajectories = generated.trajectories
             for traj in trajectories:
                 self.unsettled[traj.trajectory_id] = traj
             self.outbox.put_nowait(trajectories)
             progress.phase = "delivering"
             await self._wait_received([t.trajectory_id for t in trajectories])
-            await self._complete([g.group_id for g in reply.groups])
+            # Dropped groups are left out: CompleteWork's error fails the whole job, while a
+            # lease that runs out is leased again.
+            if generated.group_ids:
+                await self._complete(generated.group_ids)
 
     async def _lease(
         self, request: coordinator_pb2.LeaseWorkRequest
     ) -> coordinator_pb2.LeaseWorkResponse:
         return await self.coordinator.write(lambda s: s.LeaseWork(request, timeout=RPC_DEADLINE))
 
-    async def _generate(
-        self, groups: list[coordinator_pb2.PromptGroup]
-    ) -> list[trainer_pb2.Trajectory]:
+    async def _gauge_loop(self) -> None:
+        while True:
+            self.meter.refresh(time.monotonic())
+            await asyncio.sleep(GAUGE_INTERVAL_S)
+
+    def _is_long_tail(self, group_id: str) -> bool:
+        every = self.spec.rollout.long_tail_every
+        return every > 0 and (group_index(group_id) + 1) % every == 0
+
+    async def _generate(self, groups: list[coordinator_pb2.PromptGroup]) -> Generated:
+        """Generate and score the groups: the normal ones in one batch, long-tail ones in
+        another (a batch runs as long as its longest row)."""
+        out = Generated()
+        normal = [g for g in groups if not self._is_long_tail(g.group_id)]
+        long_tail = [g for g in groups if self._is_long_tail(g.group_id)]
+        for batch, is_long_tail in ((normal, False), (long_tail, True)):
+            if batch:
+                await self._generate_batch(batch, is_long_tail, out)
+        return out
+
+    async def _generate_batch(
+        self, groups: list[coordinator_pb2.PromptGroup], long_tail: bool, out: Generated
+    ) -> None:
         assert self.engine is not None and self.reward is not None
         spec = self.spec
         version = self.engine.weight_version
+        max_new_tokens = spec.rollout.max_new_tokens
+        if long_tail:
+            max_new_tokens *= spec.rollout.long_tail_factor
         params = SamplingParams(
             n=groups[0].group_size,
             temperature=spec.rollout.temperature,
-            max_new_tokens=spec.rollout.max_new_tokens,
+            max_new_tokens=max_new_tokens,
+            min_new_tokens=max_new_tokens if long_tail else 0,
             seed=zlib.crc32(f"{spec.seed}/{groups[0].group_id}/{version}".encode()),
         )
-        started = time.monotonic()
         try:
-            outputs = await asyncio.to_thread(
-                self.engine.generate, [g.prompt for g in groups], params
-            )
+            with self.meter.generating(len(groups)):
+                outputs = await asyncio.to_thread(
+                    self.engine.generate, [g.prompt for g in groups], params, self.meter.on_tokens
+                )
         except ValueError as exc:  # e.g. a prompt longer than the context
             raise JobError(f"cannot generate: {exc}") from exc
-        out: list[trainer_pb2.Trajectory] = []
-        tokens = 0
         for group, completions in zip(groups, outputs, strict=True):
+            nonfinite = sum(not math.isfinite(lp) for c in completions for lp in c.logprobs)
+            if nonfinite:
+                self.meter.count_nonfinite(nonfinite)
+                log.error(
+                    "rollout.group_dropped",
+                    job=self.job_id,
+                    group=group.group_id,
+                    reason="non-finite logprobs",
+                    nonfinite_logprobs=nonfinite,
+                    version=version,
+                    then="not sent; its lease runs out and it is leased again",
+                )
+                continue
             for index, completion in enumerate(completions):
                 try:
                     reward = score(self.reward, group.prompt, completion.text, group.answer)
                 except RewardError as exc:
                     raise JobError(str(exc)) from exc
-                tokens += len(completion.token_ids)
-                out.append(
+                out.trajectories.append(
                     trainer_pb2.Trajectory(
                         trajectory_id=f"{group.group_id}/{index}",
                         job_id=self.job_id,
@@ -202,12 +402,8 @@ class RolloutWorker:
                         finish_reason=completion.finish_reason,
                     )
                 )
-        self.tokens_generated += tokens
-        counters = self.runtime.progress.counters
-        counters["tokens_generated"] = float(self.tokens_generated)
-        counters["tokens_per_s"] = tokens / max(time.monotonic() - started, 1e-6)
-        counters["weight_version"] = float(version)
-        return out
+            out.group_ids.append(group.group_id)
+        self.runtime.progress.counters["weight_version"] = float(version)
 
     async def _ensure_weights(self, min_version: int) -> None:
         """Load the newest announced version; wait for one >= min_version if needed."""

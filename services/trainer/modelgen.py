@@ -54,7 +54,7 @@ class ModelShape:
     num_layers: int = 2
     num_heads: int = 4
     num_kv_heads: int = 2
-    max_position_embeddings: int = 32
+    max_position_embeddings: int = 128
 
 
 def build_tokenizer(alphabet: str) -> PreTrainedTokenizerFast:

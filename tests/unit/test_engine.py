@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import math
 import threading
 from pathlib import Path
 from types import SimpleNamespace
@@ -96,20 +97,94 @@ def test_finish_reasons_and_lengths(engine: TorchEngine) -> None:
 
 
 def test_stops_at_eos(engine: TorchEngine) -> None:
-    # An output head that strongly prefers eos whatever the hidden state.
-    config: Any = engine.model.config
-    head = torch.nn.Linear(config.hidden_size, config.vocab_size, bias=True)
-    with torch.no_grad():
-        head.weight.zero_()
-        head.bias.fill_(-50.0)
-        head.bias[engine.eos_id] = 50.0
-    engine.model.lm_head = head
+    _eos_loving_head(engine)
     groups = engine.generate(PROMPTS, SamplingParams(n=2, temperature=1.0, max_new_tokens=5))
     for group in groups:
         for c in group:
             assert c.token_ids == [engine.eos_id]
             assert c.finish_reason == "stop"
             assert c.text == ""
+
+
+def _eos_loving_head(engine: TorchEngine, eos_bias: float = 50.0) -> None:
+    """An output head that strongly prefers eos whatever the hidden state."""
+    config: Any = engine.model.config
+    head = torch.nn.Linear(config.hidden_size, config.vocab_size, bias=True)
+    with torch.no_grad():
+        head.weight.zero_()
+        head.bias.fill_(-eos_bias)
+        head.bias[engine.eos_id] = eos_bias
+    engine.model.lm_head = head
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.0])
+def test_on_tokens_hears_of_every_decode_step_as_it_happens(
+    engine: TorchEngine, temperature: float
+) -> None:
+    calls: list[int] = []
+
+    def on_tokens(count: int) -> None:
+        # Called from inside generate(), which holds the engine for the whole call.
+        assert engine._lock.locked()
+        calls.append(count)
+
+    params = SamplingParams(n=3, temperature=temperature, max_new_tokens=6, seed=2)
+    completions = [c for g in engine.generate(PROMPTS, params, on_tokens) for c in g]
+    lengths = [len(c.token_ids) for c in completions]
+    # One call per decode step, each counting the completions that got a token in that step.
+    assert calls == [sum(n > t for n in lengths) for t in range(max(lengths))]
+    assert sum(calls) == sum(lengths)
+
+
+def test_min_new_tokens_holds_eos_back_until_then(engine: TorchEngine) -> None:
+    _eos_loving_head(engine)
+    groups = engine.generate(
+        PROMPTS, SamplingParams(n=2, temperature=1.0, max_new_tokens=5, min_new_tokens=2)
+    )
+    for c in (c for g in groups for c in g):
+        assert len(c.token_ids) == 3 and c.token_ids[-1] == engine.eos_id, c.token_ids
+        assert engine.eos_id not in c.token_ids[:2]
+        assert c.finish_reason == "stop"
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.0])
+def test_a_long_tail_generates_exactly_max_new_tokens_times_the_factor(
+    engine: TorchEngine, temperature: float
+) -> None:
+    # What a rollout asks for a long-tail group: max_new_tokens x factor, eos held back.
+    # An eos-loving model would otherwise stop at the first token.
+    _eos_loving_head(engine, eos_bias=5.0)
+    length = 2 * 8
+    calls: list[int] = []
+    params = SamplingParams(
+        n=2, temperature=temperature, max_new_tokens=length, min_new_tokens=length, seed=4
+    )
+    groups = engine.generate(PROMPTS[:2], params, calls.append)
+    assert calls == [2 * 2] * length  # factor x as many decode steps, every row in each
+    for c in (c for g in groups for c in g):
+        assert len(c.token_ids) == length and engine.eos_id not in c.token_ids
+        assert c.finish_reason == "length"
+        # The reported logprobs are the model's own (eos not masked): what the trainer
+        # recomputes, so the ratio stays 1 on policy.
+        ref = _single_sequence_logprobs(engine, c.prompt_ids, c.token_ids, temperature)
+        assert c.logprobs == pytest.approx(ref, abs=1e-4)
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.0])
+def test_non_finite_logits_end_the_row_and_are_reported_not_raised(
+    engine: TorchEngine, temperature: float
+) -> None:
+    config: Any = engine.model.config
+    head = torch.nn.Linear(config.hidden_size, config.vocab_size, bias=True)
+    with torch.no_grad():
+        head.bias.fill_(float("nan"))
+    engine.model.lm_head = head
+    groups = engine.generate(
+        PROMPTS, SamplingParams(n=2, temperature=temperature, max_new_tokens=4)
+    )
+    for c in (c for g in groups for c in g):
+        assert c.token_ids == [engine.eos_id] and c.finish_reason == "stop"
+        assert len(c.logprobs) == 1 and math.isnan(c.logprobs[0])
 
 
 def test_rejects_a_prompt_longer_than_the_context(engine: TorchEngine) -> None:
@@ -127,6 +202,11 @@ def test_bad_sampling_params_are_rejected() -> None:
         SamplingParams(temperature=-1.0)
     with pytest.raises(ValueError):
         SamplingParams(max_new_tokens=0)
+    with pytest.raises(ValueError, match="min_new_tokens"):
+        SamplingParams(min_new_tokens=-1)
+    with pytest.raises(ValueError, match="min_new_tokens"):
+        SamplingParams(max_new_tokens=4, min_new_tokens=5)
+    assert SamplingParams(max_new_tokens=4, min_new_tokens=4).min_new_tokens == 4
 
 
 def _other_weights(model_dir: Path, tmp_path: Path) -> TorchEngine:

@@ -1,0 +1,266 @@
+"""The rollout's probe and progress counters, against real servers: a real etcd, coordinator,
+monitor, trainer and rollout on free ports, and a real job bound through the coordinator.
+
+The rollout's generation is a real TorchEngine whose model forward the test can pace, hold
+on a threading.Event (a hung engine, from the event loop's point of view) or turn non-finite.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import threading
+import time
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import grpc
+import pytest
+import torch
+
+from robustrl.v1 import (
+    coordinator_pb2,
+    coordinator_pb2_grpc,
+    rollout_pb2,
+    rollout_pb2_grpc,
+    trainer_pb2,
+)
+from services.common.config import EtcdSettings
+from services.common.runtime import ServiceRuntime
+from services.rollout.config import RolloutSettings
+from services.rollout.server import RolloutServicer
+from services.rollout.server import start as start_rollout
+from services.rollout.worker import RATE_WINDOW_S, GenerationMeter, RolloutWorker
+from services.trainer.config import TrainerSettings
+from services.trainer.modelgen import ModelShape, init_model
+from services.trainer.server import serve as serve_trainer
+from tests.support import eventually
+
+# Room for long-tail generations: 7-token prompts plus 2 x 20 new tokens.
+SHAPE = ModelShape(
+    hidden_size=16,
+    intermediate_size=32,
+    num_layers=1,
+    num_heads=2,
+    num_kv_heads=1,
+    max_position_embeddings=64,
+)
+
+# Every group is a long-tail one (40 decode steps), so a generation lasts long enough to
+# be probed in the middle of.
+SPEC = """
+name: probe
+trainer: {steps: 1000, groups_per_step: 4, eval_every: 1000, weight_transport: grpc}
+rollout:
+  replicas: 1
+  group_size: 2
+  max_new_tokens: 2
+  long_tail_every: 1
+  long_tail_factor: 20
+"""
+
+
+class Forward:
+    """Wraps a model's forward: paced, held (a hung engine), or producing NaN logits."""
+
+    def __init__(self, forward: Any) -> None:
+        self.forward = forward
+        self.running = threading.Event()
+        self.running.set()
+        """Cleared: the next generation is held at its start (the prompt's forward), so a
+        whole generation is left to run once it is set again."""
+        self.held = threading.Event()
+        """Set while a call is held."""
+        self.pace = 0.0
+        self.nan = False
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        starts_a_generation = kwargs.get("past_key_values") is None
+        if starts_a_generation and not self.running.is_set():
+            self.held.set()
+            self.running.wait(60)
+            self.held.clear()
+        if self.pace:
+            time.sleep(self.pace)
+        out = self.forward(*args, **kwargs)
+        if self.nan:
+            out.logits = torch.full_like(out.logits, math.nan)
+        return out
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    torch.set_num_threads(1)
+    return init_model(tmp_path_factory.mktemp("model"), seed=0, shape=SHAPE)
+
+
+@pytest.fixture
+async def rollout(etcd_settings: EtcdSettings) -> AsyncIterator[RolloutServicer]:
+    servicer = await start_rollout(
+        RolloutSettings(instance_id="rollout-0", heartbeat_interval=0.2), etcd_settings
+    )
+    yield servicer
+    await servicer.runtime.shutdown()
+
+
+async def probe(
+    servicer: RolloutServicer, wait_s: float, timeout: float = 30
+) -> rollout_pb2.ProbeResponse:
+    async with grpc.aio.insecure_channel(servicer.runtime.address) as channel:
+        reply: rollout_pb2.ProbeResponse = await rollout_pb2_grpc.RolloutStub(channel).Probe(
+            rollout_pb2.ProbeRequest(wait_s=wait_s), timeout=timeout
+        )
+        return reply
+
+
+async def metrics(servicer: RolloutServicer, timeout: float = 5) -> dict[str, float]:
+    async with grpc.aio.insecure_channel(servicer.runtime.address) as channel:
+        status = await rollout_pb2_grpc.RolloutStub(channel).GetStatus(
+            trainer_pb2.GetStatusRequest(), timeout=timeout
+        )
+        return dict(status.metrics)
+
+
+def test_the_counters_of_a_generation_and_of_its_absence() -> None:
+    counters: dict[str, float] = {"tokens_generated": 100.0}  # from an earlier job
+    meter = GenerationMeter(counters)
+    with meter.generating(3):
+        start = meter.in_flight_since
+        meter.refresh(start)
+        assert counters["requests_in_flight"] == 3
+        for _ in range(10):
+            meter.on_tokens(6)
+        meter.refresh(start + 2.0)
+        assert counters["tokens_generated"] == 160  # never goes down for a new job
+        assert counters["tokens_per_s"] == pytest.approx(60 / 2.0)
+        assert counters["oldest_request_age_s"] == pytest.approx(2.0)
+        meter.refresh(start + 4.0)  # the engine stopped: the rate falls, the age grows
+        assert counters["tokens_per_s"] == pytest.approx(60 / 4.0)
+        assert counters["oldest_request_age_s"] == pytest.approx(4.0)
+    meter.refresh(start + 4.0 + RATE_WINDOW_S)
+    assert counters["tokens_per_s"] == 0
+    assert counters["requests_in_flight"] == counters["oldest_request_age_s"] == 0
+    meter.count_nonfinite(2)
+    meter.count_nonfinite(1)
+    assert counters["nonfinite_logprobs"] == 3
+
+
+async def test_an_unbound_rollout_is_never_hung_and_wait_s_is_bounded(
+    rollout: RolloutServicer,
+) -> None:
+    # Idle answers at once: well inside a deadline far shorter than the wait asked for.
+    reply = await probe(rollout, wait_s=30, timeout=5)
+    assert reply.progressing and reply.requests_in_flight == 0
+    assert "no job" in reply.detail
+
+    for bad in (0.0, -1.0, 60.5, math.nan):
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            await probe(rollout, wait_s=bad)
+        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT, bad
+        assert "wait_s" in (info.value.details() or "")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+async def test_the_probe_tells_a_streaming_generation_from_a_stuck_one(
+    etcd_settings: EtcdSettings,
+    coordinators: list[ServiceRuntime],
+    rollout: RolloutServicer,
+    model_dir: Path,
+    tmp_path: Path,
+) -> None:
+    trainer = await serve_trainer(
+        TrainerSettings(
+            instance_id="trainer-0", heartbeat_interval=0.2, runs_dir=str(tmp_path / "runs")
+        ),
+        etcd_settings,
+    )
+    forward: Forward | None = None
+    try:
+        async with grpc.aio.insecure_channel(coordinators[0].address) as channel:
+            api = coordinator_pb2_grpc.CoordinatorStub(channel)
+            job = await api.SubmitJob(
+                coordinator_pb2.SubmitJobRequest(
+                    spec=SPEC, overrides=[f"model.path={model_dir}"], job_id="probe"
+                ),
+                timeout=5,
+            )
+
+            async def bound() -> bool:
+                return isinstance(rollout.worker, RolloutWorker)
+
+            await eventually(bound, timeout=30)
+            worker = rollout.worker
+            assert isinstance(worker, RolloutWorker) and worker.engine is not None
+            model = worker.engine.model
+            forward = Forward(model.forward)
+            forward.pace = 0.01  # 40 decode steps: about half a second per generation
+            model.forward = forward
+
+            # Held inside a generation: requests in flight, tokens not moving.
+            forward.running.clear()
+
+            async def held() -> bool:
+                return forward is not None and forward.held.is_set()
+
+            await eventually(held, timeout=60)
+            seen = await metrics(rollout)
+            assert seen["requests_in_flight"] > 0
+
+            async def aging() -> bool:
+                return (await metrics(rollout))["oldest_request_age_s"] >= 0.5
+
+            await eventually(aging, timeout=10)  # refreshed although the engine is stuck
+
+            # The probe waits on the event loop, which keeps serving meanwhile.
+            waiting = asyncio.create_task(probe(rollout, wait_s=2.0))
+            await metrics(rollout, timeout=1.0)
+            assert not waiting.done()
+            stuck = await waiting
+            assert not stuck.progressing
+            assert stuck.requests_in_flight == seen["requests_in_flight"]
+            assert "no new token in 2.0s" in stuck.detail, stuck.detail
+
+            # Released while a probe waits: it answers progressing, mid-generation.
+            waiting = asyncio.create_task(probe(rollout, wait_s=30))
+
+            async def probe_waits() -> bool:
+                return worker.meter.probes_waiting > 0
+
+            await eventually(probe_waits, timeout=5)
+            forward.running.set()
+            streaming = await waiting
+            assert streaming.progressing, streaming.detail
+            assert "new tokens in" in streaming.detail, streaming.detail
+            # Counted per decode step: more tokens while the same generation still runs.
+            assert streaming.requests_in_flight > 0
+            assert streaming.tokens_generated > stuck.tokens_generated
+
+            # Non-finite logprobs: counted, and the group never reaches the trainer.
+            forward.nan = True
+
+            async def counted() -> bool:
+                return (await metrics(rollout)).get("nonfinite_logprobs", 0.0) > 0
+
+            await eventually(counted, timeout=30)
+            for trajectory in worker.unsettled.values():
+                assert all(math.isfinite(lp) for lp in trajectory.logprobs)
+            got = await api.GetJob(coordinator_pb2.GetJobRequest(job_id=job.job_id), timeout=5)
+            assert got.phase == coordinator_pb2.JOB_PHASE_RUNNING, got.message
+
+            # Waiting with nothing to generate is idle, not a hang.
+            forward.nan = False
+            await api.CancelJob(coordinator_pb2.CancelJobRequest(job_id=job.job_id), timeout=5)
+
+            async def released() -> bool:
+                return rollout.worker is None
+
+            await eventually(released, timeout=30)
+            idle = await probe(rollout, wait_s=30, timeout=5)
+            assert idle.progressing and idle.requests_in_flight == 0
+            assert (await metrics(rollout))["requests_in_flight"] == 0
+    finally:
+        if forward is not None:
+            forward.running.set()  # never leave the generation thread held
+        await trainer.shutdown()
