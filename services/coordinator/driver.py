@@ -184,7 +184,10 @@ class JobDriver:
         trainers = [
             m
             for m in members
-            if m.role == "trainer" and not m.job_id and m.labels.get("standby") != "true"
+            if m.role == "trainer"
+            and not m.job_id
+            and m.labels.get("standby") != "true"
+            and m.labels.get("follower") != "true"
         ]
         rollouts = [m for m in members if m.role == "rollout" and not m.job_id]
         need = spec.rollout.replicas
@@ -260,7 +263,8 @@ class JobDriver:
             if left:
                 await self.save_ledger(ledger)
         for member in members:
-            if member.job_id == job_id:
+            # Follower ranks are started and stopped by their rank 0, not bound by us.
+            if member.job_id == job_id and member.labels.get("follower") != "true":
                 await self._control_quietly(
                     member, trainer_pb2.ControlRequest.ACTION_RELEASE, job_id, member.epoch
                 )

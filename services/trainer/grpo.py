@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import copy
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -105,6 +105,9 @@ class StepMetrics:
     stepped: bool
     """False when the loss or gradient was non-finite: the optimizer did not step."""
     nonfinite: bool
+    nonfinite_where: str = ""
+    """Where *this* rank saw a non-finite value: "loss", "grad" or "" (none). Under data
+    parallelism another rank's NaN makes `nonfinite` true here while this stays empty."""
 
 
 def batch_tensors(
@@ -238,17 +241,33 @@ class GRPOTrainer:
                     return int(state["step"])
         return 0
 
-    def step(self, samples: Sequence[Sample]) -> StepMetrics:
-        """One optimizer step on ``samples``; skips the update when anything is non-finite."""
-        if not samples:
+    def step(
+        self,
+        samples: Sequence[Sample],
+        *,
+        token_normaliser: int | None = None,
+        before_optimizer: Callable[[bool], bool] | None = None,
+    ) -> StepMetrics:
+        """One optimizer step on ``samples``; skips the update when anything is non-finite.
+
+        Data parallelism (services/trainer/ranks.py) passes this rank's shard, the whole
+        batch's completion-token count as ``token_normaliser`` (so the shards' losses and
+        gradients add up to the batch's, and the token-averaged metrics are this rank's
+        share of the batch's), and ``before_optimizer``: called after backward, before
+        clipping, with whether this rank saw a non-finite loss or gradient; it sums the
+        gradients over the ranks and returns whether any rank saw one. A shard may then be
+        empty: the rank still joins the sum with zero gradients.
+        """
+        if not samples and before_optimizer is None:
             raise ValueError("cannot train on an empty batch")
         cfg = self.config
         self.model.train()
         self.optimizer.zero_grad(set_to_none=True)
         num_tokens = sum(len(s.completion_ids) for s in samples)
-        size = cfg.micro_batch_size or len(samples)
+        denom = token_normaliser if token_normaliser is not None else num_tokens
+        size = cfg.micro_batch_size or max(1, len(samples))
         loss_total, ratio_sum, clipped, kl_sum = 0.0, 0.0, 0.0, 0.0
-        nonfinite = False
+        where = ""
         for start in range(0, len(samples), size):
             chunk = samples[start : start + size]
             input_ids, attention, mask, old, adv = batch_tensors(chunk, self.pad_id)
@@ -266,10 +285,10 @@ class GRPOTrainer:
                 clip_eps_high=cfg.clip_eps_high,
                 ref_logp=ref_logp,
                 kl_coef=cfg.kl_coef,
-                num_tokens=num_tokens,
+                num_tokens=denom,
             )
             if not torch.isfinite(parts.loss):
-                nonfinite = True
+                where = "loss"
                 break
             parts.loss.backward()
             loss_total += float(parts.loss.detach())
@@ -277,11 +296,22 @@ class GRPOTrainer:
             clipped += parts.clipped
             kl_sum += parts.kl_sum
 
+        nonfinite = bool(where)
+        if before_optimizer is not None:
+            if not where and not _grads_finite(self.model):
+                where = "grad"
+            # Every rank must join the sum even after a NaN of its own (or the others would
+            # wait in it forever), and a rank whose *loss* was NaN stopped before backward,
+            # so no NaN would ride along in its gradient: the flag does that, and every
+            # rank skips the same step.
+            nonfinite = before_optimizer(bool(where))
         grad_norm = float("nan")
         if not nonfinite:
             params = [p for p in self.model.parameters() if p.grad is not None]
             grad_norm = float(torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm))
             nonfinite = not math.isfinite(grad_norm)
+            if nonfinite and before_optimizer is None:
+                where = "grad"
         lr = lr_at(self.steps_taken, cfg)
         if nonfinite:
             # Never step on a NaN/Inf: it would poison the weights and the optimizer moments.
@@ -291,16 +321,23 @@ class GRPOTrainer:
                 group["lr"] = lr
             self.optimizer.step()
         self.model.eval()
+        count = max(denom, 1)
         return StepMetrics(
             loss=loss_total if not nonfinite else float("nan"),
             grad_norm=grad_norm,
             grad_norm_clipped=min(grad_norm, cfg.max_grad_norm) if not nonfinite else float("nan"),
-            ratio_mean=ratio_sum / num_tokens,
-            clip_frac=clipped / num_tokens,
-            kl=kl_sum / num_tokens,
+            ratio_mean=ratio_sum / count,
+            clip_frac=clipped / count,
+            kl=kl_sum / count,
             num_tokens=num_tokens,
             num_samples=len(samples),
             lr=lr,
             stepped=not nonfinite,
             nonfinite=nonfinite,
+            nonfinite_where=where,
         )
+
+
+def _grads_finite(model: torch.nn.Module) -> bool:
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    return not grads or bool(torch.stack([torch.isfinite(g).all() for g in grads]).all())

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import json
 import math
 import time
@@ -23,6 +24,7 @@ from robustrl.v1 import coordinator_pb2, trainer_pb2
 from services.common.aio import cancel_and_wait
 from services.common.coordinator_client import CoordinatorClient
 from services.common.errors import InvalidArgument, Unavailable
+from services.common.heartbeat import Progress
 from services.common.jobspec import JobSpec
 from services.common.logs import get_logger
 from services.common.runtime import ServiceRuntime
@@ -34,11 +36,16 @@ from services.rollout.rewards import RewardError, RewardFn, load_reward, score
 from services.trainer import checkpoint, grpo
 from services.trainer.config import TrainerSettings
 from services.trainer.intake import Group, Intake
+from services.trainer.ranks import LeaderRanks
 from services.trainer.report import write_reward_plot
 
 log = get_logger(__name__)
 
 REPORT_DEADLINE = 10.0
+
+
+class NonFiniteWeights(RuntimeError):
+    """The weights about to be published contain NaN/Inf."""
 
 
 class TrainerWorker:
@@ -63,6 +70,8 @@ class TrainerWorker:
         self.outboxes: dict[str, list[asyncio.Queue[trainer_pb2.TrajectoryAck]]] = defaultdict(list)
         self.uncommitted: dict[str, list[str]] = defaultdict(list)
         self.transport: WeightTransport | None = None
+        self.ranks: LeaderRanks | None = None
+        """Ranks 1..N-1 (spec.trainer.world_size > 1); this process is rank 0."""
         self._task: asyncio.Task[None] | None = None
         self._stopping = False
         # Filled by load():
@@ -133,6 +142,7 @@ class TrainerWorker:
     async def stop(self) -> None:
         self._stopping = True
         await cancel_and_wait(self._task)
+        await self._close_ranks()
         if self.transport is not None:
             await self.transport.close()
         if self.checkpoints is not None:
@@ -178,6 +188,8 @@ class TrainerWorker:
                 session_ttl=self.runtime.etcd_settings.session_ttl,
             )
             log.info("trainer.weights_transport", kind=self.transport.name)
+            if spec.trainer.world_size > 1:
+                await self._start_ranks()
             await self._publish()
             if self.step == 0:
                 await self._record(self.step, {"eval_reward": await self._evaluate()})
@@ -188,6 +200,8 @@ class TrainerWorker:
                 if not batch:
                     if dropped:
                         await self._report({}, [], dropped)
+                    if self.progress.phase != "waiting_data":
+                        self.progress.enter("waiting_data")
                     self.data_arrived.clear()
                     with contextlib.suppress(asyncio.TimeoutError):
                         await asyncio.wait_for(self.data_arrived.wait(), 1.0)
@@ -207,6 +221,7 @@ class TrainerWorker:
                     return
             if self.checkpoints is not None:
                 await asyncio.to_thread(self.checkpoints.wait)
+            await self._close_ranks()
             await asyncio.sleep(0)  # let the last commit notices go out first
             write_reward_plot(self.run_dir / "metrics.jsonl", self.run_dir / "reward.png")
             await self._report({}, [], {}, finished=True)
@@ -218,6 +233,30 @@ class TrainerWorker:
             with contextlib.suppress(Exception):
                 await self._report({}, [], {}, error=f"{type(exc).__name__}: {exc}")
 
+    async def _start_ranks(self) -> None:
+        """Start ranks 1..N-1 on this host and give them this rank's (maybe restored) state."""
+        assert self.trainer is not None
+        spec_path = self.run_dir / "spec.json"
+        spec_path.write_text(self.spec.model_dump_json())
+        self.ranks = LeaderRanks(self.progress)
+        await asyncio.to_thread(
+            self.ranks.start,
+            self.trainer,
+            spec_path=spec_path,
+            job_id=self.job_id,
+            world_size=self.spec.trainer.world_size,
+            etcd=self.runtime.etcd_settings,
+            instance_id=self.runtime.instance_id,
+            settings=self.runtime.settings,
+            torch_threads=self.settings.torch_threads,
+        )
+        log.info("trainer.ranks_started", job=self.job_id, world_size=self.spec.trainer.world_size)
+
+    async def _close_ranks(self) -> None:
+        ranks, self.ranks = self.ranks, None
+        if ranks is not None:
+            await asyncio.to_thread(ranks.close)
+
     def _reject(self, stale: list[tuple[Group, str]]) -> dict[str, str]:
         """Tell each rollout which of its trajectories were dropped, so it stops keeping them."""
         for group, why in stale:
@@ -227,6 +266,27 @@ class TrainerWorker:
                 ack.rejected[traj.trajectory_id] = why
                 self._tell(traj.rollout_instance_id, ack)
         return {group.group_id: why for group, why in stale}
+
+    @property
+    def progress(self) -> Progress:
+        return self.runtime.progress
+
+    def _inject(self, samples: list[grpo.Sample]) -> list[grpo.Sample]:
+        """spec.faults: make this step's loss non-finite, as one corrupt sample would."""
+        faults = self.spec.faults
+        if self.step + 1 not in faults.nan_loss_steps or faults.nan_rank != 0 or not samples:
+            return samples
+        log.warning("trainer.fault_injected", job=self.job_id, step=self.step + 1, fault="nan")
+        poisoned = dataclasses.replace(samples[0], advantage=float("nan"))
+        return [poisoned, *samples[1:]]
+
+    def _count_nonfinite(self, where: str) -> None:
+        """Tell the monitor now, in this step, not at the next beat."""
+        counters = self.progress.counters
+        counters[f"nonfinite_{where}"] = counters.get(f"nonfinite_{where}", 0.0) + 1
+        counters["step"] = float(self.step)
+        log.error("trainer.nonfinite", job=self.job_id, step=self.step, where=where)
+        self.progress.urge()
 
     async def _train(self, batch: list[Group]) -> dict[str, float]:
         assert self.trainer is not None
@@ -251,10 +311,21 @@ class TrainerWorker:
                         advantage=adv,
                     )
                 )
-        result = await asyncio.to_thread(self.trainer.step, samples) if samples else None
+        samples = self._inject(samples)
+        self.progress.enter("forward_backward")
+        result: grpo.StepMetrics | None = None
+        if samples and self.ranks is not None:
+            result = await asyncio.to_thread(
+                self.ranks.step, self.trainer, samples, step=self.step + 1
+            )
+        elif samples:
+            result = await asyncio.to_thread(self.trainer.step, samples)
         self.intake.mark_trained(batch)
         self._audit(batch)
         self.step += 1
+        if result is not None and result.nonfinite_where:
+            # This rank's own finding; another rank's NaN is reported by that rank.
+            self._count_nonfinite(result.nonfinite_where)
         for group in batch:
             for traj in group.trajectories.values():
                 self.uncommitted[traj.rollout_instance_id].append(traj.trajectory_id)
@@ -294,14 +365,21 @@ class TrainerWorker:
 
     async def _publish(self) -> None:
         assert self.transport is not None
+        self.progress.enter("publish")
         tensors = [(name, t.detach().clone()) for name, t in self.model.state_dict().items()]
+        bad = [name for name, t in tensors if not bool(torch.isfinite(t).all())]
+        if bad:
+            # Rollouts must never load these; the monitor reports it, recovery rolls back.
+            self._count_nonfinite("weights")
+            raise NonFiniteWeights(f"non-finite values in {', '.join(bad[:3])} at step {self.step}")
         await self.transport.publish(self.step, tensors)
-        self.runtime.progress.counters.update({"step": self.step, "weight_version": self.step})
+        self.progress.counters.update({"step": self.step, "weight_version": self.step})
 
     async def _checkpoint(self) -> None:
         assert self.checkpoints is not None and self.trainer is not None
         if self.step % self.spec.trainer.checkpoint_every and self.step != self.spec.trainer.steps:
             return
+        self.progress.enter("checkpoint")
         self.pending_commits[self.step] = dict(self.uncommitted)
         self.uncommitted.clear()
         extra = {
@@ -329,6 +407,7 @@ class TrainerWorker:
 
     async def _evaluate(self) -> float:
         assert self.reward is not None
+        self.progress.enter("eval")
         engine = TorchEngine(self.model, self.tokenizer)
         prompts = [item.prompt for item in self.eval_items]
         params = SamplingParams(

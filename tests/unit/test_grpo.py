@@ -284,3 +284,94 @@ def test_an_empty_batch_is_an_error(model_dir: Path) -> None:
     trainer = GRPOTrainer(_policy(model_dir), GRPOConfig(), pad_id=PAD)
     with pytest.raises(ValueError, match="empty"):
         trainer.step([])
+
+
+# --- the hooks data parallelism uses (services/trainer/ranks.py) ----------------------------
+
+
+def test_halves_normalised_by_the_batch_add_up_to_the_batch_step(model_dir: Path) -> None:
+    """What each rank does: its shard, the batch's token count, and the summed gradients."""
+    prompts = [[1, 5, 4, 6, 16], [1, 7, 4, 8, 16], [1, 9, 4, 9, 16]]
+    completions = [[7, 2], [8, 9, 2], [10]]
+    reference = _policy(model_dir)
+    batch = [
+        _on_policy(reference, p, c, a)
+        for p, c, a in zip(prompts, completions, [1.0, -0.5, -0.5], strict=True)
+    ]
+    full = GRPOTrainer(reference, GRPOConfig(lr=1e-2), pad_id=PAD).step(batch)
+
+    other = _policy(model_dir)
+    other_trainer = GRPOTrainer(other, GRPOConfig(lr=1e-2), pad_id=PAD)
+    tokens = sum(len(c) for c in completions)
+    other_grads: list[torch.Tensor] = []
+
+    def keep(nonfinite: bool) -> bool:
+        other_grads.extend(p.grad.clone() for p in other.parameters() if p.grad is not None)
+        return nonfinite
+
+    # The "other rank": its half, and a hook that keeps its gradients instead of stepping.
+    part = other_trainer.step(batch[2:], token_normaliser=tokens, before_optimizer=keep)
+
+    model = _policy(model_dir)
+    trainer = GRPOTrainer(model, GRPOConfig(lr=1e-2), pad_id=PAD)
+    seen: list[bool] = []
+
+    def add_other(nonfinite: bool) -> bool:
+        seen.append(nonfinite)
+        grads = [p.grad for p in model.parameters() if p.grad is not None]
+        for grad, g in zip(grads, other_grads, strict=True):
+            grad.add_(g)
+        return False
+
+    mine = trainer.step(batch[:2], token_normaliser=tokens, before_optimizer=add_other)
+    assert seen == [False]
+    assert mine.loss + part.loss == pytest.approx(full.loss, rel=1e-5)
+    assert mine.ratio_mean + part.ratio_mean == pytest.approx(full.ratio_mean, rel=1e-6)
+    assert (mine.num_tokens, part.num_tokens) == (5, 1)
+    assert mine.grad_norm == pytest.approx(full.grad_norm, rel=1e-5)
+    for (name, value), expected in zip(
+        model.state_dict().items(), reference.state_dict().values(), strict=True
+    ):
+        assert torch.allclose(value, expected, atol=1e-6), name
+
+
+def test_another_ranks_nan_skips_the_step_here_too(model_dir: Path) -> None:
+    model = _policy(model_dir)
+    trainer = GRPOTrainer(model, GRPOConfig(lr=1e-2), pad_id=PAD)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    batch = [_on_policy(model, [1, 5, 4, 6, 16], [7, 2], 1.0)]
+    metrics = trainer.step(batch, token_normaliser=4, before_optimizer=lambda mine: True)
+    assert metrics.nonfinite and not metrics.stepped
+    assert metrics.nonfinite_where == ""  # not this rank's NaN: it reports none of its own
+    assert trainer.steps_taken == 0
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, before[k]), k
+
+
+def test_a_nan_here_is_flagged_to_the_hook_and_named(model_dir: Path) -> None:
+    trainer = GRPOTrainer(_policy(model_dir), GRPOConfig(lr=1e-2), pad_id=PAD)
+    poisoned = Sample([1, 5, 4, 6, 16], [7, 2], [-0.1, -0.1], float("nan"))
+    flags: list[bool] = []
+
+    def hook(mine: bool) -> bool:
+        flags.append(mine)
+        return mine
+
+    metrics = trainer.step([poisoned], token_normaliser=2, before_optimizer=hook)
+    assert flags == [True]
+    assert metrics.nonfinite and metrics.nonfinite_where == "loss"
+    single = GRPOTrainer(_policy(model_dir), GRPOConfig(lr=1e-2), pad_id=PAD).step([poisoned])
+    assert single.nonfinite_where == "loss"
+
+
+def test_an_empty_shard_still_joins_the_sum(model_dir: Path) -> None:
+    trainer = GRPOTrainer(_policy(model_dir), GRPOConfig(lr=1e-2), pad_id=PAD)
+    calls: list[bool] = []
+
+    def hook(mine: bool) -> bool:
+        calls.append(mine)
+        return mine
+
+    metrics = trainer.step([], token_normaliser=3, before_optimizer=hook)
+    assert calls == [False]
+    assert metrics.num_samples == 0 and metrics.num_tokens == 0 and metrics.loss == 0.0

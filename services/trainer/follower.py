@@ -1,0 +1,231 @@
+"""`python -m services.trainer.follower`: trainer rank r > 0 of a data-parallel job.
+
+Rank 0, the bound trainer, starts it (services/trainer/ranks.py `spawn_followers`) with the
+job id, its rank, the world size, the rendezvous address and the JobSpec as a JSON file.
+etcd and service settings come as ROBUSTRL_* env. The follower registers as a trainer
+member labelled `follower=true` and bound to the job, so the coordinator never binds it to
+another job. It serves only gRPC health and streams heartbeats like every member.
+
+Then it does what rank 0 says. It loads the model from `model.path` and takes rank 0's
+parameters and optimizer state. For every batch rank 0 broadcasts, it trains its shard and
+joins the gradient sum, in the same phases as rank 0 and with rank 0's `step` counter. A
+`None` batch ends the job: it says goodbye, deregisters and exits 0. If rank 0 goes away
+(a gloo or store error, or it is no longer our parent) it logs `trainer.follower_failed`
+and exits 1. SIGTERM exits 143 after the same goodbye.
+
+Settings are parsed before torch is imported, so a bad one fails fast.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import contextvars
+import dataclasses
+import os
+import signal
+import sys
+import threading
+from collections.abc import Callable
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from services.common.config import EtcdSettings
+from services.common.heartbeat import Progress
+from services.common.jobspec import JobSpec
+from services.common.logs import get_logger
+from services.common.runtime import ServiceRuntime
+from services.trainer.config import TrainerSettings
+
+if TYPE_CHECKING:
+    from services.trainer.grpo import GRPOConfig, GRPOTrainer, Sample
+
+log = get_logger(__name__)
+
+EXIT_FAILED = 1
+EXIT_TERMINATED = 128 + signal.SIGTERM
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m services.trainer.follower")
+    parser.add_argument("--job", required=True, help="job id")
+    parser.add_argument("--rank", type=int, required=True)
+    parser.add_argument("--world-size", type=int, required=True)
+    parser.add_argument("--master", required=True, help="rank 0's rendezvous host:port")
+    parser.add_argument("--spec", type=Path, required=True, help="the JobSpec as JSON")
+    parser.add_argument("--timeout", type=float, default=300.0, help="gloo timeout, seconds")
+    parser.add_argument("--parent-pid", type=int, default=0, help="exit when it is gone")
+    parser.add_argument(
+        "--stop-at-step",
+        type=int,
+        default=0,
+        help="failure injection: SIGSTOP this process in step N's forward_backward (1-based)",
+    )
+    args = parser.parse_args(argv)
+    if not 0 < args.rank < args.world_size:
+        parser.error(f"--rank must be in 1..{args.world_size - 1}")
+    return args
+
+
+def grpo_config(spec: JobSpec) -> GRPOConfig:
+    """The GRPO settings of a job, as rank 0 builds them (services/trainer/worker.py)."""
+    from services.trainer.grpo import GRPOConfig
+
+    return GRPOConfig(
+        lr=spec.trainer.lr,
+        temperature=spec.rollout.temperature,
+        clip_eps_low=spec.trainer.clip_eps,
+        clip_eps_high=spec.trainer.clip_eps,
+        kl_coef=spec.trainer.kl_coef,
+        decay_steps=spec.trainer.steps,
+        min_lr_ratio=spec.trainer.min_lr_ratio,
+    )
+
+
+def load_trainer(spec: JobSpec) -> GRPOTrainer:
+    """The policy from `model.path` and its GRPO trainer, loaded as rank 0 loads them."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from services.trainer.grpo import GRPOTrainer
+
+    path = Path(spec.model.path)
+    torch.manual_seed(spec.seed)
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    return GRPOTrainer(model, grpo_config(spec), pad_id=int(tokenizer.pad_token_id))
+
+
+def _nan_injector(
+    spec: JobSpec, rank: int, step: int
+) -> Callable[[list[Sample]], list[Sample]] | None:
+    """spec.faults on this rank: this step's first sample gets a NaN advantage."""
+    faults = getattr(spec, "faults", None)
+    if faults is None or faults.nan_rank != rank or step + 1 not in faults.nan_loss_steps:
+        return None
+
+    def poison(samples: list[Sample]) -> list[Sample]:
+        if not samples:
+            return samples
+        log.warning("trainer.fault_injected", step=step + 1, rank=rank, fault="nan")
+        return [dataclasses.replace(samples[0], advantage=float("nan")), *samples[1:]]
+
+    return poison
+
+
+def _count_nonfinite(progress: Progress, where: str, step: int) -> None:
+    from services.trainer.ranks import set_counter
+
+    name = f"nonfinite_{where}"
+    set_counter(progress, name, progress.counters.get(name, 0.0) + 1)
+    set_counter(progress, "step", float(step))
+    log.error("trainer.nonfinite", step=step, rank=progress.rank, where=where)
+    progress.urge()
+
+
+def run_rank(args: argparse.Namespace, spec: JobSpec, progress: Progress, threads: int) -> int:
+    """The follower's work, on a thread of its own; returns the exit code."""
+    import torch
+
+    from services.trainer import ranks
+
+    torch.set_num_threads(threads)
+    ranks.enter_phase(progress, "loading")
+    trainer = load_trainer(spec)
+    group = ranks.RankGroup(args.rank, args.world_size, args.master, progress, args.timeout)
+    try:
+        ranks.enter_phase(progress, "starting_ranks")
+        group.init()
+        group.broadcast_state(trainer.model, trainer.optimizer)
+        while True:
+            ranks.enter_phase(progress, "waiting_data")
+            order = group.broadcast_batch(None)
+            if order is None:
+                log.info("trainer.follower_done", job=args.job, rank=args.rank)
+                return 0
+            if order.step + 1 == args.stop_at_step:
+                ranks.enter_phase(progress, "forward_backward")
+                log.warning("trainer.fault_injected", step=order.step + 1, fault="sigstop")
+                os.kill(os.getpid(), signal.SIGSTOP)
+            outcome = ranks.run_step(
+                group, trainer, order, inject=_nan_injector(spec, args.rank, order.step)
+            )
+            if outcome.metrics.nonfinite_where:
+                _count_nonfinite(progress, outcome.metrics.nonfinite_where, order.step + 1)
+            ranks.set_counter(progress, "step", float(order.step + 1))
+    except Exception as exc:  # rank 0 is gone or the group broke: nothing to do but leave
+        log.error("trainer.follower_failed", job=args.job, rank=args.rank, error=repr(exc))
+        return EXIT_FAILED
+    finally:
+        group.close()
+
+
+async def serve(args: argparse.Namespace, settings: TrainerSettings, etcd: EtcdSettings) -> int:
+    spec = JobSpec.model_validate_json(args.spec.read_text())
+    runtime = ServiceRuntime(
+        "trainer",
+        settings,
+        etcd,
+        service_names=[],
+        heartbeats=True,
+        labels={"rank": str(args.rank), "follower": "true"},
+    )
+    progress = runtime.progress
+    progress.job_id, progress.rank = args.job, args.rank
+    progress.counters = {"step": 0.0, "collective_seq": 0.0}
+    loop = asyncio.get_running_loop()
+    done: asyncio.Future[int] = loop.create_future()
+
+    def finish(code: int) -> None:
+        if not done.done():
+            done.set_result(code)
+
+    await runtime.start(on_fenced=lambda: finish(EXIT_FAILED))
+    await runtime.update_member(job_id=args.job)
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, finish, EXIT_TERMINATED)
+
+    def work() -> None:
+        code = EXIT_FAILED
+        try:
+            code = run_rank(args, spec, progress, settings.torch_threads)
+        except BaseException as exc:
+            log.error("trainer.follower_failed", job=args.job, rank=args.rank, error=repr(exc))
+        finally:
+            with contextlib.suppress(RuntimeError):  # the loop is already gone
+                loop.call_soon_threadsafe(finish, code)
+
+    # A daemon thread: when rank 0 is gone the thread may sit in gloo until its timeout,
+    # and nothing should wait for it on the way out. It logs with this service's context.
+    context = contextvars.copy_context()
+    threading.Thread(target=context.run, args=(work,), name="rank", daemon=True).start()
+    orphan_watch = asyncio.create_task(_watch_parent(args.parent_pid, finish))
+    code = await done
+    orphan_watch.cancel()
+    await runtime.shutdown()
+    return code
+
+
+async def _watch_parent(parent_pid: int, finish: Callable[[int], None]) -> None:
+    while parent_pid:
+        if os.getppid() != parent_pid:
+            log.error("trainer.follower_failed", error=f"rank 0 (pid {parent_pid}) is gone")
+            finish(EXIT_FAILED)
+            return
+        await asyncio.sleep(1.0)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    settings, etcd = TrainerSettings(), EtcdSettings()
+    return asyncio.run(serve(args, settings, etcd))
+
+
+if __name__ == "__main__":
+    code = main()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    # Not sys.exit: the rank thread may still be inside gloo, and interpreter teardown
+    # around a live collective can hang.
+    os._exit(code)

@@ -1,0 +1,190 @@
+"""Data-parallel ranks: sharding, the collective watchdog's signals, and two real gloo ranks
+whose step equals the single-rank step on the same samples."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+from transformers import AutoModelForCausalLM
+
+from services.common.heartbeat import Progress
+from services.trainer.grpo import GRPOConfig, GRPOTrainer, Sample, completion_logprobs
+from services.trainer.modelgen import init_model
+from services.trainer.ranks import (
+    RankGroup,
+    StepOrder,
+    fingerprint,
+    free_port,
+    run_step,
+    set_counter,
+    shard,
+)
+from tests.unit.tiny_model import TINY
+
+PAD = 0
+CONFIG = GRPOConfig(lr=1e-2)
+
+
+def test_shard_is_a_deterministic_split_of_the_whole_batch() -> None:
+    samples = list(range(7))
+    parts = [shard(samples, r, 3) for r in range(3)]
+    assert parts == [[0, 3, 6], [1, 4], [2, 5]]
+    assert sorted(x for part in parts for x in part) == samples
+    assert shard([0], 1, 2) == []  # fewer samples than ranks: an empty shard
+    with pytest.raises(ValueError):
+        shard(samples, 2, 2)
+
+
+def test_a_collective_is_numbered_and_reported_then_the_phase_comes_back() -> None:
+    progress = Progress(phase="forward_backward")
+    group = RankGroup(1, 2, "127.0.0.1:1", progress, timeout_s=5)
+    assert progress.counters == {"collective_seq": 0.0} and progress.rank == 1
+    with group.collective("sync_gradients") as seq:
+        assert seq == 1
+        assert progress.phase == "collective"
+        assert progress.counters["collective_seq"] == 1.0
+        entered = progress.phase_started_at
+    assert progress.phase == "forward_backward"
+    assert progress.phase_started_at >= entered  # the phase restarts after the wait
+    with pytest.raises(RuntimeError), group.collective("gather_step"):
+        raise RuntimeError("Connection reset by peer")
+    assert group.broken
+    assert progress.phase == "forward_backward"
+    assert progress.counters["collective_seq"] == 2.0  # it was entered: that is what counts
+    group.close()
+    assert "collective_seq" not in progress.counters
+
+
+def test_a_new_counter_replaces_the_dict_rather_than_growing_it() -> None:
+    progress = Progress(counters={"step": 1.0})
+    seen = progress.counters
+    set_counter(progress, "step", 2.0)
+    assert progress.counters is seen and seen["step"] == 2.0
+    set_counter(progress, "nonfinite_loss", 1.0)
+    assert progress.counters is not seen and "nonfinite_loss" not in seen
+    assert progress.counters == {"step": 2.0, "nonfinite_loss": 1.0}
+
+
+# --- two real gloo ranks against one ----------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    torch.set_num_threads(1)
+    return init_model(tmp_path_factory.mktemp("tiny"), seed=0, shape=TINY)
+
+
+def _trainer(model_dir: Path) -> GRPOTrainer:
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    return GRPOTrainer(model, CONFIG, pad_id=PAD)
+
+
+def _batches(trainer: GRPOTrainer) -> tuple[list[Sample], list[list[Sample]]]:
+    """A step rank 0 takes alone first (its state as after a restore), then the batches."""
+
+    def sample(prompt: list[int], completion: list[int], adv: float) -> Sample:
+        probe = Sample(prompt, completion, [0.0] * len(completion), 0.0)
+        [lp] = completion_logprobs(trainer.model, [probe], PAD, 1.0)
+        return Sample(prompt, completion, lp, adv)
+
+    prompts = [[1, 5, 4, 6, 16], [1, 7, 4, 8, 16], [1, 9, 4, 9, 16], [1, 6, 4, 7, 16]]
+    completions = [[7, 2], [8, 9, 2], [10], [11, 12, 13, 2]]
+    s = [
+        sample(p, c, a)
+        for p, c, a in zip(prompts, completions, [1.0, -0.5, 0.8, -1.3], strict=True)
+    ]
+    poisoned = Sample(s[1].prompt_ids, s[1].completion_ids, s[1].behaviour_logprobs, math.nan)
+    return [s[3], s[0]], [
+        [s[0], s[1], s[2]],  # uneven shards: rank 0 gets two, rank 1 one
+        [s[2]],  # rank 1's shard is empty
+        [s[0], poisoned, s[2]],  # NaN on rank 1 only: every rank must skip the step
+        [s[3], s[2], s[1], s[0]],
+    ]
+
+
+def _rank_main(
+    rank: int, master: str, model_dir: Path, out: Path, check: Callable[[], None] | None = None
+) -> None:
+    torch.set_num_threads(1)
+    trainer = _trainer(model_dir)
+    before, batches = _batches(trainer)
+    if rank == 0:
+        trainer.step(before)
+    else:
+        with torch.no_grad():  # rank 1 starts elsewhere; the broadcast must fix that
+            for p in trainer.model.parameters():
+                p.add_(0.1)
+    group = RankGroup(rank, 2, master, Progress(), timeout_s=30)
+    group.init(check)
+    try:
+        group.broadcast_state(trainer.model, trainer.optimizer)
+        results: list[dict[str, Any]] = []
+        for step, batch in enumerate(batches):
+            outcome = run_step(group, trainer, StepOrder(step, batch))
+            results.append({"metrics": outcome.metrics, "fingerprints": outcome.fingerprints})
+        torch.save(
+            {
+                "state": trainer.model.state_dict(),
+                "steps_taken": trainer.steps_taken,
+                "results": results,
+                "seq": group.progress.counters["collective_seq"],
+            },
+            out / f"rank{rank}.pt",
+        )
+    finally:
+        group.close()
+
+
+@pytest.mark.timeout(90)
+def test_two_gloo_ranks_take_the_single_rank_step(model_dir: Path, tmp_path: Path) -> None:
+    # Rank 1 is a spawned process, rank 0 this one (a second child would cost its imports).
+    master = f"127.0.0.1:{free_port()}"
+    peer = mp.get_context("spawn").Process(target=_rank_main, args=(1, master, model_dir, tmp_path))
+    peer.start()
+
+    def peer_alive() -> None:
+        assert peer.exitcode is None, f"rank 1 exited with {peer.exitcode}"
+
+    try:
+        _rank_main(0, master, model_dir, tmp_path, peer_alive)
+        peer.join(30)
+        assert peer.exitcode == 0
+    finally:
+        if peer.is_alive():
+            peer.kill()
+            peer.join()
+    ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(2)]
+
+    single = _trainer(model_dir)
+    before, batches = _batches(single)
+    single.step(before)
+    expected = [single.step(batch) for batch in batches]
+
+    for got in ranks:
+        for name, value in single.model.state_dict().items():
+            assert torch.allclose(got["state"][name], value, atol=1e-6, rtol=0), name
+        assert got["steps_taken"] == single.steps_taken == 4  # the NaN step was skipped
+        for step, (result, want) in enumerate(zip(got["results"], expected, strict=True)):
+            m = result["metrics"]
+            assert m.nonfinite == want.nonfinite and m.stepped == want.stepped, step
+            assert (m.num_tokens, m.num_samples) == (want.num_tokens, want.num_samples)
+            if want.stepped:
+                assert m.loss == pytest.approx(want.loss, rel=1e-5, abs=1e-7)
+                assert m.grad_norm == pytest.approx(want.grad_norm, rel=1e-5)
+                assert m.ratio_mean == pytest.approx(want.ratio_mean, rel=1e-6)
+                assert m.clip_frac == pytest.approx(want.clip_frac, abs=1e-9)
+            assert result["fingerprints"][0] == result["fingerprints"][1], step
+    # Each rank names only its own NaN.
+    assert ranks[1]["results"][2]["metrics"].nonfinite_where == "loss"
+    assert ranks[0]["results"][2]["metrics"].nonfinite_where == ""
+    # Same collectives in the same order: the numbers line up (1 state + 2 per step).
+    assert ranks[0]["seq"] == ranks[1]["seq"] == 1 + 2 * len(batches)
+    for name, value in ranks[0]["state"].items():
+        assert torch.equal(value, ranks[1]["state"][name]), name
+    assert fingerprint(single.model) == pytest.approx(ranks[0]["results"][-1]["fingerprints"][0])
