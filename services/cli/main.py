@@ -337,13 +337,14 @@ def cmd_incidents(args: argparse.Namespace) -> int:
         if args.json:
             emit_json(records)
             return 0
-        table = Table("WHEN", "KIND", "ROLE", "INSTANCE", "JOB", "EVIDENCE", box=None)
+        table = Table("WHEN", "KIND", "ROLE", "INSTANCE", "RANK", "JOB", "EVIDENCE", box=None)
         for r in records:
             table.add_row(
                 age(r["detected_at"]),
                 r["kind"],
                 r["role"],
                 r["instance_id"],
+                str(r.get("rank", 0)),
                 r["job_id"] or "-",
                 r["evidence"],
             )

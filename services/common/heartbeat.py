@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -25,12 +26,28 @@ log = get_logger(__name__)
 
 @dataclass
 class Progress:
-    """What a role reports in its beats; the role mutates it, the sender reads it."""
+    """What a role reports in its beats; the role mutates it, the sender reads it.
+
+    Roles may mutate it from worker threads (a float store is atomic under the GIL); `urge`
+    is the one call that must reach the event loop, and it is safe from any thread.
+    """
 
     phase: str = "idle"
+    phase_started_at: float = field(default_factory=time.time)
     job_id: str = ""
     rank: int = 0
     counters: dict[str, float] = field(default_factory=dict)
+    _wake: Callable[[], None] | None = field(default=None, repr=False)
+
+    def enter(self, phase: str) -> None:
+        """Start a phase (its budget counts from now); re-entering the same phase restarts it."""
+        self.phase = phase
+        self.phase_started_at = time.time()
+
+    def urge(self) -> None:
+        """Send a beat now rather than at the next interval (a NaN must be seen in its step)."""
+        if self._wake is not None:
+            self._wake()
 
 
 class HeartbeatSender:
@@ -55,10 +72,27 @@ class HeartbeatSender:
         self.connected = asyncio.Event()
         self._seq = 0
         self._stop = asyncio.Event()
+        self._urgent = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
 
     def start(self) -> None:
+        loop = asyncio.get_running_loop()
+
+        def wake() -> None:
+            loop.call_soon_threadsafe(self._urgent.set)
+
+        self.progress._wake = wake
         self._task = asyncio.create_task(self._run(), name="heartbeat")
+
+    async def _pause(self) -> None:
+        """Until the next beat is due: the interval, an urgent beat, or stop."""
+        waiters = [asyncio.ensure_future(e.wait()) for e in (self._stop, self._urgent)]
+        try:
+            await asyncio.wait(waiters, timeout=self.interval, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for waiter in waiters:
+                waiter.cancel()
+        self._urgent.clear()
 
     def _beat(self, goodbye: bool = False) -> monitor_pb2.Beat:
         self._seq += 1
@@ -72,6 +106,7 @@ class HeartbeatSender:
             phase=self.progress.phase,
             goodbye=goodbye,
         )
+        beat.phase_started_at.FromNanoseconds(int(self.progress.phase_started_at * 1e9))
         beat.counters.update(self.progress.counters)
         return beat
 
@@ -97,8 +132,7 @@ class HeartbeatSender:
                 while not self._stop.is_set():
                     await call.write(self._beat())
                     self.connected.set()
-                    with contextlib.suppress(asyncio.TimeoutError):
-                        await asyncio.wait_for(self._stop.wait(), self.interval)
+                    await self._pause()
                     if reader.done():
                         reader.result()
                         return

@@ -65,6 +65,10 @@ class TrainerSpec(_Strict):
     checkpoint_every: int = Field(default=1, ge=1)
     eval_every: int = Field(default=5, ge=1)
 
+    world_size: int = Field(default=1, ge=1, le=64)
+    """Data-parallel trainer ranks on gloo. Rank 0 is the bound trainer; it starts ranks
+    1..N-1 on its own host and every rank streams its own heartbeat."""
+
 
 class RolloutSpec(_Strict):
     replicas: int = Field(default=2, ge=1, le=4096)
@@ -75,10 +79,29 @@ class RolloutSpec(_Strict):
     temperature: float = Field(default=1.0, gt=0)
     engine: Literal["torch", "vllm"] = "torch"
 
+    long_tail_every: int = Field(default=0, ge=0)
+    """Every Nth prompt group of the job (by group index) is a long-tail one; 0: none. For
+    showing that a slow generation is not taken for a hang."""
+
+    long_tail_factor: int = Field(default=20, ge=1)
+    """A long-tail group generates exactly `max_new_tokens * long_tail_factor` tokens
+    (end-of-sequence is held back until then); its completions are scored and trained as
+    usual. The model's context must have room for them: a rollout refuses the job otherwise."""
+
 
 class RecoverySpec(_Strict):
     mode: Literal["role_based", "full_restart"] = "role_based"
     """role_based recovers only the failed role; full_restart is the comparison baseline."""
+
+
+class FaultSpec(_Strict):
+    """Deterministic failure injection for tests, demos and benchmarks; off by default."""
+
+    nan_loss_steps: list[int] = Field(default_factory=list)
+    """Steps (1-based) whose loss is made non-finite on rank `nan_rank`, as a corrupt batch
+    would: the step is skipped and the monitor reports NON_FINITE in that step."""
+
+    nan_rank: int = Field(default=0, ge=0)
 
 
 class JobSpec(_Strict):
@@ -92,6 +115,7 @@ class JobSpec(_Strict):
     trainer: TrainerSpec = TrainerSpec()
     rollout: RolloutSpec = RolloutSpec()
     recovery: RecoverySpec = RecoverySpec()
+    faults: FaultSpec = FaultSpec()
 
 
 def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any]:

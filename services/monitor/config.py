@@ -6,6 +6,7 @@ from pydantic import Field
 from pydantic_settings import SettingsConfigDict
 
 from services.common.config import ServiceSettings
+from services.monitor.progress_detectors import ProgressConfig
 
 
 class MonitorSettings(ServiceSettings):
@@ -18,3 +19,41 @@ class MonitorSettings(ServiceSettings):
 
     evaluate_interval: float = Field(default=0.2, gt=0)
     """Seconds between detector evaluations."""
+
+    rollout_hang_window: float = Field(default=10.0, gt=0)
+    """Seconds a rollout may go without a new token while it has requests in flight before
+    it is probed. A long-tail generation keeps producing tokens and an idle rollout has no
+    requests, so neither is ever probed."""
+
+    silence_window: float = Field(default=3.0, gt=0)
+    """Seconds without a beat on a member's open heartbeat stream (a frozen process: beats
+    come from its event loop, not its work) before it is probed."""
+
+    probe_wait: float = Field(default=2.0, gt=0, le=60)
+    """Seconds a probed rollout is given to show a new token."""
+
+    probe_deadline: float = Field(default=2.0, gt=0)
+    """Seconds, beyond probe_wait, a probed member has to answer at all."""
+
+    phase_budgets: dict[str, float] = Field(
+        default_factory=lambda: dict(ProgressConfig().phase_budgets)
+    )
+    """Seconds each trainer phase may take before it is a hang (forward_backward, optimizer,
+    checkpoint, publish, eval). Phases not listed, waiting_data above all, have no budget.
+    As env: ROBUSTRL_MONITOR_PHASE_BUDGETS='{"checkpoint": 600}'."""
+
+    collective_budget: float = Field(default=30.0, gt=0)
+    """Seconds trainer ranks may wait in one collective before the rank that has not
+    entered it is named."""
+
+    degraded_ratio: float = Field(default=0.3, gt=0, lt=1)
+    """A rollout below this fraction of its peers' median tokens/s gets a DEGRADED warning."""
+
+    def progress_config(self) -> ProgressConfig:
+        return ProgressConfig(
+            rollout_hang_window=self.rollout_hang_window,
+            phase_budgets=dict(self.phase_budgets),
+            collective_budget=self.collective_budget,
+            degraded_ratio=self.degraded_ratio,
+            silence_window=self.silence_window,
+        )

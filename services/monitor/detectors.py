@@ -10,6 +10,8 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
+from services.monitor.progress_detectors import Signals, observe
+
 
 class State(enum.StrEnum):
     ALIVE = "ALIVE"
@@ -35,6 +37,13 @@ class MemberView:
     stream_ended_at: float | None = None
     evidence: str = ""
     reported: bool = False
+    signals: Signals | None = None
+    """Progress signals for the role-aware detectors (services/monitor/progress_detectors)."""
+
+    def progress(self) -> Signals:
+        if self.signals is None:
+            self.signals = Signals(role=self.role, instance_id=self.instance_id)
+        return self.signals
 
 
 @dataclass(frozen=True)
@@ -76,6 +85,7 @@ def on_beat(
     counters: dict[str, float],
     goodbye: bool,
     now: float,
+    phase_started_at: float = 0.0,
 ) -> MemberView:
     view = views.get(instance_id)
     if view is not None and view.state in (State.LOST, State.GONE) and epoch <= view.epoch:
@@ -87,6 +97,11 @@ def on_beat(
     view.last_seen = now
     view.stream_open = True
     view.stream_ended_at = None
+    signals = view.progress()
+    signals.job_id, signals.rank = job_id, rank
+    observe(
+        signals, phase=phase, phase_started_at=phase_started_at or now, counters=counters, now=now
+    )
     if goodbye:
         view.goodbye = True
         view.state = State.GONE
@@ -144,6 +159,15 @@ def evaluate(views: Views, now: float, config: DetectorConfig) -> list[Finding]:
         elif view.state is State.LOST:
             findings.append(Finding("MEMBER_LOST", view, view.evidence, 0.95))
     return findings
+
+
+def watched(views: Views) -> list[Signals]:
+    """Members the progress detectors look at: alive, streaming, not already reported lost."""
+    return [
+        v.progress()
+        for v in views.values()
+        if v.state is State.ALIVE and v.stream_open and not v.reported
+    ]
 
 
 def mark_reported(findings: list[Finding]) -> None:

@@ -16,7 +16,7 @@ from robustrl.v1 import common_pb2
 from services.common.keys import KeySpace
 from services.common.registry import ROLE_TO_PROTO
 from services.common.watch import Put, Resync, list_prefix, watch_prefix
-from services.monitor.detectors import Finding
+from services.monitor.detectors import Finding, MemberView
 
 
 class IncidentRecord(BaseModel):
@@ -33,7 +33,12 @@ class IncidentRecord(BaseModel):
 
 
 def from_finding(finding: Finding, now: float) -> IncidentRecord:
-    view = finding.view
+    return new_incident(finding.view, finding.kind, finding.evidence, finding.confidence, now)
+
+
+def new_incident(
+    view: MemberView, kind: str, evidence: str, confidence: float, now: float
+) -> IncidentRecord:
     # Time-ordered ids: etcd lists them in the order they happened.
     incident_id = f"{int(now * 1000):013d}-{secrets.token_hex(3)}"
     return IncidentRecord(
@@ -42,9 +47,9 @@ def from_finding(finding: Finding, now: float) -> IncidentRecord:
         role=view.role,
         instance_id=view.instance_id,
         rank=view.rank,
-        kind=finding.kind,
-        evidence=finding.evidence,
-        confidence=finding.confidence,
+        kind=kind,
+        evidence=evidence,
+        confidence=confidence,
         detected_at=now,
         epoch=view.epoch,
     )

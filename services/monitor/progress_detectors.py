@@ -10,6 +10,14 @@ Each knows what normal looks like for its role, so normal RL behaviour never fir
 - non-finite: a NaN/Inf counter of a member grew, reported with where (loss, grad, weights,
   logprobs) and the step, in the beat that carried it.
 - degraded: a rollout far below its peers' median throughput (a warning, not a failure).
+- silent: a member whose heartbeat stream is open but carries no beat for `silence_window`
+  (the whole process is frozen: SIGSTOP, a stuck interpreter). Only probed, like a rollout
+  hang suspect: the monitor confirms with a deadline before it calls it a hang.
+
+`evaluate` runs them all and leaves out what was already reported: every finding carries a
+key naming the episode it is about (a phase run, a collective number), reported once.
+Phase start times are the member's clock; hosts are assumed NTP-synchronised to well under
+a budget.
 """
 
 from __future__ import annotations
@@ -42,6 +50,16 @@ class ProgressConfig:
     degraded_ratio: float = 0.3
     """A rollout below this fraction of its peers' median tokens/s is degraded."""
 
+    silence_window: float = 3.0
+    """Seconds without a beat on an open heartbeat stream before the member is probed."""
+
+
+FAILURE_KINDS = ("TRAINER_HANG", "COLLECTIVE_HANG")
+"""Findings that mean the member failed (recovery replaces it), not a warning."""
+
+PROBED_KINDS = ("ROLLOUT_HANG_SUSPECT", "SILENT")
+"""Findings that are only suspicions: the monitor probes the member before it reports."""
+
 
 @dataclass
 class Signals:
@@ -56,17 +74,25 @@ class Signals:
     counters: dict[str, float] = field(default_factory=dict)
     tokens_changed_at: float | None = None
     """When tokens last grew (or the member was last idle); None before the first beat."""
-    nonfinite_reported: dict[str, float] = field(default_factory=dict)
+    last_beat_at: float | None = None
+    reported: set[str] = field(default_factory=set)
+    """Keys of the episodes already reported (see `ProgressFinding.key`)."""
 
 
 @dataclass(frozen=True)
 class ProgressFinding:
-    kind: str  # ROLLOUT_HANG_SUSPECT, TRAINER_HANG, COLLECTIVE_HANG, NON_FINITE, DEGRADED
+    kind: str  # ROLLOUT_HANG_SUSPECT, SILENT, TRAINER_HANG, COLLECTIVE_HANG, NON_FINITE, DEGRADED
     instance_id: str
     job_id: str
     rank: int
     evidence: str
     confidence: float
+    key: str = ""
+    """The episode this is about; a key is reported once per member."""
+
+    @property
+    def needs_probe(self) -> bool:
+        return self.kind in PROBED_KINDS
 
 
 def observe(
@@ -87,8 +113,9 @@ def observe(
     ):
         # New tokens, or nothing asked of it: the hang clock starts over.
         signals.tokens_changed_at = now
-    signals.phase, signals.phase_started_at = phase, phase_started_at
+    signals.phase, signals.phase_started_at = phase, min(phase_started_at, now)
     signals.counters = dict(counters)
+    signals.last_beat_at = now
 
 
 def rollout_hang_suspects(
@@ -111,6 +138,7 @@ def rollout_hang_suspects(
                     f"no new tokens for {silent:.1f}s with "
                     f"{m.counters['requests_in_flight']:.0f} requests in flight",
                     0.6,
+                    key=f"hang@{m.tokens_changed_at}",
                 )
             )
     return out
@@ -133,6 +161,7 @@ def trainer_hangs(members: list[Signals], now: float, cfg: ProgressConfig) -> li
                     f"phase {m.phase} running for {took:.0f}s, over its {budget:.0f}s budget "
                     f"(step {m.counters.get('step', 0):.0f})",
                     0.9,
+                    key=f"phase@{m.phase}@{m.phase_started_at}",
                 )
             )
     return out
@@ -157,32 +186,46 @@ def collective_hangs(
         if not waiting:
             continue
         seq = max(r.counters["collective_seq"] for r in waiting)
-        for laggard in ranks:
-            if laggard.counters["collective_seq"] < seq:
-                waited = max(now - r.phase_started_at for r in waiting)
-                out.append(
-                    ProgressFinding(
-                        "COLLECTIVE_HANG",
-                        laggard.instance_id,
-                        job_id,
-                        laggard.rank,
-                        f"ranks {sorted(r.rank for r in waiting)} have waited {waited:.0f}s in "
-                        f"collective #{seq:.0f}; rank {laggard.rank} has not entered it "
-                        f"(last #{laggard.counters['collective_seq']:.0f}, phase {laggard.phase})",
-                        0.9,
-                    )
+        behind = [r for r in ranks if r.counters["collective_seq"] < seq]
+        if not behind:
+            # Every rank is inside #seq: the one that stopped beating is stuck in it.
+            behind = [
+                r
+                for r in ranks
+                if r.last_beat_at is not None and now - r.last_beat_at >= cfg.silence_window
+            ]
+        waited = max(now - r.phase_started_at for r in waiting)
+        others = sorted(r.rank for r in waiting if r not in behind)
+        for laggard in behind:
+            last = laggard.counters["collective_seq"]
+            where = (
+                f"has not entered it (last #{last:.0f}, phase {laggard.phase})"
+                if last < seq
+                else "stopped beating inside it"
+            )
+            out.append(
+                ProgressFinding(
+                    "COLLECTIVE_HANG",
+                    laggard.instance_id,
+                    job_id,
+                    laggard.rank,
+                    f"ranks {others} have waited {waited:.0f}s in collective #{seq:.0f}; "
+                    f"rank {laggard.rank} {where}",
+                    0.9,
+                    key=f"collective@{seq:.0f}",
                 )
+            )
     return out
 
 
 def nonfinite(members: list[Signals]) -> list[ProgressFinding]:
-    """NaN/Inf counters that grew since last reported. Marks them reported (mutates)."""
+    """NaN/Inf counters above zero; each value is one episode (a counter that grew again is
+    a new one)."""
     out = []
     for m in members:
         for name in NONFINITE_COUNTERS:
             value = m.counters.get(name, 0.0)
-            if value > m.nonfinite_reported.get(name, 0.0):
-                m.nonfinite_reported[name] = value
+            if value > 0:
                 where = name.removeprefix("nonfinite_")
                 out.append(
                     ProgressFinding(
@@ -193,6 +236,7 @@ def nonfinite(members: list[Signals]) -> list[ProgressFinding]:
                         f"non-finite {where} at step {m.counters.get('step', 0):.0f} "
                         f"on rank {m.rank}",
                         1.0,
+                        key=f"{name}@{value}",
                     )
                 )
     return out
@@ -219,6 +263,47 @@ def degraded(members: list[Signals], cfg: ProgressConfig) -> list[ProgressFindin
                         p.rank,
                         f"{rate:.0f} tokens/s against a peer median of {median:.0f}",
                         0.5,
+                        key="degraded",
                     )
                 )
     return out
+
+
+def silent(members: list[Signals], now: float, cfg: ProgressConfig) -> list[ProgressFinding]:
+    out = []
+    for m in members:
+        if m.last_beat_at is None:
+            continue
+        quiet = now - m.last_beat_at
+        if quiet >= cfg.silence_window:
+            out.append(
+                ProgressFinding(
+                    "SILENT",
+                    m.instance_id,
+                    m.job_id,
+                    m.rank,
+                    f"no heartbeat for {quiet:.1f}s on an open stream (last phase {m.phase})",
+                    0.6,
+                    key=f"silent@{m.last_beat_at}",
+                )
+            )
+    return out
+
+
+def evaluate(members: list[Signals], now: float, cfg: ProgressConfig) -> list[ProgressFinding]:
+    """Every detector's findings not yet reported. Suspicions (`needs_probe`) come back every
+    round until the monitor's probe settles them; `mark_reported` retires the others."""
+    found = (
+        silent(members, now, cfg)
+        + rollout_hang_suspects(members, now, cfg)
+        + trainer_hangs(members, now, cfg)
+        + collective_hangs(members, now, cfg)
+        + nonfinite(members)
+        + degraded(members, cfg)
+    )
+    by_id = {m.instance_id: m for m in members}
+    return [f for f in found if f.key not in by_id[f.instance_id].reported]
+
+
+def mark_reported(member: Signals, finding: ProgressFinding) -> None:
+    member.reported.add(finding.key)

@@ -7,18 +7,26 @@ import time
 from collections.abc import AsyncIterator
 
 import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from robustrl.v1 import common_pb2, monitor_pb2, monitor_pb2_grpc
+from robustrl.v1 import common_pb2, monitor_pb2, monitor_pb2_grpc, rollout_pb2, rollout_pb2_grpc
 from services.common.aio import cancel_and_wait
+from services.common.channels import open_channel
 from services.common.config import EtcdSettings
 from services.common.errors import InvalidArgument
 from services.common.logs import get_logger
 from services.common.registry import ROLE_FROM_PROTO, ROLE_TO_PROTO, Registry, parse_member
 from services.common.runtime import ServiceRuntime
 from services.common.watch import Delete, Put, Resync
-from services.monitor import detectors
+from services.monitor import detectors, progress_detectors
 from services.monitor.config import MonitorSettings
-from services.monitor.incidents import IncidentLog, from_finding, to_proto
+from services.monitor.incidents import (
+    IncidentLog,
+    IncidentRecord,
+    from_finding,
+    new_incident,
+    to_proto,
+)
 
 log = get_logger(__name__)
 
@@ -31,8 +39,10 @@ class MonitorServicer(monitor_pb2_grpc.MonitorServicer):
         self.settings = settings
         self.views: detectors.Views = {}
         self.config = detectors.DetectorConfig(reconnect_grace=settings.reconnect_grace)
+        self.progress_config = settings.progress_config()
         self.incidents_total = 0
         self._tasks: list[asyncio.Task[None]] = []
+        self._probes: dict[str, asyncio.Task[None]] = {}
 
     @property
     def incident_log(self) -> IncidentLog:
@@ -46,7 +56,7 @@ class MonitorServicer(monitor_pb2_grpc.MonitorServicer):
         ]
 
     async def stop(self) -> None:
-        await cancel_and_wait(*self._tasks)
+        await cancel_and_wait(*self._tasks, *self._probes.values())
 
     async def Heartbeat(
         self,
@@ -72,6 +82,11 @@ class MonitorServicer(monitor_pb2_grpc.MonitorServicer):
                     counters=dict(beat.counters),
                     goodbye=beat.goodbye,
                     now=time.time(),
+                    phase_started_at=(
+                        beat.phase_started_at.ToNanoseconds() / 1e9
+                        if beat.HasField("phase_started_at")
+                        else 0.0
+                    ),
                 )
                 if beat.goodbye:
                     log.info("monitor.goodbye", member=instance_id)
@@ -137,29 +152,100 @@ class MonitorServicer(monitor_pb2_grpc.MonitorServicer):
     async def _evaluate_loop(self) -> None:
         while True:
             await asyncio.sleep(self.settings.evaluate_interval)
-            now = time.time()
-            findings = [
-                f
-                for f in detectors.evaluate(self.views, now, self.config)
-                if f.view.instance_id != self.runtime.instance_id
-            ]
-            for finding in findings:
-                incident = from_finding(finding, now)
-                try:
-                    await self.incident_log.record(incident)
-                except Exception as exc:  # etcd away: report again on the next round
-                    log.warning("monitor.incident_unrecorded", error=repr(exc))
-                    continue
+            await self._evaluate(time.time())
+
+    async def _evaluate(self, now: float) -> None:
+        for finding in detectors.evaluate(self.views, now, self.config):
+            if finding.view.instance_id == self.runtime.instance_id:
+                continue
+            if await self._report(from_finding(finding, now)):
                 detectors.mark_reported([finding])
-                self.incidents_total += 1
-                log.warning(
-                    "monitor.incident",
-                    kind=incident.kind,
-                    member=incident.instance_id,
-                    role=incident.role,
-                    job=incident.job_id,
-                    evidence=incident.evidence,
+        for progress in progress_detectors.evaluate(
+            detectors.watched(self.views), now, self.progress_config
+        ):
+            view = self.views[progress.instance_id]
+            if progress.needs_probe:
+                if progress.instance_id not in self._probes:
+                    task = asyncio.create_task(self._probe(view, progress), name="probe")
+                    self._probes[progress.instance_id] = task
+                continue
+            if await self._report(
+                new_incident(view, progress.kind, progress.evidence, progress.confidence, now)
+            ):
+                progress_detectors.mark_reported(view.progress(), progress)
+                if progress.kind in progress_detectors.FAILURE_KINDS:
+                    view.reported = True  # one failure, one incident: stop watching it
+
+    async def _report(self, incident: IncidentRecord) -> bool:
+        """Record an incident in etcd; False (try again next round) when etcd is away."""
+        try:
+            await self.incident_log.record(incident)
+        except Exception as exc:
+            log.warning("monitor.incident_unrecorded", error=repr(exc))
+            return False
+        self.incidents_total += 1
+        log.warning(
+            "monitor.incident",
+            kind=incident.kind,
+            member=incident.instance_id,
+            role=incident.role,
+            rank=incident.rank,
+            job=incident.job_id,
+            evidence=incident.evidence,
+        )
+        return True
+
+    async def _probe(
+        self, view: detectors.MemberView, suspicion: progress_detectors.ProgressFinding
+    ) -> None:
+        """Ask a suspect member, with a deadline, whether it is making progress. Only a
+        failed probe becomes a hang incident; an answer that shows progress clears it."""
+        try:
+            started = time.time()
+            answered, detail = await self._ask(view)
+            signals = view.progress()
+            if answered:
+                log.info("monitor.probe_cleared", member=view.instance_id, detail=detail)
+                progress_detectors.mark_reported(signals, suspicion)
+                return
+            if view.reported or view.state is not detectors.State.ALIVE:
+                return  # already reported lost (its lease expired meanwhile)
+            kind = {"rollout": "ROLLOUT_HANG", "trainer": "TRAINER_HANG"}.get(
+                view.role, "MEMBER_LOST"
+            )
+            evidence = f"{suspicion.evidence}; probe after {time.time() - started:.1f}s: {detail}"
+            if await self._report(new_incident(view, kind, evidence, 0.95, time.time())):
+                progress_detectors.mark_reported(signals, suspicion)
+                # One failure, one incident: its lease running out later is the same failure.
+                view.reported = True
+        finally:
+            self._probes.pop(view.instance_id, None)
+
+    async def _ask(self, view: detectors.MemberView) -> tuple[bool, str]:
+        """(progressing, what was seen)."""
+        assert self.runtime.registry is not None
+        members, _ = await self.runtime.registry.list(view.role)
+        address = next((m.address for m in members if m.instance_id == view.instance_id), "")
+        if not address:
+            return False, "not in the registry"
+        wait = self.settings.probe_wait if view.role == "rollout" else 0.0
+        timeout = wait + self.settings.probe_deadline
+        try:
+            async with open_channel(address) as channel:
+                if view.role == "rollout":
+                    reply = await rollout_pb2_grpc.RolloutStub(channel).Probe(
+                        rollout_pb2.ProbeRequest(wait_s=wait), timeout=timeout
+                    )
+                    return reply.progressing, reply.detail or "answered"
+                health = await health_pb2_grpc.HealthStub(channel).Check(
+                    health_pb2.HealthCheckRequest(), timeout=timeout
                 )
+                return (
+                    True,
+                    f"health {health_pb2.HealthCheckResponse.ServingStatus.Name(health.status)}",
+                )
+        except grpc.aio.AioRpcError as exc:
+            return False, f"no answer within {timeout:.1f}s ({exc.code().name})"
 
 
 async def serve(settings: MonitorSettings, etcd: EtcdSettings) -> ServiceRuntime:

@@ -5,32 +5,17 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from services.cli.stack import StackState, find_etcd
-from tests.e2e.test_cli_stack import EXAMPLE, REPO, Cli
+from tests.e2e.test_cli_stack import EXAMPLE, Cli
 from tests.support import eventually_sync
 
 STEPS = 100
 STALENESS = 1
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The tiny model, made by the repo's own command (seeded, so the same every run)."""
-    out = tmp_path_factory.mktemp("model") / "tiny-qwen"
-    subprocess.run(
-        [sys.executable, "-m", "services.cli.main", "model", "init", "--out", str(out)],
-        cwd=REPO,
-        check=True,
-        capture_output=True,
-        timeout=600,
-    )
-    return out
 
 
 @pytest.fixture

@@ -44,8 +44,9 @@ async def test_a_session_that_stops_refreshing_expires_within_its_ttl(
     async def gone() -> bool:
         return not (await registry.list())[0]
 
-    took = await eventually(gone, timeout=4.0)
-    assert took <= 3.0
+    took = await eventually(gone, timeout=5.0)
+    # TTL, plus the time since the last keepalive, plus etcd's 500 ms expiry sweep.
+    assert took <= 3.5
 
 
 async def test_registry_watch_sees_joins_and_leaves_in_order(

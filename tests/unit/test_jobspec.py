@@ -24,6 +24,13 @@ def test_overrides_set_nested_values_parsed_as_yaml() -> None:
     assert spec.trainer.steps == 7
 
 
+def test_long_tail_is_off_by_default_and_set_by_overrides() -> None:
+    default = parse_spec("name: a\n").rollout
+    assert (default.long_tail_every, default.long_tail_factor) == (0, 20)
+    spec = parse_spec("name: a\n", ["rollout.long_tail_every=5", "rollout.long_tail_factor=3"])
+    assert (spec.rollout.long_tail_every, spec.rollout.long_tail_factor) == (5, 3)
+
+
 def test_overrides_do_not_mutate_the_input() -> None:
     data = {"name": "a", "trainer": {"lr": 0.1}}
     apply_overrides(data, ["trainer.lr=0.2"])
@@ -43,6 +50,9 @@ def test_overrides_do_not_mutate_the_input() -> None:
         ("name: a\n", ["novalue"], "key.sub=value"),
         ("name: a\n", ["name.x=1"], "name is not a section"),
         ("name: a\nid: UPPER\n", [], "not a valid job id"),
+        ("name: a\n", ["rollout.long_tail_every=-1"], "rollout.long_tail_every"),
+        ("name: a\n", ["rollout.long_tail_factor=0"], "rollout.long_tail_factor"),
+        ("name: a\n", ["rollout.long_tail_factor=2.5"], "rollout.long_tail_factor"),
     ],
 )
 def test_bad_specs_name_the_field(text: str, overrides: list[str], names: str) -> None:

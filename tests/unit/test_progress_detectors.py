@@ -78,11 +78,34 @@ def test_a_collective_hang_names_the_rank_that_never_entered() -> None:
 
 def test_non_finite_is_reported_once_per_occurrence_with_where() -> None:
     t = pd.Signals(role="trainer", instance_id="t0", counters={"nonfinite_loss": 1.0, "step": 12.0})
-    [finding] = pd.nonfinite([t])
+    [finding] = pd.evaluate([t], 0.0, CFG)
     assert "loss at step 12" in finding.evidence
-    assert pd.nonfinite([t]) == []
+    pd.mark_reported(t, finding)
+    assert pd.evaluate([t], 0.0, CFG) == []
     t.counters["nonfinite_loss"] = 2.0
-    assert len(pd.nonfinite([t])) == 1
+    assert len(pd.evaluate([t], 0.0, CFG)) == 1
+
+
+def test_a_member_silent_on_an_open_stream_is_probed_until_settled() -> None:
+    r = rollout()
+    beat(r, 0.0, tokens=1, in_flight=0)
+    assert pd.evaluate([r], 2.9, CFG) == []
+    [finding] = pd.evaluate([r], 3.0, CFG)
+    assert finding.kind == "SILENT" and finding.needs_probe
+    # A suspicion is not retired by the detectors; the probe's verdict decides.
+    assert pd.evaluate([r], 4.0, CFG)[0].key == finding.key
+    beat(r, 4.5, tokens=1, in_flight=0)
+    assert pd.evaluate([r], 5.0, CFG) == []
+
+
+def test_one_trainer_hang_is_reported_once_per_phase_run() -> None:
+    t = pd.Signals(role="trainer", instance_id="t0", phase="checkpoint", phase_started_at=100.0)
+    t.last_beat_at = 401.0
+    [finding] = pd.evaluate([t], 401.0, CFG)
+    pd.mark_reported(t, finding)
+    assert pd.evaluate([t], 402.0, CFG) == []
+    t.phase_started_at, t.last_beat_at = 500.0, 801.0  # the next checkpoint: a new episode
+    assert pd.evaluate([t], 801.0, CFG)[0].kind == "TRAINER_HANG"
 
 
 def test_degraded_needs_peers_and_a_large_gap() -> None:
@@ -92,3 +115,22 @@ def test_degraded_needs_peers_and_a_large_gap() -> None:
     [finding] = pd.degraded(peers, CFG)
     assert finding.instance_id == "r3"
     assert pd.degraded(peers[2:], CFG) == []
+
+
+def test_a_rank_frozen_inside_the_collective_the_others_wait_in_is_named() -> None:
+    ranks = []
+    for rank in (0, 1):
+        r = pd.Signals(role="trainer", instance_id=f"t{rank}", job_id="j", rank=rank)
+        pd.observe(
+            r, phase="collective", phase_started_at=100.0, counters={"collective_seq": 9}, now=100.0
+        )
+        ranks.append(r)
+    pd.observe(
+        ranks[0],
+        phase="collective",
+        phase_started_at=100.0,
+        counters={"collective_seq": 9},
+        now=140.0,
+    )
+    [finding] = pd.collective_hangs(ranks, 140.0, CFG)
+    assert finding.rank == 1 and "stopped beating inside it" in finding.evidence

@@ -1,0 +1,197 @@
+"""Role-aware detection against real service processes: each failure is reported within its
+bound, by the right kind, naming the right member — and a fault-free run reports nothing."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.e2e.test_cli_stack import EXAMPLE, Cli
+from tests.support import eventually_sync
+
+TTL = 8.0
+SILENCE = 2.0
+PROBE_WAIT = 1.0
+PROBE_DEADLINE = 1.0
+EVALUATE = 0.2
+COLLECTIVE_BUDGET = 2.0
+#: Beats are 0.5 s apart; one beat's lag plus an evaluation round is the slack on top of a bound.
+SLACK = 0.5 + 2 * EVALUATE
+
+DETECTION_ENV = {
+    "ROBUSTRL_ETCD_SESSION_TTL": str(int(TTL)),
+    "ROBUSTRL_MONITOR_SILENCE_WINDOW": str(SILENCE),
+    "ROBUSTRL_MONITOR_PROBE_WAIT": str(PROBE_WAIT),
+    "ROBUSTRL_MONITOR_PROBE_DEADLINE": str(PROBE_DEADLINE),
+    "ROBUSTRL_MONITOR_EVALUATE_INTERVAL": str(EVALUATE),
+    "ROBUSTRL_MONITOR_COLLECTIVE_BUDGET": str(COLLECTIVE_BUDGET),
+}
+
+
+@pytest.fixture
+def stack(tmp_path: Path) -> Iterator[Cli]:
+    cli = Cli(tmp_path / "home")
+    cli.env.update(DETECTION_ENV)
+    cli.env["ROBUSTRL_TRAINER_RUNS_DIR"] = str(tmp_path / "runs")
+    cli.run("up", "--trainers", "1", "--rollouts", "2")
+    try:
+        yield cli
+    finally:
+        cli.run("down", check=False)
+
+
+def submit(cli: Cli, model_dir: Path, job: str, *overrides: str) -> None:
+    cli.run(
+        "submit",
+        str(EXAMPLE),
+        "--id",
+        job,
+        f"model.path={model_dir}",
+        "trainer.groups_per_step=8",
+        "trainer.eval_every=1000",
+        *overrides,
+    )
+
+
+def incidents(cli: Cli, job: str = "") -> list[dict[str, Any]]:
+    out = cli.json("incidents", *([job] if job else []))
+    assert isinstance(out, list)
+    return out
+
+
+def member(cli: Cli, instance_id: str) -> dict[str, Any]:
+    return next(m for m in cli.members() if m["instance_id"] == instance_id)
+
+
+def step_of(cli: Cli, job: str) -> int:
+    status = cli.json("status", job)
+    assert isinstance(status, dict)
+    return int(status["step"])
+
+
+def wait_for_incident(cli: Cli, kind: str, instance_id: str, timeout: float) -> dict[str, Any]:
+    found: list[dict[str, Any]] = []
+
+    def reported() -> bool:
+        found[:] = [
+            i for i in incidents(cli) if i["kind"] == kind and i["instance_id"] == instance_id
+        ]
+        return bool(found)
+
+    eventually_sync(reported, timeout=timeout, interval=0.2)
+    return found[0]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_a_fault_free_run_with_long_tails_checkpoints_and_idle_rollouts_has_no_incident(
+    stack: Cli, model_dir: Path, tmp_path: Path
+) -> None:
+    # max_staleness 0: rollouts sit idle waiting for each new version; every step
+    # checkpoints; every 5th group generates 20x as many tokens as the others.
+    submit(
+        stack,
+        model_dir,
+        "calm",
+        "trainer.steps=12",
+        "trainer.max_staleness=0",
+        "trainer.checkpoint_every=1",
+        "rollout.long_tail_every=5",
+        "rollout.long_tail_factor=20",
+    )
+    watch = stack.run("watch", "calm", check=False, timeout=240)
+    assert watch.returncode == 0, watch.stdout + watch.stderr
+    assert incidents(stack) == []
+    rows = (tmp_path / "runs" / "calm" / "metrics.jsonl").read_text().splitlines()
+    assert json.loads(rows[-1])["step"] == 12
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_kill_9_of_a_rollout_and_of_the_trainer_are_reported_within_the_ttl(
+    stack: Cli, model_dir: Path
+) -> None:
+    submit(stack, model_dir, "crash", "trainer.steps=500")
+    eventually_sync(lambda: step_of(stack, "crash") >= 2, timeout=120)
+    for victim in ("rollout-1", "trainer-0"):
+        pid = int(member(stack, victim)["pid"])
+        os.kill(pid, signal.SIGKILL)
+        killed_at = time.time()
+        incident = wait_for_incident(stack, "MEMBER_LOST", victim, timeout=TTL + 5)
+        took = incident["detected_at"] - killed_at
+        assert took <= TTL + 1.0, f"{victim}: reported {took:.1f}s after kill -9"
+        assert incident["job_id"] == "crash"
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_a_stopped_generating_rollout_is_a_rollout_hang_after_the_window_and_the_probe(
+    stack: Cli, model_dir: Path
+) -> None:
+    # Long generations keep the rollout generating most of the time.
+    submit(stack, model_dir, "hang", "trainer.steps=500", "rollout.max_new_tokens=32")
+    eventually_sync(lambda: step_of(stack, "hang") >= 1, timeout=120)
+    victim = member(stack, "rollout-0")
+    pid = int(victim["pid"])
+
+    os.kill(pid, signal.SIGSTOP)
+    stopped_at = time.time()
+    try:
+        incident = wait_for_incident(stack, "ROLLOUT_HANG", "rollout-0", timeout=TTL)
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    took = incident["detected_at"] - stopped_at
+    bound = SILENCE + PROBE_WAIT + PROBE_DEADLINE + SLACK
+    assert took <= bound, f"reported {took:.1f}s after SIGSTOP (bound {bound:.1f}s)"
+    assert "probe" in incident["evidence"]
+    assert [i["kind"] for i in incidents(stack)] == ["ROLLOUT_HANG"]  # one failure, one incident
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_a_nan_loss_is_reported_in_the_step_it_happens(
+    stack: Cli, model_dir: Path, tmp_path: Path
+) -> None:
+    submit(stack, model_dir, "nan", "trainer.steps=8", "faults.nan_loss_steps=[4]")
+    incident = wait_for_incident(stack, "NON_FINITE", "trainer-0", timeout=180)
+    assert "loss at step 4" in incident["evidence"] and incident["rank"] == 0
+    watch = stack.run("watch", "nan", check=False, timeout=180)
+    assert watch.returncode == 0, watch.stdout + watch.stderr
+    rows = [
+        json.loads(line)
+        for line in (tmp_path / "runs" / "nan" / "metrics.jsonl").read_text().splitlines()
+    ]
+    step_5_done = next(r["time"] for r in rows if r["step"] == 5)
+    assert incident["detected_at"] < step_5_done, "reported after the next step finished"
+    assert [i["kind"] for i in incidents(stack, "nan")] == ["NON_FINITE"]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_a_trainer_rank_stopped_mid_job_is_named_by_a_collective_hang(
+    stack: Cli, model_dir: Path
+) -> None:
+    submit(stack, model_dir, "ranks", "trainer.steps=500", "trainer.world_size=2")
+    eventually_sync(lambda: step_of(stack, "ranks") >= 2, timeout=180)
+    rank1 = member(stack, "trainer-0-rank1")
+    assert rank1["job_id"] == "ranks"
+    pid = int(rank1["pid"])
+    os.kill(pid, signal.SIGSTOP)
+    stopped_at = time.time()
+    try:
+        incident = wait_for_incident(stack, "COLLECTIVE_HANG", "trainer-0-rank1", timeout=TTL)
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    assert incident["rank"] == 1 and "rank 1" in incident["evidence"]
+    # Rank 0 enters the collective rank 1 misses within one step (well under a second here).
+    took = incident["detected_at"] - stopped_at
+    bound = COLLECTIVE_BUDGET + 1.0 + SLACK
+    assert took <= bound, f"named {took:.1f}s after SIGSTOP (bound {bound:.1f}s)"
+    assert [i["kind"] for i in incidents(stack)] == ["COLLECTIVE_HANG"]
