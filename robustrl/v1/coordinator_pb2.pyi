@@ -451,11 +451,32 @@ Global___LeaseWorkResponse: _TypeAlias = LeaseWorkResponse  # noqa: Y015
 class CompleteWorkRequest(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
+    @_typing.final
+    class ReturnedEntry(_message.Message):
+        DESCRIPTOR: _descriptor.Descriptor
+
+        KEY_FIELD_NUMBER: _builtins.int
+        VALUE_FIELD_NUMBER: _builtins.int
+        key: _builtins.str
+        value: _builtins.str
+        def __init__(
+            self,
+            *,
+            key: _builtins.str = ...,
+            value: _builtins.str = ...,
+        ) -> None: ...
+        _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+        def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "value", b"value"]  # noqa: Y015
+        def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+        def WhichOneof(self, oneof_group: _Never) -> None: ...
+
     JOB_ID_FIELD_NUMBER: _builtins.int
     INSTANCE_ID_FIELD_NUMBER: _builtins.int
     EPOCH_FIELD_NUMBER: _builtins.int
     GROUP_IDS_FIELD_NUMBER: _builtins.int
     ERROR_FIELD_NUMBER: _builtins.int
+    RETURNED_FIELD_NUMBER: _builtins.int
     job_id: _builtins.str
     instance_id: _builtins.str
     epoch: _builtins.int
@@ -465,6 +486,12 @@ class CompleteWorkRequest(_message.Message):
     """
     @_builtins.property
     def group_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]: ...
+    @_builtins.property
+    def returned(self) -> _containers.ScalarMap[_builtins.str, _builtins.str]:
+        """Groups given back unfinished (group id -> why, e.g. non-finite logprobs): they are leased
+        again at once, to any rollout.
+        """
+
     def __init__(
         self,
         *,
@@ -473,10 +500,11 @@ class CompleteWorkRequest(_message.Message):
         epoch: _builtins.int = ...,
         group_ids: _abc.Iterable[_builtins.str] | None = ...,
         error: _builtins.str = ...,
+        returned: _abc.Mapping[_builtins.str, _builtins.str] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["epoch", b"epoch", "error", b"error", "group_ids", b"group_ids", "instance_id", b"instance_id", "job_id", b"job_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["epoch", b"epoch", "error", b"error", "group_ids", b"group_ids", "instance_id", b"instance_id", "job_id", b"job_id", "returned", b"returned"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

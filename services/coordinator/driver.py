@@ -368,6 +368,7 @@ class JobDriver:
                 return
             ledger = self.ledger(request.job_id)
             ignored = work.complete(ledger, request.instance_id, list(request.group_ids))
+            ignored += work.give_back(ledger, request.instance_id, dict(request.returned))
             if ignored:
                 log.debug(
                     "coordinator.completion_ignored",

@@ -100,6 +100,19 @@ def take_back(ledger: WorkLedger, group: str, reason: str) -> None:
     ledger.released.setdefault(group, []).append(reason)
 
 
+def give_back(ledger: WorkLedger, instance_id: str, groups: dict[str, str]) -> list[str]:
+    """The holder returns these open groups unfinished (group -> why): requeue them. Groups it
+    does not hold are ignored and returned. Mutates."""
+    ignored = []
+    for group, why in groups.items():
+        held = ledger.open.get(group)
+        if held is None or held.instance_id != instance_id:
+            ignored.append(group)
+            continue
+        take_back(ledger, group, f"{instance_id} gave it back: {why}")
+    return ignored
+
+
 def release_holder(ledger: WorkLedger, instance_id: str, reason: str) -> list[str]:
     """Requeue every open lease of instance_id (it died or was fenced). Mutates."""
     groups = [g for g, held in ledger.open.items() if held.instance_id == instance_id]

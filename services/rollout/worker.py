@@ -196,6 +196,8 @@ class Generated:
     trajectories: list[trainer_pb2.Trajectory] = field(default_factory=list)
     group_ids: list[str] = field(default_factory=list)
     """Groups whose trajectories are all in `trajectories` (dropped ones are not)."""
+    returned: dict[str, str] = field(default_factory=dict)
+    """Groups given back to the coordinator unfinished, with why."""
 
 
 class RolloutWorker:
@@ -314,10 +316,8 @@ class RolloutWorker:
             self.outbox.put_nowait(trajectories)
             progress.phase = "delivering"
             await self._wait_received([t.trajectory_id for t in trajectories])
-            # Dropped groups are left out: CompleteWork's error fails the whole job, while a
-            # lease that runs out is leased again.
-            if generated.group_ids:
-                await self._complete(generated.group_ids)
+            if generated.group_ids or generated.returned:
+                await self._complete(generated.group_ids, returned=generated.returned)
 
     async def _lease(
         self, request: coordinator_pb2.LeaseWorkRequest
@@ -378,8 +378,9 @@ class RolloutWorker:
                     reason="non-finite logprobs",
                     nonfinite_logprobs=nonfinite,
                     version=version,
-                    then="not sent; its lease runs out and it is leased again",
+                    then="not sent; given back to be leased again",
                 )
+                out.returned[group.group_id] = f"non-finite logprobs under version {version}"
                 continue
             for index, completion in enumerate(completions):
                 try:
@@ -440,13 +441,16 @@ class RolloutWorker:
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(self.acked.wait(), 1.0)
 
-    async def _complete(self, group_ids: list[str], error: str = "") -> None:
+    async def _complete(
+        self, group_ids: list[str], error: str = "", returned: dict[str, str] | None = None
+    ) -> None:
         request = coordinator_pb2.CompleteWorkRequest(
             job_id=self.job_id,
             instance_id=self.runtime.instance_id,
             epoch=self.epoch,
             group_ids=group_ids,
             error=error,
+            returned=returned or {},
         )
         for attempt in range(20):  # rides out a coordinator failover (new leader elsewhere)
             try:

@@ -39,14 +39,16 @@ async def test_a_session_that_stops_refreshing_expires_within_its_ttl(
     session = await Session.open(etcd_client, ttl=2)
     await registry.register(session, member("r0"))
     assert session._task is not None
-    session._task.cancel()  # as if the process froze: no more keepalives
+    # As if the process froze: no more keepalives. The flag as well as the cancel, since on
+    # Python 3.11 a cancel that lands as wait_for's refresh completes is swallowed.
+    session._closed = True
+    session._task.cancel()
 
     async def gone() -> bool:
         return not (await registry.list())[0]
 
-    took = await eventually(gone, timeout=5.0)
-    # TTL, plus the time since the last keepalive, plus etcd's 500 ms expiry sweep.
-    assert took <= 3.5
+    took = await eventually(gone, timeout=4.0)
+    assert took <= 3.0
 
 
 async def test_registry_watch_sees_joins_and_leaves_in_order(

@@ -8,6 +8,7 @@ on a threading.Event (a hung engine, from the event loop's point of view) or tur
 from __future__ import annotations
 
 import asyncio
+import json
 import math
 import threading
 import time
@@ -246,6 +247,14 @@ async def test_the_probe_tells_a_streaming_generation_from_a_stuck_one(
             await eventually(counted, timeout=30)
             for trajectory in worker.unsettled.values():
                 assert all(math.isfinite(lp) for lp in trajectory.logprobs)
+
+            # ... and it is given back, to be leased again at once (not at lease expiry).
+            async def given_back() -> bool:
+                raw = await coordinators[0].client.get(coordinators[0].keys.work("probe"))  # type: ignore[union-attr]
+                released = json.loads(raw.value)["released"] if raw else {}
+                return any("non-finite logprobs" in why for w in released.values() for why in w)
+
+            await eventually(given_back, timeout=30)
             got = await api.GetJob(coordinator_pb2.GetJobRequest(job_id=job.job_id), timeout=5)
             assert got.phase == coordinator_pb2.JOB_PHASE_RUNNING, got.message
 

@@ -76,3 +76,14 @@ def test_a_finished_job_accounts_for_every_group_it_leased() -> None:
     work.record_progress(led, [a], {})
     assert set(work.settle_leftovers(led, "job succeeded first")) == {b, c}
     assert led.next_index == led.trained + len(led.discarded)
+
+
+def test_groups_given_back_unfinished_are_leased_again_at_once() -> None:
+    led = ledger()
+    mine = lease(led, "r0", 2)
+    assert work.give_back(led, "r0", {mine[0]: "non-finite logprobs", "j-g000099": "x"}) == [
+        "j-g000099"
+    ]
+    assert work.give_back(led, "r1", {mine[1]: "not mine"}) == [mine[1]]
+    assert lease(led, "r1", 1) == [mine[0]]
+    assert led.released[mine[0]] == ["r0 gave it back: non-finite logprobs"]
