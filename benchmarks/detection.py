@@ -5,7 +5,7 @@ rollout processes, started with `robustrl up`) and injects one failure into a ru
 
   crash_rollout / crash_trainer  kill -9 of the member           bound: session TTL + 1 s
   rollout_hang                   SIGSTOP of a generating rollout bound: silence window + probe
-  nan_loss                       NaN in the loss at step S       bound: reported during step S+1
+  nan_loss                       NaN in the loss at step S       bound: the end of step S
   collective_hang                SIGSTOP of trainer rank 1 of 2  bound: collective budget + 1 s
 
 and the fault-free run (long-tail generations, a checkpoint every step, rollouts idle while
@@ -161,10 +161,13 @@ def nan_loss(stack: Stack, model: Path, at_step: int = 4) -> Result:
     ]
     times = {r["step"]: r["time"] for r in rows}
     started = times[at_step - 1]  # step S starts when step S-1 was recorded
-    budget = times[at_step + 1] - started  # reported before step S+1 is recorded
-    note = f"step S took {times[at_step] - started:.2f}s"
+    budget = times[at_step] - started  # and ends when step S is recorded
     return Result(
-        f"NaN loss at step {at_step}", "NON_FINITE", incident["detected_at"] - started, budget, note
+        f"NaN loss at step {at_step}",
+        "NON_FINITE",
+        incident["detected_at"] - started,
+        budget,
+        "bound: the end of step S",
     )
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections.abc import AsyncIterator
 
@@ -43,6 +44,7 @@ class MonitorServicer(monitor_pb2_grpc.MonitorServicer):
         self.incidents_total = 0
         self._tasks: list[asyncio.Task[None]] = []
         self._probes: dict[str, asyncio.Task[None]] = {}
+        self._wake = asyncio.Event()
 
     @property
     def incident_log(self) -> IncidentLog:
@@ -88,6 +90,10 @@ class MonitorServicer(monitor_pb2_grpc.MonitorServicer):
                         else 0.0
                     ),
                 )
+                if any(
+                    beat.counters.get(n, 0.0) > 0 for n in progress_detectors.NONFINITE_COUNTERS
+                ):
+                    self._wake.set()  # a NaN is reported in its step, not at the next round
                 if beat.goodbye:
                     log.info("monitor.goodbye", member=instance_id)
                 yield monitor_pb2.BeatAck(seq=beat.seq)
@@ -151,7 +157,9 @@ class MonitorServicer(monitor_pb2_grpc.MonitorServicer):
 
     async def _evaluate_loop(self) -> None:
         while True:
-            await asyncio.sleep(self.settings.evaluate_interval)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._wake.wait(), self.settings.evaluate_interval)
+            self._wake.clear()
             await self._evaluate(time.time())
 
     async def _evaluate(self, now: float) -> None:
