@@ -36,7 +36,7 @@ EXAMPLE = REPO / "examples" / "arithmetic-grpo.yaml"
 TTL = 8.0
 SILENCE = 2.0
 PROBE_WAIT = 1.0
-PROBE_DEADLINE = 1.0
+PROBE_DEADLINE = 2.0
 COLLECTIVE_BUDGET = 2.0
 
 

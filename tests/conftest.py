@@ -6,6 +6,7 @@ import os
 import shutil
 import signal
 import subprocess
+import sys
 import time
 import uuid
 from collections.abc import AsyncIterator, Iterator
@@ -98,3 +99,17 @@ async def etcd_client(etcd_settings: EtcdSettings) -> AsyncIterator[object]:
     client = await connect_etcd(etcd_settings)
     yield client
     await client.close()
+
+
+@pytest.fixture(scope="session")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny model, made once by the repo's own command (seeded, so the same every run)."""
+    out = tmp_path_factory.mktemp("model") / "tiny-qwen"
+    subprocess.run(
+        [sys.executable, "-m", "services.cli.main", "model", "init", "--out", str(out)],
+        cwd=Path(__file__).resolve().parents[1],
+        check=True,
+        capture_output=True,
+        timeout=600,
+    )
+    return out

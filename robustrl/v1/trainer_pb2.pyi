@@ -115,6 +115,11 @@ class ControlRequest(_message.Message):
         """Stop work on the job and leave it."""
         ACTION_FENCE: ControlRequest._Action.ValueType  # 3
         """Stop accepting work from any caller: this instance has been replaced."""
+        ACTION_INJECT_NAN: ControlRequest._Action.ValueType  # 4
+        """Chaos: make the loss of trainer step args["step"] non-finite (default: the next step not
+        yet started), as one corrupt sample would; the reply's status.metrics["nan_step"] names
+        the step. Trainers only; the binding does not change.
+        """
 
     class Action(_Action, metaclass=_ActionEnumTypeWrapper): ...
     ACTION_UNSPECIFIED: ControlRequest.Action.ValueType  # 0
@@ -124,6 +129,11 @@ class ControlRequest(_message.Message):
     """Stop work on the job and leave it."""
     ACTION_FENCE: ControlRequest.Action.ValueType  # 3
     """Stop accepting work from any caller: this instance has been replaced."""
+    ACTION_INJECT_NAN: ControlRequest.Action.ValueType  # 4
+    """Chaos: make the loss of trainer step args["step"] non-finite (default: the next step not
+    yet started), as one corrupt sample would; the reply's status.metrics["nan_step"] names
+    the step. Trainers only; the binding does not change.
+    """
 
     @_typing.final
     class ArgsEntry(_message.Message):

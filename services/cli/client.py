@@ -42,6 +42,14 @@ class StackClient(CoordinatorClient):
             "taken_back": sum(len(v) for v in ledger["released"].values()),
         }
 
+    async def recoveries(self, job_id: str) -> list[dict[str, Any]]:
+        """What the leader did about each of the job's incidents (oldest first)."""
+        rows = await self.etcd.get_prefix(self.keys.recoveries(job_id))
+        records = sorted((json.loads(kv.value) for kv in rows), key=lambda r: r["detected_at"])
+        for r in records:
+            r["recovery_s"] = r["done_at"] - r["detected_at"] if r.get("done_at") else None
+        return records
+
     async def incidents(self, job_id: str = "") -> list[dict[str, Any]]:
         result = await self.etcd.get_prefix(self.keys.incidents())
         records = [json.loads(kv.value) for kv in result]

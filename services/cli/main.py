@@ -23,7 +23,7 @@ from rich.console import Console
 from rich.table import Table
 
 from robustrl.v1 import coordinator_pb2, coordinator_pb2_grpc
-from services.cli import stack
+from services.cli import chaos, stack
 from services.cli.client import DEFAULT_DEADLINE, StackClient
 
 console = Console(soft_wrap=True)
@@ -123,7 +123,9 @@ def cmd_up(args: argparse.Namespace) -> int:
         wait_for_etcd(state, etcd)
         services = [stack.start_service(state, "monitor", "monitor-0")]
         for i in range(args.coordinators):
-            services.append(stack.start_service(state, "coordinator", f"coordinator-{i}"))
+            # Replacements a coordinator starts log next to the stack's own processes.
+            extra = {"ROBUSTRL_COORDINATOR_PROVISION_LOG_DIR": str(home / "logs")}
+            services.append(stack.start_service(state, "coordinator", f"coordinator-{i}", extra))
         for i in range(args.trainers):
             services.append(stack.start_service(state, "trainer", f"trainer-{i}"))
         for i in range(args.rollouts):
@@ -183,6 +185,8 @@ def cmd_down(args: argparse.Namespace) -> int:
         console.print(f"no stack recorded in {home}; nothing to stop")
         return 0
     services = [p for p in state.procs if p.name != "etcd"]
+    # Replacements the coordinators started are recorded in etcd: read them while it is up.
+    services += stack.provisioned_procs(state)
     stopped = stack.stop_procs(services) + stack.stop_procs(
         [p for p in state.procs if p.name == "etcd"]
     )
@@ -253,6 +257,7 @@ def cmd_status(args: argparse.Namespace) -> int:
             bound = [m.model_dump() for m in await client.members() if m.job_id == args.job]
             job["bound_members"] = bound
             job["work"] = await client.work_summary(args.job)
+            job["recoveries"] = await client.recoveries(args.job)
             if args.json:
                 emit_json(job)
                 return 0
@@ -264,6 +269,12 @@ def cmd_status(args: argparse.Namespace) -> int:
                 console.print("  groups: " + ", ".join(f"{k} {v}" for k, v in job["work"].items()))
             for m in bound:
                 console.print(f"  member {m['role']} {m['instance_id']} ({m['address']})")
+            for r in job["recoveries"]:
+                took = f"recovered in {r['recovery_s']:.1f}s" if r["done_at"] else "recovering"
+                console.print(
+                    f"  incident {r['kind']} {r['instance_id']}: {', '.join(r['actions'])}; "
+                    f"{took}" + (f" ({', '.join(r['replacements'])})" if r["replacements"] else "")
+                )
             return 0
         leader = await client.leader()
         members = await client.members()
@@ -428,6 +439,14 @@ def cmd_watch(args: argparse.Namespace) -> int:
     return with_client(args, run)
 
 
+def cmd_chaos(args: argparse.Namespace) -> int:
+    """Inject failures into a running job (services/cli/chaos.py)."""
+    try:
+        return with_client(args, lambda c: chaos.run(c, args))
+    except chaos.ChaosError as exc:
+        raise UsageError(str(exc)) from exc
+
+
 # ----------------------------------------------------------------------------- parser
 
 
@@ -495,6 +514,10 @@ def build_parser() -> argparse.ArgumentParser:
     incidents.add_argument("job", nargs="?")
     incidents.add_argument("--json", action="store_true")
     incidents.set_defaults(func=cmd_incidents)
+
+    chaos_cmd = sub.add_parser("chaos", help="inject failures into a running job: kill, hang, NaN")
+    chaos.add_arguments(chaos_cmd)
+    chaos_cmd.set_defaults(func=cmd_chaos)
     return parser
 
 

@@ -223,3 +223,38 @@ def stop_procs(procs: list[Proc], timeout: float = 10.0) -> list[str]:
             os.waitpid(proc.pid, os.WNOHANG)
         stopped.append(proc.name)
     return stopped
+
+
+def provisioned_procs(state: StackState) -> list[Proc]:
+    """Processes the coordinators' local provisioner started on this host (recorded in etcd
+    under <prefix>/provisioned/): `down` stops them too, checked by command line like ours."""
+    if not state.etcd_endpoints or not etcd_healthy(state.etcd_endpoints):
+        return []
+    etcdctl = str(Path(find_etcd()).with_name("etcdctl"))
+    try:
+        out = subprocess.run(
+            [
+                etcdctl,
+                f"--endpoints={state.etcd_endpoints}",
+                "get",
+                "--prefix",
+                f"{state.prefix}/provisioned/",
+                "--print-value-only",
+            ],
+            capture_output=True,
+            text=True,
+            check=True,
+            timeout=10,
+        ).stdout
+    except (OSError, subprocess.SubprocessError):
+        return []
+    host = socket.gethostname()
+    procs = []
+    for line in out.splitlines():
+        with contextlib.suppress(ValueError, KeyError):
+            record = json.loads(line)
+            if record["host"] == host:
+                procs.append(
+                    Proc(record["instance_id"], record["pid"], record["argv"], record["log"])
+                )
+    return procs

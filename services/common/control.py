@@ -2,7 +2,8 @@
 
 The coordinator binds an instance to a job with an epoch. A request carrying a lower epoch
 than the instance has seen is from a stale coordinator decision and is refused; once fenced,
-an instance refuses everything, so a zombie that comes back changes nothing.
+an instance refuses everything, so a zombie that comes back changes nothing. INJECT_NAN
+(chaos) is checked like the others but leaves the binding as it is.
 """
 
 from __future__ import annotations
@@ -41,4 +42,11 @@ def apply_control(binding: Binding, action: int, job_id: str, epoch: int) -> Bin
         return replace(binding, job_id="", epoch=epoch)
     if action == Action.ACTION_FENCE:
         return replace(binding, epoch=epoch, fenced=True)
+    if action == Action.ACTION_INJECT_NAN:
+        # Chaos acts on the job this instance works on; it never changes who is bound.
+        if not binding.job_id:
+            raise FailedPrecondition("not bound to a job; there is no step to inject a NaN into")
+        if job_id and job_id != binding.job_id:
+            raise FailedPrecondition(f"bound to job {binding.job_id}, not {job_id}")
+        return binding
     raise InvalidArgument(f"unknown control action {action}")

@@ -8,6 +8,9 @@
 <prefix>/weights/<job_id>                 latest published weight version and where it is
 <prefix>/weights/<job_id>/v/<V>/manifest  tensors, buckets and checksums of version V (UCX)
 <prefix>/weights/<job_id>/v/<V>/holders/<instance>  who serves version V, under its lease
+<prefix>/fences/<instance_id>             a fenced instance: everything it sends is refused
+<prefix>/recovery/<job_id>/<incident_id>  what the leader did about an incident, and when
+<prefix>/provisioned/<instance_id>        a process a local provisioner started (pid, host)
 """
 
 from __future__ import annotations
@@ -45,3 +48,18 @@ class KeySpace:
 
     def weights(self, job_id: str) -> bytes:
         return f"{self.prefix}/weights/{job_id}".encode()
+
+    def fences(self) -> bytes:
+        return f"{self.prefix}/fences/".encode()
+
+    def fence(self, instance_id: str) -> bytes:
+        return f"{self.prefix}/fences/{instance_id}".encode()
+
+    def recoveries(self, job_id: str = "") -> bytes:
+        return f"{self.prefix}/recovery/{job_id + '/' if job_id else ''}".encode()
+
+    def recovery(self, job_id: str, incident_id: str) -> bytes:
+        return f"{self.prefix}/recovery/{job_id}/{incident_id}".encode()
+
+    def provisioned(self, instance_id: str = "") -> bytes:
+        return f"{self.prefix}/provisioned/{instance_id}".encode()

@@ -2,14 +2,16 @@
 
 BIND carries the job's spec; the role builds a worker for it (loading the model in a thread)
 and only then accepts the binding, so a bad spec or a missing model is refused with a clear
-error instead of failing later. RELEASE and FENCE stop the worker.
+error instead of failing later. RELEASE and FENCE stop the worker. INJECT_NAN (chaos) asks a
+trainer's worker to make one step's loss non-finite.
 """
 
 from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable
-from typing import Protocol
+from dataclasses import replace
+from typing import Protocol, runtime_checkable
 
 import grpc
 import pydantic
@@ -41,6 +43,46 @@ class Worker(Protocol):
 WorkerFactory = Callable[[str, int, JobSpec], Worker]
 
 
+@runtime_checkable
+class NanTarget(Protocol):
+    """A worker that can poison a step's loss: the trainer's."""
+
+    step: int
+    """Steps done so far."""
+
+    spec: JobSpec
+
+    def inject_nan(self, step: int) -> None: ...
+
+
+STEP_PHASES = frozenset({"forward_backward", "optimizer", "collective"})
+"""Trainer phases inside a step: step `worker.step + 1` has its batch (and any NaN) already."""
+
+NAN_STEP_KEY = "nan_step"
+"""INJECT_NAN asks for a step in args["step"]; the reply's status.metrics[NAN_STEP_KEY] names
+the step taken (the caller may leave the choice to the trainer)."""
+
+
+def nan_step(worker_step: int, phase: str, last_step: int, asked: str | None) -> int:
+    """The step INJECT_NAN poisons: `asked`, or the next one whose batch is not taken yet."""
+    earliest = worker_step + (2 if phase in STEP_PHASES else 1)
+    if asked is None or asked == "":
+        step = earliest
+    else:
+        try:
+            step = int(asked)
+        except ValueError:
+            raise InvalidArgument(f"args['step'] must be a step number, not {asked!r}") from None
+        if step < earliest:
+            raise InvalidArgument(
+                f"step {step} has started or is done (the trainer has done {worker_step}); "
+                f"the earliest step a NaN can go into is {earliest}"
+            )
+    if step > last_step:
+        raise InvalidArgument(f"step {step} is past the job's last step {last_step}")
+    return step
+
+
 def spec_from_args(args: dict[str, str]) -> JobSpec:
     if "spec_json" not in args:
         raise InvalidArgument("BIND needs the job spec in args['spec_json']")
@@ -58,6 +100,7 @@ class RoleControl:
         self.make_worker = make_worker
         self.binding = Binding(epoch=runtime.settings.epoch)
         self.worker: Worker | None = None
+        self._fencing: asyncio.Task[None] | None = None
 
     def status(self) -> trainer_pb2.RoleStatus:
         progress = self.runtime.progress
@@ -83,6 +126,8 @@ class RoleControl:
     ) -> trainer_pb2.ControlResponse:
         before = self.binding
         after = apply_control(before, request.action, request.job_id, request.epoch)
+        if request.action == Action.ACTION_INJECT_NAN:
+            return self.inject_nan(request.args.get("step"))
         worker: Worker | None = None
         if request.action == Action.ACTION_BIND:
             if self.worker is not None:
@@ -108,6 +153,29 @@ class RoleControl:
         elif request.action in (Action.ACTION_RELEASE, Action.ACTION_FENCE):
             await self.stop_worker()
         return trainer_pb2.ControlResponse(status=self.status())
+
+    def inject_nan(self, asked: str | None) -> trainer_pb2.ControlResponse:
+        worker = self.worker
+        if self.runtime.role != "trainer" or not isinstance(worker, NanTarget):
+            raise FailedPrecondition(
+                f"{self.runtime.instance_id} is a {self.runtime.role} without a running trainer "
+                "step loop; only a bound trainer takes INJECT_NAN"
+            )
+        step = nan_step(worker.step, self.runtime.progress.phase, worker.spec.trainer.steps, asked)
+        worker.inject_nan(step)
+        log.warning("trainer.chaos_nan", job=self.binding.job_id, step=step)
+        status = self.status()
+        status.metrics[NAN_STEP_KEY] = float(step)
+        return trainer_pb2.ControlResponse(status=status)
+
+    def fenced(self) -> None:
+        """The monitor says this instance was fenced (it was replaced while it was away):
+        stop working and accept nothing more."""
+        if self.binding.fenced:
+            return
+        log.warning(f"{self.runtime.role}.fenced", job=self.binding.job_id)
+        self.binding = replace(self.binding, fenced=True)
+        self._fencing = asyncio.get_running_loop().create_task(self.stop_worker())
 
     async def stop_worker(self) -> None:
         if self.worker is not None:

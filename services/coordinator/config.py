@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Literal
+
 from pydantic import Field
 from pydantic_settings import SettingsConfigDict
 
@@ -19,3 +21,11 @@ class CoordinatorSettings(ServiceSettings):
 
     lease_seconds: float = Field(default=60.0, gt=0)
     """How long a rollout may hold a prompt group before it is leased to another."""
+
+    provisioner: Literal["local", "none"] = "local"
+    """Who starts replacement members: `local` starts service processes on this host (the
+    local stack); `none` starts nothing and waits for a free member of the role to appear in
+    the registry (an operator or scheduler starts them)."""
+
+    provision_log_dir: str = ""
+    """Where the local provisioner writes its processes' logs; empty: a temp directory."""

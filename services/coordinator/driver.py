@@ -26,8 +26,10 @@ from services.common.registry import MemberRecord, Registry
 from services.common.runtime import ServiceRuntime
 from services.common.tasks import TaskItem, UnknownTaskError, get_task, load_dataset
 from services.coordinator import jobs, work
+from services.coordinator.executor import RecoveryExecutor
 from services.coordinator.jobs import JobRecord, Phase
 from services.coordinator.leadership import Leadership
+from services.coordinator.provisioner import NoProvisioner, Provisioner
 from services.coordinator.store import JobStore
 
 log = get_logger(__name__)
@@ -80,6 +82,10 @@ class JobDriver:
         self.specs: dict[str, JobSpec] = {}
         self._locks: dict[str, asyncio.Lock] = {}
         self._task: asyncio.Task[None] | None = None
+        self.provisioner: Provisioner = NoProvisioner()
+        self.executor = RecoveryExecutor(self)
+        self._provisioning: dict[tuple[str, str], list[float]] = {}
+        """(job, role) -> when replacements were asked for and have not registered yet."""
 
     # ------------------------------------------------------------------ plumbing
 
@@ -101,6 +107,8 @@ class JobDriver:
 
     async def stop(self) -> None:
         await cancel_and_wait(self._task)
+        await self.executor.stop()
+        await self.provisioner.close()
 
     async def on_elected(self) -> None:
         """Reload every running job's ledger from etcd (a new leader trusts only etcd)."""
@@ -113,6 +121,7 @@ class JobDriver:
             if raw is not None:
                 self.ledgers[record.job_id] = work.WorkLedger.model_validate_json(raw.value)
         log.info("coordinator.ledgers_reloaded", jobs=len(self.ledgers))
+        self.executor.start()
 
     async def _run(self) -> None:
         while True:
@@ -208,7 +217,7 @@ class JobDriver:
         bound: list[MemberRecord] = []
         for member in chosen:
             try:
-                await self._control(
+                await self.control(
                     member,
                     trainer_pb2.ControlRequest.ACTION_BIND,
                     record.job_id,
@@ -219,7 +228,7 @@ class JobDriver:
                 message = f"{member.role} {member.instance_id} refused the job: {exc.details()}"
                 log.warning("coordinator.bind_failed", job=record.job_id, reason=message)
                 for done in bound:
-                    await self._control_quietly(
+                    await self.control_quietly(
                         done, trainer_pb2.ControlRequest.ACTION_RELEASE, record.job_id, FIRST_EPOCH
                     )
                 if exc.code() in (
@@ -235,7 +244,11 @@ class JobDriver:
         self.datasets[record.job_id] = dataset
         await self.update_job(
             record.job_id,
-            {"members": [m.instance_id for m in chosen]},
+            {
+                "members": [m.instance_id for m in chosen],
+                "member_roles": {m.instance_id: m.role for m in chosen},
+                "epoch": FIRST_EPOCH,
+            },
             Phase.RUNNING,
             "running",
         )
@@ -247,6 +260,7 @@ class JobDriver:
         ledger = self.ledgers.get(record.job_id)
         if ledger is None:
             return
+        await self._fill(record, members)
         alive = {m.instance_id for m in members if m.job_id == record.job_id}
         changed = work.expire(ledger, time.time())
         for holder in {held.instance_id for held in ledger.open.values()} - alive:
@@ -254,6 +268,90 @@ class JobDriver:
         if changed:
             log.info("coordinator.groups_requeued", job=record.job_id, groups=len(changed))
             await self.save_ledger(ledger)
+
+    async def _fill(self, record: JobRecord, members: list[MemberRecord]) -> None:
+        """Bind replacements for roles the job lost (recovery fenced them): a free member if
+        there is one, else ask the provisioner. A new trainer comes with a new epoch."""
+        if not record.member_roles:
+            return  # a record from before roles were kept: nothing to compare with
+        spec = self.spec(record)
+        roles = list(record.member_roles.values())
+        missing = (["trainer"] if "trainer" not in roles else []) + ["rollout"] * max(
+            0, spec.rollout.replicas - roles.count("rollout")
+        )
+        if not missing:
+            return
+        epoch = record.epoch + 1 if "trainer" in missing else record.epoch
+        free = {
+            role: [
+                m
+                for m in sorted(members, key=lambda m: m.labels.get("standby") != "true")
+                if m.role == role and not m.job_id and m.labels.get("follower") != "true"
+            ]
+            for role in ("trainer", "rollout")
+        }
+        bound: list[MemberRecord] = []
+        for role in missing:
+            while free[role]:
+                member = free[role].pop(0)
+                try:
+                    await self.control(
+                        member,
+                        trainer_pb2.ControlRequest.ACTION_BIND,
+                        record.job_id,
+                        epoch,
+                        {"spec_json": json.dumps(record.spec)},
+                    )
+                except grpc.aio.AioRpcError as exc:  # fenced, busy or gone: try the next one
+                    log.info(
+                        "coordinator.bind_failed", member=member.instance_id, error=exc.details()
+                    )
+                    continue
+                bound.append(member)
+                break
+            else:
+                await self._provision(record.job_id, role, missing.count(role))
+        if not bound:
+            return
+        for member in bound:
+            self._provisioning.pop((record.job_id, member.role), None)
+        new_roles = {**record.member_roles, **{m.instance_id: m.role for m in bound}}
+        recovered = "trainer" in new_roles.values() and record.phase is Phase.RECOVERING
+        await self.update_job(
+            record.job_id,
+            {
+                "members": [*record.members, *(m.instance_id for m in bound)],
+                "member_roles": new_roles,
+                "epoch": epoch,
+                # A restored trainer starts from its checkpoint's version, which may be lower
+                # than the last one reported: rollouts must not wait for the lost versions.
+                **({"weight_version": 0} if epoch > record.epoch else {}),
+            },
+            Phase.RUNNING if recovered else None,
+            "running (recovered)" if recovered else record.message,
+        )
+        for member in bound:
+            log.warning(
+                "coordinator.replacement_bound",
+                job=record.job_id,
+                member=member.instance_id,
+                role=member.role,
+                epoch=epoch,
+            )
+            await self.executor.bound(record.job_id, member.role, member.instance_id)
+
+    async def _provision(self, job_id: str, role: str, count: int) -> None:
+        """Ask for `count` members of `role`, minus those asked for recently (120 s)."""
+        now = time.time()
+        asked = [t for t in self._provisioning.get((job_id, role), []) if now - t < 120.0]
+        for _ in range(count - len(asked)):
+            try:
+                await self.provisioner.request(role, job_id, f"replacement for job {job_id}")
+            except Exception as exc:
+                log.error("coordinator.provision_failed", role=role, job=job_id, error=repr(exc))
+                return
+            asked.append(now)
+        self._provisioning[(job_id, role)] = asked
 
     async def _release(self, job_id: str, members: list[MemberRecord]) -> None:
         ledger = self.ledgers.get(job_id)
@@ -265,13 +363,13 @@ class JobDriver:
         for member in members:
             # Follower ranks are started and stopped by their rank 0, not bound by us.
             if member.job_id == job_id and member.labels.get("follower") != "true":
-                await self._control_quietly(
+                await self.control_quietly(
                     member, trainer_pb2.ControlRequest.ACTION_RELEASE, job_id, member.epoch
                 )
         self.ledgers.pop(job_id, None)
         self.datasets.pop(job_id, None)
 
-    async def _control(
+    async def control(
         self,
         member: MemberRecord,
         action: Action,
@@ -295,20 +393,24 @@ class JobDriver:
                     request, timeout=CONTROL_DEADLINE
                 )
 
-    async def _control_quietly(
+    async def control_quietly(
         self, member: MemberRecord, action: Action, job_id: str, epoch: int
     ) -> None:
         try:
-            await self._control(member, action, job_id, epoch)
+            await self.control(member, action, job_id, epoch)
         except grpc.aio.AioRpcError as exc:
             log.info("coordinator.control_failed", member=member.instance_id, error=exc.details())
 
     # ------------------------------------------------------------------ data-plane RPCs
 
-    async def _bound_member(self, job_id: str, role: str, instance_id: str) -> MemberRecord:
+    async def _bound_member(self, record: JobRecord, role: str, instance_id: str) -> MemberRecord:
+        if record.member_roles and instance_id not in record.member_roles:
+            raise FailedPrecondition(
+                f"{role} {instance_id} no longer serves job {record.job_id} (fenced or replaced)"
+            )
         member = await self.registry.get(role, instance_id)
-        if member is None or member.job_id != job_id:
-            raise FailedPrecondition(f"{role} {instance_id} is not bound to job {job_id}")
+        if member is None or member.job_id != record.job_id:
+            raise FailedPrecondition(f"{role} {instance_id} is not bound to job {record.job_id}")
         return member
 
     async def lease_work(
@@ -320,9 +422,11 @@ class JobDriver:
             record, _ = await self.store.get(request.job_id)
             if record.phase in jobs.TERMINAL:
                 return coordinator_pb2.LeaseWorkResponse(job_done=True)
-            if record.phase is not Phase.RUNNING or request.job_id not in self.ledgers:
+            # RECOVERING too: rollouts keep generating while a trainer is restored.
+            running = record.phase in (Phase.RUNNING, Phase.RECOVERING)
+            if not running or request.job_id not in self.ledgers:
                 return coordinator_pb2.LeaseWorkResponse(retry_after_s=0.5)
-            await self._bound_member(request.job_id, "rollout", request.instance_id)
+            await self._bound_member(record, "rollout", request.instance_id)
             spec = self.spec(record)
             ledger = self.ledger(request.job_id)
             granted = work.lease(
@@ -360,7 +464,7 @@ class JobDriver:
             record, _ = await self.store.get(request.job_id)
             if record.phase in jobs.TERMINAL:
                 return
-            await self._bound_member(request.job_id, "rollout", request.instance_id)
+            await self._bound_member(record, "rollout", request.instance_id)
             if request.error:
                 message = f"rollout {request.instance_id}: {request.error}"
                 await self.update_job(request.job_id, {}, Phase.FAILED, message)
@@ -383,7 +487,7 @@ class JobDriver:
             record, _ = await self.store.get(request.job_id)
             if record.phase in jobs.TERMINAL:
                 return False
-            await self._bound_member(request.job_id, "trainer", request.instance_id)
+            await self._bound_member(record, "trainer", request.instance_id)
             if request.error:
                 message = f"trainer {request.instance_id}: {request.error}"
                 await self.update_job(request.job_id, {}, Phase.FAILED, message)

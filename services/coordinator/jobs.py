@@ -51,6 +51,10 @@ class JobRecord(BaseModel):
     weight_version: int = 0
     members: list[str] = Field(default_factory=list)
     metrics: dict[str, float] = Field(default_factory=dict)
+    epoch: int = 1
+    """Binding epoch of the job's current members; a replacement is bound at a higher one."""
+    member_roles: dict[str, str] = Field(default_factory=dict)
+    """instance id -> role, for the members serving the job now."""
 
 
 def new_job(job_id: str, spec: dict[str, object], now: float) -> JobRecord:

@@ -20,6 +20,7 @@ from services.coordinator.config import CoordinatorSettings
 from services.coordinator.driver import JobDriver
 from services.coordinator.jobs import Phase
 from services.coordinator.leadership import Leadership
+from services.coordinator.provisioner import LocalProvisioner
 from services.coordinator.store import JobStore
 
 log = get_logger(__name__)
@@ -172,6 +173,11 @@ async def serve(settings: CoordinatorSettings, etcd: EtcdSettings) -> ServiceRun
         CoordinatorServicer(runtime, leadership, driver), runtime.host.server
     )
     await runtime.start()
+    if settings.provisioner == "local":
+        assert runtime.client is not None
+        driver.provisioner = LocalProvisioner(
+            runtime.client, runtime.keys, etcd, settings.provision_log_dir
+        )
     leadership.start()
     driver.start()
     runtime.host.before_stop.insert(0, leadership.resign)

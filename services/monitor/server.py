@@ -15,6 +15,7 @@ from services.common.aio import cancel_and_wait
 from services.common.channels import open_channel
 from services.common.config import EtcdSettings
 from services.common.errors import InvalidArgument
+from services.common.fences import FenceSet
 from services.common.logs import get_logger
 from services.common.registry import ROLE_FROM_PROTO, ROLE_TO_PROTO, Registry, parse_member
 from services.common.runtime import ServiceRuntime
@@ -45,6 +46,7 @@ class MonitorServicer(monitor_pb2_grpc.MonitorServicer):
         self._tasks: list[asyncio.Task[None]] = []
         self._probes: dict[str, asyncio.Task[None]] = {}
         self._wake = asyncio.Event()
+        self.fences: FenceSet | None = None
 
     @property
     def incident_log(self) -> IncidentLog:
@@ -52,6 +54,9 @@ class MonitorServicer(monitor_pb2_grpc.MonitorServicer):
         return IncidentLog(self.runtime.client, self.runtime.keys)
 
     def start(self) -> None:
+        assert self.runtime.client is not None
+        self.fences = FenceSet(self.runtime.client, self.runtime.keys)
+        self.fences.start()
         self._tasks = [
             asyncio.create_task(self._follow_registry(), name="follow-registry"),
             asyncio.create_task(self._evaluate_loop(), name="evaluate"),
@@ -59,6 +64,8 @@ class MonitorServicer(monitor_pb2_grpc.MonitorServicer):
 
     async def stop(self) -> None:
         await cancel_and_wait(*self._tasks, *self._probes.values())
+        if self.fences is not None:
+            await self.fences.stop()
 
     async def Heartbeat(
         self,
@@ -96,7 +103,10 @@ class MonitorServicer(monitor_pb2_grpc.MonitorServicer):
                     self._wake.set()  # a NaN is reported in its step, not at the next round
                 if beat.goodbye:
                     log.info("monitor.goodbye", member=instance_id)
-                yield monitor_pb2.BeatAck(seq=beat.seq)
+                fenced = self.fences is not None and self.fences.fences(
+                    beat.instance_id, beat.job_id
+                )
+                yield monitor_pb2.BeatAck(seq=beat.seq, fenced=fenced)
         finally:
             # Reached on a clean end, on a broken stream and on cancellation alike.
             if instance_id:

@@ -58,7 +58,7 @@ async def start(settings: RolloutSettings, etcd: EtcdSettings) -> RolloutService
     runtime = ServiceRuntime("rollout", settings, etcd, service_names=[SERVICE_NAME])
     servicer = RolloutServicer(runtime, settings)
     rollout_pb2_grpc.add_RolloutServicer_to_server(servicer, runtime.host.server)
-    await runtime.start()
+    await runtime.start(on_fenced=servicer.fenced)
     runtime.host.before_stop.insert(0, servicer.stop_worker)
     return servicer
 

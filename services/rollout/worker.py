@@ -468,7 +468,16 @@ class RolloutWorker:
         assert self.runtime.registry is not None
         while True:
             trainers, _ = await self.runtime.registry.list("trainer")
-            bound = [t for t in trainers if t.job_id == self.job_id]
+            # Rank 0 only (followers serve no data plane); after a restore, the newest epoch.
+            bound = sorted(
+                (
+                    t
+                    for t in trainers
+                    if t.job_id == self.job_id and t.labels.get("follower") != "true"
+                ),
+                key=lambda t: t.epoch,
+                reverse=True,
+            )
             if not bound:
                 await asyncio.sleep(0.5)
                 continue

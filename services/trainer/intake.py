@@ -38,6 +38,9 @@ class Intake:
     trained_ids: set[str] = field(default_factory=set)
     trained_groups: set[str] = field(default_factory=set)
     dropped_groups: dict[str, str] = field(default_factory=dict)
+    restored_step: int | None = None
+    """Set after a restore until the first new step: trajectories made with a higher weight
+    version came from weights that were lost with the failed trainer."""
 
     def offer(self, trajectory: trainer_pb2.Trajectory) -> tuple[str, str]:
         """('received' | 'committed' | 'rejected', reason) for one incoming trajectory."""
@@ -56,6 +59,11 @@ class Intake:
             return "rejected", "completion ids and logprobs must be non-empty and of equal length"
         if tid in self.trained_ids or trajectory.group_id in self.trained_groups:
             return "committed", "already trained"
+        if self.restored_step is not None and trajectory.weight_version > self.restored_step:
+            return "rejected", (
+                f"made with weight version {trajectory.weight_version}, lost when the trainer "
+                f"was restored to step {self.restored_step}"
+            )
         if trajectory.group_id in self.dropped_groups:
             return "rejected", self.dropped_groups[trajectory.group_id]
         group = self.groups.setdefault(
@@ -91,6 +99,7 @@ class Intake:
         return batch, dropped
 
     def mark_trained(self, batch: list[Group]) -> None:
+        self.restored_step = None
         for group in batch:
             self.trained_groups.add(group.group_id)
             self.trained_ids.update(group.trajectories)

@@ -110,6 +110,6 @@ async def serve(settings: TrainerSettings, etcd: EtcdSettings) -> ServiceRuntime
     runtime = ServiceRuntime("trainer", settings, etcd, service_names=[SERVICE_NAME])
     servicer = TrainerServicer(runtime, settings)
     trainer_pb2_grpc.add_TrainerServicer_to_server(servicer, runtime.host.server)
-    await runtime.start()
+    await runtime.start(on_fenced=servicer.fenced)
     runtime.host.before_stop.insert(0, servicer.stop_worker)
     return runtime

@@ -24,6 +24,7 @@ from robustrl.v1 import coordinator_pb2, trainer_pb2
 from services.common.aio import cancel_and_wait
 from services.common.coordinator_client import CoordinatorClient
 from services.common.errors import InvalidArgument, Unavailable
+from services.common.fences import FenceSet
 from services.common.heartbeat import Progress
 from services.common.jobspec import JobSpec
 from services.common.logs import get_logger
@@ -66,11 +67,13 @@ class TrainerWorker:
         self.run_dir = Path(settings.runs_dir) / job_id
         self.intake = Intake(job_id, spec.trainer.max_staleness)
         self.step = 0
+        self.nan_steps: set[int] = set(spec.faults.nan_loss_steps)
         self.data_arrived = asyncio.Event()
         self.outboxes: dict[str, list[asyncio.Queue[trainer_pb2.TrajectoryAck]]] = defaultdict(list)
         self.uncommitted: dict[str, list[str]] = defaultdict(list)
         self.transport: WeightTransport | None = None
         self.ranks: LeaderRanks | None = None
+        self.fences: FenceSet | None = None
         """Ranks 1..N-1 (spec.trainer.world_size > 1); this process is rank 0."""
         self._task: asyncio.Task[None] | None = None
         self._stopping = False
@@ -133,7 +136,23 @@ class TrainerWorker:
             self.step = checkpoint.restore(restored, self.model, self.trainer.optimizer)
             self.intake.trained_ids = set(restored.extra.get("trained_ids", []))
             self.intake.trained_groups = set(restored.extra.get("trained_groups", []))
-            log.info("trainer.restored", job=self.job_id, step=self.step)
+            self.intake.restored_step = self.step
+            self._forget_after(self.step)
+            log.info("trainer.restored", job=self.job_id, step=self.step, epoch=self.epoch)
+
+    def _forget_after(self, step: int) -> None:
+        """The run's logs keep only what the restored state contains: steps after the
+        checkpoint were lost with the failed trainer and are trained again."""
+        for name in ("trained.jsonl", "metrics.jsonl"):
+            path = self.run_dir / name
+            if not path.exists():
+                continue
+            kept = [
+                line
+                for line in path.read_text().splitlines()
+                if line and json.loads(line).get("step", 0) <= step
+            ]
+            path.write_text("".join(line + "\n" for line in kept))
 
     def start(self) -> None:
         self.loop = asyncio.get_running_loop()
@@ -143,6 +162,8 @@ class TrainerWorker:
         self._stopping = True
         await cancel_and_wait(self._task)
         await self._close_ranks()
+        if self.fences is not None:
+            await self.fences.stop()
         if self.transport is not None:
             await self.transport.close()
         if self.checkpoints is not None:
@@ -151,6 +172,10 @@ class TrainerWorker:
     # ------------------------------------------------------------------ intake
 
     def offer(self, trajectory: trainer_pb2.Trajectory) -> tuple[str, str]:
+        if self.fences is not None and self.fences.fences(
+            trajectory.rollout_instance_id, self.job_id, trajectory.rollout_epoch
+        ):
+            return "rejected", f"rollout {trajectory.rollout_instance_id} was fenced"
         verdict = self.intake.offer(trajectory)
         if verdict[0] == "received":
             self.data_arrived.set()
@@ -176,6 +201,8 @@ class TrainerWorker:
         try:
             self.run_dir.mkdir(parents=True, exist_ok=True)
             assert self.runtime.client is not None
+            self.fences = FenceSet(self.runtime.client, self.runtime.keys)
+            self.fences.start()
             self.transport = await make_transport(
                 spec.trainer.weight_transport,
                 self.runtime.client,
@@ -223,7 +250,10 @@ class TrainerWorker:
                 await asyncio.to_thread(self.checkpoints.wait)
             await self._close_ranks()
             await asyncio.sleep(0)  # let the last commit notices go out first
-            write_reward_plot(self.run_dir / "metrics.jsonl", self.run_dir / "reward.png")
+            # matplotlib takes seconds: never on the event loop, which carries the heartbeat.
+            await asyncio.to_thread(
+                write_reward_plot, self.run_dir / "metrics.jsonl", self.run_dir / "reward.png"
+            )
             await self._report({}, [], {}, finished=True)
             log.info("trainer.finished", job=self.job_id, step=self.step)
         except asyncio.CancelledError:
@@ -274,7 +304,7 @@ class TrainerWorker:
     def _inject(self, samples: list[grpo.Sample]) -> list[grpo.Sample]:
         """spec.faults: make this step's loss non-finite, as one corrupt sample would."""
         faults = self.spec.faults
-        if self.step + 1 not in faults.nan_loss_steps or faults.nan_rank != 0 or not samples:
+        if self.step + 1 not in self.nan_steps or faults.nan_rank != 0 or not samples:
             return samples
         log.warning("trainer.fault_injected", job=self.job_id, step=self.step + 1, fault="nan")
         poisoned = dataclasses.replace(samples[0], advantage=float("nan"))
@@ -450,6 +480,10 @@ class TrainerWorker:
             error=error,
         )
         return await report_to_coordinator(self.runtime, request)
+
+    def inject_nan(self, step: int) -> None:
+        """Chaos (Control INJECT_NAN): make `step`'s loss non-finite, as spec.faults would."""
+        self.nan_steps.add(step)
 
 
 async def report_to_coordinator(

@@ -19,7 +19,7 @@ from tests.support import eventually_sync
 TTL = 8.0
 SILENCE = 2.0
 PROBE_WAIT = 1.0
-PROBE_DEADLINE = 1.0
+PROBE_DEADLINE = 2.0
 EVALUATE = 0.2
 COLLECTIVE_BUDGET = 2.0
 #: Beats are 0.5 s apart; one beat's lag plus an evaluation round is the slack on top of a bound.

@@ -1,0 +1,86 @@
+"""Fencing: once the coordinator replaces an instance, nothing it sends is accepted again.
+
+The leader writes `<prefix>/fences/<instance_id>` (no lease: a fence outlives the process)
+before it starts a replacement. Every receiver checks it: the coordinator refuses the
+instance's LeaseWork / CompleteWork / ReportProgress, the trainer refuses its trajectories,
+the monitor answers its beats with `fenced`, and rollouts ignore weight manifests of older
+trainer epochs. A process stopped with SIGSTOP and continued after its replacement therefore
+changes nothing; on its next beat it learns it was fenced and stops its work.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+
+import aetcd
+from pydantic import BaseModel, Field
+
+from services.common.aio import cancel_and_wait
+from services.common.keys import KeySpace
+from services.common.logs import get_logger
+from services.common.watch import Delete, Put, Resync, list_prefix, watch_prefix
+
+log = get_logger(__name__)
+
+
+class FenceRecord(BaseModel):
+    instance_id: str
+    job_id: str
+    epoch: int
+    """The job epoch the instance served; the replacement serves a higher one."""
+    reason: str
+    at: float = Field(default_factory=time.time)
+
+
+async def write_fence(client: aetcd.Client, keys: KeySpace, record: FenceRecord) -> None:
+    await client.put(keys.fence(record.instance_id), record.model_dump_json().encode())
+
+
+class FenceSet:
+    """The fenced instance ids, kept current by an etcd watch; `in` is a set lookup."""
+
+    def __init__(self, client: aetcd.Client, keys: KeySpace) -> None:
+        self.client = client
+        self.keys = keys
+        self.records: dict[str, FenceRecord] = {}
+        self.ready = asyncio.Event()
+        self.on_fence: Callable[[FenceRecord], None] | None = None
+        self._task: asyncio.Task[None] | None = None
+
+    def __contains__(self, instance_id: object) -> bool:
+        return instance_id in self.records
+
+    def fences(self, instance_id: str, job_id: str, epoch: int | None = None) -> bool:
+        """Whether `instance_id` is fenced from `job_id` (at `epoch`, if given: a fresh binding
+        at a higher epoch is a new incarnation and is not)."""
+        record = self.records.get(instance_id)
+        if record is None or record.job_id != job_id:
+            return False
+        return epoch is None or epoch <= record.epoch
+
+    def start(self) -> None:
+        self._task = asyncio.create_task(self._follow(), name="fences")
+
+    async def stop(self) -> None:
+        await cancel_and_wait(self._task)
+
+    async def _follow(self) -> None:
+        entries, revision = await list_prefix(self.client, self.keys.fences())
+        self._replace([FenceRecord.model_validate_json(e.value) for e in entries])
+        self.ready.set()
+        async for event in watch_prefix(self.client, self.keys.fences(), revision + 1):
+            if isinstance(event, Put):
+                record = FenceRecord.model_validate_json(event.entry.value)
+                self.records[record.instance_id] = record
+                log.info("fence.seen", member=record.instance_id, job=record.job_id)
+                if self.on_fence is not None:
+                    self.on_fence(record)
+            elif isinstance(event, Delete):
+                self.records.pop(event.key.decode().rsplit("/", 1)[1], None)
+            elif isinstance(event, Resync):
+                self._replace([FenceRecord.model_validate_json(e.value) for e in event.entries])
+
+    def _replace(self, records: list[FenceRecord]) -> None:
+        self.records = {r.instance_id: r for r in records}

@@ -1,0 +1,188 @@
+"""Recover only the failed role, against real processes: each fault is injected into a
+running job, the job still succeeds, no trajectory is trained twice, and every prompt group
+is trained or accounted for."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import statistics
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.e2e.test_cli_stack import EXAMPLE, Cli
+from tests.e2e.test_detection import DETECTION_ENV, incidents, member, step_of, wait_for_incident
+from tests.e2e.test_rl_job import etcd_json
+from tests.support import eventually_sync
+
+STEPS = 80
+
+pytestmark = [pytest.mark.chaos, pytest.mark.slow, pytest.mark.timeout(420)]
+
+
+@pytest.fixture
+def stack(tmp_path: Path) -> Iterator[Cli]:
+    cli = Cli(tmp_path / "home")
+    cli.env.update(DETECTION_ENV)
+    cli.env["ROBUSTRL_TRAINER_RUNS_DIR"] = str(tmp_path / "runs")
+    cli.run("up", "--trainers", "1", "--rollouts", "2")
+    try:
+        yield cli
+    finally:
+        cli.run("down", check=False)
+
+
+def submit(cli: Cli, model_dir: Path, job: str, *overrides: str) -> None:
+    cli.run(
+        "submit",
+        str(EXAMPLE),
+        "--id",
+        job,
+        f"model.path={model_dir}",
+        f"trainer.steps={STEPS}",
+        "trainer.groups_per_step=8",
+        "trainer.eval_every=1000",
+        *overrides,
+    )
+
+
+def finish(cli: Cli, job: str) -> dict[str, Any]:
+    watch = cli.run("watch", job, check=False, timeout=360)
+    assert watch.returncode == 0, watch.stdout + watch.stderr
+    status = cli.json("status", job)
+    assert isinstance(status, dict) and status["phase"] == "SUCCEEDED", status
+    return status
+
+
+def assert_nothing_lost_or_trained_twice(cli: Cli, job: str, run: Path) -> None:
+    trained_ids: list[str] = []
+    trained_groups: list[str] = []
+    steps: list[int] = []
+    for line in (run / "trained.jsonl").read_text().splitlines():
+        entry = json.loads(line)
+        steps.append(entry["step"])
+        for group, detail in entry["groups"].items():
+            trained_groups.append(group)
+            trained_ids += detail["ids"]
+    assert steps == list(range(STEPS)), "every step trained exactly once, in order"
+    assert len(trained_ids) == len(set(trained_ids)), "a trajectory id was trained twice"
+    assert len(trained_groups) == len(set(trained_groups)) == STEPS * 8
+
+    def settled() -> bool:
+        work = cli.json("status", job)["work"]  # type: ignore[index]
+        return bool(work) and work["open"] == work["delivered"] == work["requeued"] == 0
+
+    eventually_sync(settled, timeout=20)
+    ledger = etcd_json(cli, f"/robustrl/work/{job}")
+    leased = {f"{job}-g{i:06d}" for i in range(int(str(ledger["next_index"])))}
+    discarded = ledger["discarded"]
+    assert isinstance(discarded, dict) and all(discarded.values())
+    assert leased == set(trained_groups) | discarded.keys()
+
+
+def recoveries(cli: Cli, job: str) -> list[dict[str, Any]]:
+    status = cli.json("status", job)
+    assert isinstance(status, dict)
+    return list(status["recoveries"])
+
+
+def step_seconds(run: Path) -> list[tuple[float, float]]:
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    return [(r["time"], r["step_seconds"]) for r in rows if "step_seconds" in r]
+
+
+def test_a_killed_rollout_is_replaced_and_the_trainer_never_pauses(
+    stack: Cli, model_dir: Path, tmp_path: Path
+) -> None:
+    submit(stack, model_dir, "rc")
+    eventually_sync(lambda: step_of(stack, "rc") >= 5, timeout=180)
+    os.kill(int(member(stack, "rollout-1")["pid"]), signal.SIGKILL)
+    killed_at = time.time()
+    wait_for_incident(stack, "MEMBER_LOST", "rollout-1", timeout=15)
+    finish(stack, "rc")
+    [rec] = recoveries(stack, "rc")
+    assert rec["actions"] == ["FENCE rollout-1", "REQUEUE rollout-1", "REPLACE_ROLLOUT rollout-1"]
+    assert rec["done_at"] and rec["replacements"][0].startswith("rollout-p")
+    assert member(stack, "trainer-0")  # the trainer was never replaced
+    run = tmp_path / "runs" / "rc"
+    assert_nothing_lost_or_trained_twice(stack, "rc", run)
+    # The trainer kept stepping through the recovery, at its normal pace or near it.
+    timings = step_seconds(run)
+    before = [s for t, s in timings if t < killed_at]
+    during = [s for t, s in timings if killed_at <= t <= rec["done_at"]]
+    assert during, "the trainer made no step while the rollout was being replaced"
+    assert max(during) <= 3 * statistics.median(before) + 2.0, (before, during)
+
+
+def test_a_hung_rollout_is_replaced_and_its_zombie_changes_nothing(
+    stack: Cli, model_dir: Path, tmp_path: Path
+) -> None:
+    submit(stack, model_dir, "rh", "rollout.max_new_tokens=16")
+    eventually_sync(lambda: step_of(stack, "rh") >= 3, timeout=180)
+    pid = int(member(stack, "rollout-0")["pid"])
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        wait_for_incident(stack, "ROLLOUT_HANG", "rollout-0", timeout=15)
+        eventually_sync(lambda: bool(recoveries(stack, "rh")[0]["done_at"]), timeout=90)
+    finally:
+        os.kill(pid, signal.SIGCONT)  # the zombie comes back after its replacement
+    # It learns from its next beat that it was fenced, and stops its work.
+    zombie_log = stack.home / "logs" / "rollout-0.log"
+    eventually_sync(lambda: "rollout.fenced" in zombie_log.read_text(), timeout=30)
+    finish(stack, "rh")
+    status = stack.json("status", "rh")
+    assert isinstance(status, dict)
+    assert_nothing_lost_or_trained_twice(stack, "rh", tmp_path / "runs" / "rh")
+
+
+def test_a_killed_trainer_is_restored_from_its_checkpoint_on_a_new_one(
+    stack: Cli, model_dir: Path, tmp_path: Path
+) -> None:
+    submit(stack, model_dir, "tc")
+    eventually_sync(lambda: step_of(stack, "tc") >= 8, timeout=180)
+    rollout_pids = {int(member(stack, r)["pid"]) for r in ("rollout-0", "rollout-1")}
+    os.kill(int(member(stack, "trainer-0")["pid"]), signal.SIGKILL)
+    wait_for_incident(stack, "MEMBER_LOST", "trainer-0", timeout=15)
+    finish(stack, "tc")
+    [rec] = recoveries(stack, "tc")
+    assert rec["actions"] == ["FENCE trainer-0", "RESTORE_TRAINER trainer-0"]
+    assert rec["replacements"][0].startswith("trainer-p")
+    # Only the trainer was replaced: the same rollout processes served the whole job.
+    assert {int(member(stack, r)["pid"]) for r in ("rollout-0", "rollout-1")} == rollout_pids
+    assert_nothing_lost_or_trained_twice(stack, "tc", tmp_path / "runs" / "tc")
+
+
+def test_a_nan_loss_is_rolled_back_without_replacing_anything(
+    stack: Cli, model_dir: Path, tmp_path: Path
+) -> None:
+    submit(stack, model_dir, "tn", "faults.nan_loss_steps=[6]")
+    finish(stack, "tn")
+    [rec] = recoveries(stack, "tn")
+    assert rec["kind"] == "NON_FINITE" and rec["actions"] == ["ROLLBACK trainer-0"]
+    assert not rec["replacements"]
+    assert [i["kind"] for i in incidents(stack, "tn")] == ["NON_FINITE"]
+    assert_nothing_lost_or_trained_twice(stack, "tn", tmp_path / "runs" / "tn")
+
+
+def test_a_killed_leader_coordinator_restarts_no_data_plane_role(
+    stack: Cli, model_dir: Path, tmp_path: Path
+) -> None:
+    submit(stack, model_dir, "lc")
+    eventually_sync(lambda: step_of(stack, "lc") >= 5, timeout=180)
+    data_plane = {
+        m["instance_id"]: m["pid"] for m in stack.members() if m["role"] in ("trainer", "rollout")
+    }
+    leader = next(m for m in stack.members() if m["leader"])
+    os.kill(int(str(leader["pid"])), signal.SIGKILL)
+    finish(stack, "lc")
+    after = {
+        m["instance_id"]: m["pid"] for m in stack.members() if m["role"] in ("trainer", "rollout")
+    }
+    assert after == data_plane
+    assert recoveries(stack, "lc") == []
+    assert_nothing_lost_or_trained_twice(stack, "lc", tmp_path / "runs" / "lc")

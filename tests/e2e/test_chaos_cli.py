@@ -1,0 +1,124 @@
+"""`robustrl chaos` against real service processes: the faults it injects are the ones the
+monitor reports, on the member it names, and a timed hang comes back."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from services.cli.chaos import plan_schedule
+from tests.e2e.test_cli_stack import Cli
+from tests.e2e.test_detection import (
+    DETECTION_ENV,
+    PROBE_DEADLINE,
+    PROBE_WAIT,
+    SILENCE,
+    SLACK,
+    TTL,
+    incidents,
+    member,
+    step_of,
+    submit,
+    wait_for_incident,
+)
+from tests.support import eventually_sync
+
+JOB = "chaos"
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cli]:
+    """One stack for the module: the second test needs only the trainer the first leaves."""
+    tmp_path = tmp_path_factory.mktemp("chaos")
+    cli = Cli(tmp_path / "home")
+    cli.env.update(DETECTION_ENV)
+    cli.env["ROBUSTRL_TRAINER_RUNS_DIR"] = str(tmp_path / "runs")
+    cli.run("up", "--trainers", "1", "--rollouts", "2")
+    try:
+        yield cli
+    finally:
+        cli.run("down", check=False)
+
+
+def chaos(cli: Cli, job: str, *args: str, timeout: float = 60) -> list[dict[str, Any]]:
+    out = json.loads(cli.run("chaos", job, *args, "--json", timeout=timeout).stdout)
+    assert isinstance(out, list)
+    return out
+
+
+def process_state(pid: int) -> str:
+    return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[-1].split()[0]
+
+
+@pytest.mark.slow
+@pytest.mark.chaos
+@pytest.mark.timeout(240)
+def test_chaos_injects_a_nan_and_a_timed_hang_that_the_monitor_reports(
+    stack: Cli, model_dir: Path
+) -> None:
+    # Refused before anything is touched: exit 2 and a line saying why.
+    missing = stack.run("chaos", JOB, "--fault", "kill", check=False)
+    assert missing.returncode == 2 and f"no job {JOB}" in missing.stderr
+
+    submit(stack, model_dir, JOB, "trainer.steps=500")
+    eventually_sync(lambda: step_of(stack, JOB) >= 1, timeout=120)
+    for bad, why in [
+        (["--fault", "nan", "--role", "rollout"], "only be injected into a trainer"),
+        (["--every-pct", "0"], "every-pct"),
+        (["--fault", "hang", "--instance", "rollout-9"], "does not serve job"),
+    ]:
+        refused = stack.run("chaos", JOB, *bad, check=False)
+        assert refused.returncode == 2 and why in refused.stderr, refused.stderr
+
+    [nan] = chaos(stack, JOB, "--fault", "nan", "--role", "trainer", "--once")
+    assert (nan["fault"], nan["instance_id"]) == ("nan", "trainer-0")
+    incident = wait_for_incident(stack, "NON_FINITE", "trainer-0", timeout=60)
+    assert f"loss at step {nan['step']}" in incident["evidence"]
+
+    pid = int(member(stack, "rollout-1")["pid"])
+    # Resumed well after the silence window, the probe's wait and its deadline have passed.
+    hang_for = SILENCE + PROBE_WAIT + PROBE_DEADLINE + SLACK + 2.0
+    [hang] = chaos(
+        stack, JOB, "--fault", "hang", "--instance", "rollout-1", "--hang-for", str(hang_for)
+    )
+    assert (hang["fault"], hang["pid"]) == ("hang", pid)
+    # The command returns after it resumed the process: the zombie is back.
+    assert process_state(pid) != "T"
+
+    def hung_or_lost() -> bool:
+        return any(
+            i["instance_id"] == "rollout-1" and i["kind"] in ("ROLLOUT_HANG", "MEMBER_LOST")
+            for i in incidents(stack, JOB)
+        )
+
+    eventually_sync(hung_or_lost, timeout=TTL)
+    stack.run("cancel", JOB)
+
+
+@pytest.mark.slow
+@pytest.mark.chaos
+@pytest.mark.timeout(180)
+def test_a_seeded_schedule_injects_one_fault_per_pct_as_the_job_reaches_each_step(
+    stack: Cli, model_dir: Path
+) -> None:
+    submit(stack, model_dir, "sched", "trainer.steps=16")
+    # Submitted just now, so PENDING: a schedule waits for the job to run.
+    injected = chaos(
+        stack, "sched", "--every-pct", "50", "--seed", "5", "--fault", "nan", timeout=150
+    )
+    plan = plan_schedule(16, 50, 5, ["nan"], ["trainer"])
+    assert [(i["fault"], i["role"]) for i in injected] == [("nan", "trainer")] * 2
+    for done, planned in zip(injected, plan, strict=True):
+        assert done["step"] >= planned.step  # on the planned step, or the next one if late
+    steps = [int(i["step"]) for i in injected]
+    assert steps[0] < steps[1]
+
+    def both_reported() -> bool:
+        evidence = [i["evidence"] for i in incidents(stack, "sched") if i["kind"] == "NON_FINITE"]
+        return all(any(f"loss at step {s} " in e for e in evidence) for s in steps)
+
+    eventually_sync(both_reported, timeout=60)

@@ -1,0 +1,200 @@
+"""`robustrl chaos`: the seeded plan, victim choice, and the trainer's side of INJECT_NAN."""
+
+from __future__ import annotations
+
+import os
+import socket
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+
+from robustrl.v1 import trainer_pb2
+from services.cli.chaos import (
+    ChaosError,
+    Injection,
+    choose,
+    fault_choices,
+    local_problem,
+    plan_once,
+    plan_schedule,
+)
+from services.common.control import Action, Binding, apply_control
+from services.common.errors import FailedPrecondition, Fenced, InvalidArgument
+from services.common.heartbeat import Progress
+from services.common.jobspec import JobSpec
+from services.common.registry import MemberRecord
+from services.common.role_server import NAN_STEP_KEY, RoleControl, nan_step
+
+# ----------------------------------------------------------------------------- the plan
+
+
+def test_a_seed_gives_the_same_plan_and_another_seed_another() -> None:
+    one = plan_schedule(200, 10, 7, ["random"], ["random"])
+    assert one == plan_schedule(200, 10, 7, ["random"], ["random"])
+    assert one != plan_schedule(200, 10, 8, ["random"], ["random"])
+
+
+@pytest.mark.parametrize(("steps", "pct"), [(200, 10), (100, 25), (37, 12.5), (20, 10), (50, 30)])
+def test_one_fault_per_pct_of_the_steps_strictly_inside_the_job(steps: int, pct: float) -> None:
+    for seed in range(20):
+        plan = plan_schedule(steps, pct, seed, ["kill", "hang"], ["trainer", "rollout"])
+        assert len(plan) == int(100 // pct)
+        width = steps * pct / 100
+        for i, injection in enumerate(plan):
+            assert 0 < injection.step < steps
+            # Fault i lies in the i-th P% of the steps.
+            assert i * width <= injection.step < (i + 1) * width
+        assert [p.step for p in plan] == sorted(p.step for p in plan)
+
+
+def test_the_steps_are_spread_by_the_seed_not_fixed() -> None:
+    firsts = {plan_schedule(1000, 10, seed, ["kill"], ["rollout"])[0].step for seed in range(30)}
+    assert len(firsts) > 10
+
+
+def test_a_nan_is_planned_on_a_trainer_only() -> None:
+    plan = plan_schedule(1000, 1, 3, ["random"], ["random"])
+    assert {p.fault for p in plan} == {"kill", "hang", "nan"}
+    assert {p.role for p in plan if p.fault == "nan"} == {"trainer"}
+    assert {p.role for p in plan} == {"trainer", "rollout"}
+    # A rollout-only plan leaves NaN out rather than failing.
+    assert {p.fault for p in plan_schedule(1000, 5, 3, ["random"], ["rollout"])} <= {"kill", "hang"}
+    with pytest.raises(ChaosError, match="only be injected into a trainer"):
+        fault_choices(["nan"], ["rollout"])
+
+
+@pytest.mark.parametrize("pct", [0, -5, 101, float("nan"), float("inf")])
+def test_a_bad_percentage_is_refused(pct: float) -> None:
+    with pytest.raises(ChaosError, match="every-pct"):
+        plan_schedule(100, pct, 0, ["kill"], ["rollout"])
+
+
+def test_a_percentage_too_fine_for_the_job_is_refused_with_the_least_that_works() -> None:
+    with pytest.raises(ChaosError, match="more than 20"):
+        plan_schedule(5, 10, 0, ["kill"], ["rollout"])
+    assert len(plan_schedule(5, 25, 0, ["kill"], ["rollout"])) == 4
+
+
+def test_once_is_one_fault_now() -> None:
+    once = plan_once(4, ["hang"], ["rollout"])
+    assert (once.step, once.fault, once.role) == (0, "hang", "rollout")
+    assert plan_once(4, ["random"], ["random"]) == plan_once(4, ["random"], ["random"])
+
+
+def member(instance_id: str, role: str = "rollout", **extra: Any) -> MemberRecord:
+    return MemberRecord(
+        role=role, instance_id=instance_id, address="x:1", pid=1, host="h", job_id="j", **extra
+    )
+
+
+def test_the_victim_is_chosen_by_the_plan_among_the_role_in_instance_order() -> None:
+    members = [member("rollout-1"), member("trainer-0", "trainer"), member("rollout-0")]
+    picks = [choose(members, Injection(1, "kill", "rollout", pick)) for pick in range(4)]
+    assert [m.instance_id for m in picks if m] == ["rollout-0", "rollout-1"] * 2
+    assert choose(list(reversed(members)), Injection(1, "kill", "rollout", 3)) == choose(
+        members, Injection(1, "kill", "rollout", 3)
+    )
+    follower = member("trainer-0-rank1", "trainer", labels={"follower": "true"})
+    assert choose([follower], Injection(1, "nan", "trainer", 0)) is None  # no Control there
+    assert choose([follower], Injection(1, "kill", "trainer", 0)) == follower
+
+
+def test_only_python_processes_on_this_host_are_signalled() -> None:
+    here = socket.gethostname()
+    me = MemberRecord(
+        role="rollout", instance_id="r", address="x:1", pid=os.getpid(), host=here, job_id="j"
+    )
+    assert "not on this host" in str(local_problem(me.model_copy(update={"host": "elsewhere"})))
+    assert "this command" in str(local_problem(me))  # a python process, but us
+    parent = me.model_copy(update={"pid": os.getppid()})
+    cmdline = Path(f"/proc/{os.getppid()}/cmdline").read_bytes()
+    assert (local_problem(parent) is None) == (b"python" in cmdline.split(b"\0")[0])
+    assert "no process" in str(local_problem(me.model_copy(update={"pid": 2**22 + 1})))
+
+
+# ----------------------------------------------------------------------------- INJECT_NAN
+
+
+def test_inject_nan_leaves_the_binding_alone_and_is_refused_like_everything_else() -> None:
+    bound = Binding(job_id="j", epoch=2)
+    assert apply_control(bound, Action.ACTION_INJECT_NAN, "j", 2) == bound
+    assert apply_control(bound, Action.ACTION_INJECT_NAN, "j", 5) == bound  # epoch unchanged
+    with pytest.raises(FailedPrecondition, match="older"):
+        apply_control(bound, Action.ACTION_INJECT_NAN, "j", 1)
+    with pytest.raises(FailedPrecondition, match="not bound"):
+        apply_control(Binding(), Action.ACTION_INJECT_NAN, "j", 0)
+    with pytest.raises(FailedPrecondition, match="not other"):
+        apply_control(bound, Action.ACTION_INJECT_NAN, "other", 2)
+    with pytest.raises(Fenced):
+        apply_control(Binding(job_id="j", epoch=2, fenced=True), Action.ACTION_INJECT_NAN, "j", 3)
+
+
+def test_the_nan_step_is_the_next_one_not_yet_taken() -> None:
+    assert nan_step(4, "waiting_data", 10, None) == 5
+    assert nan_step(4, "publish", 10, "") == 5
+    assert nan_step(4, "forward_backward", 10, None) == 6  # step 5's batch is in already
+    assert nan_step(4, "waiting_data", 10, "9") == 9
+    with pytest.raises(InvalidArgument, match="earliest step a NaN can go into is 6"):
+        nan_step(4, "collective", 10, "5")
+    with pytest.raises(InvalidArgument, match="step number"):
+        nan_step(4, "waiting_data", 10, "five")
+    with pytest.raises(InvalidArgument, match="past the job's last step 10"):
+        nan_step(4, "waiting_data", 10, "11")
+    with pytest.raises(InvalidArgument, match="past the job's last step"):
+        nan_step(10, "waiting_data", 10, None)
+
+
+class FakeTrainerWorker:
+    job_id = "j"
+
+    def __init__(self, step: int) -> None:
+        self.step = step
+        self.spec = JobSpec(name="j")
+        self.nan_steps: set[int] = set()
+
+    def inject_nan(self, step: int) -> None:
+        self.nan_steps.add(step)
+
+    def load(self) -> None: ...
+
+    def start(self) -> None: ...
+
+    async def stop(self) -> None: ...
+
+
+def role_control(role: str) -> RoleControl:
+    runtime: Any = SimpleNamespace(
+        role=role, instance_id=f"{role}-0", settings=SimpleNamespace(epoch=1), progress=Progress()
+    )
+    control = RoleControl(runtime, make_worker=lambda *_: FakeTrainerWorker(0))
+    control.binding = Binding(job_id="j", epoch=1)
+    return control
+
+
+def nan_request(**args: str) -> trainer_pb2.ControlRequest:
+    return trainer_pb2.ControlRequest(
+        action=trainer_pb2.ControlRequest.ACTION_INJECT_NAN, job_id="j", epoch=1, args=args
+    )
+
+
+async def test_a_bound_trainer_poisons_the_step_and_names_it() -> None:
+    control = role_control("trainer")
+    worker = FakeTrainerWorker(step=3)
+    control.worker = worker
+    reply = await control.Control(nan_request(), context=None)
+    assert worker.nan_steps == {4}
+    assert reply.status.metrics[NAN_STEP_KEY] == 4
+    reply = await control.Control(nan_request(step="7"), context=None)
+    assert worker.nan_steps == {4, 7} and control.binding == Binding(job_id="j", epoch=1)
+
+
+async def test_inject_nan_without_a_trainer_worker_is_a_failed_precondition() -> None:
+    idle_trainer = role_control("trainer")
+    with pytest.raises(FailedPrecondition, match="only a bound trainer"):
+        await idle_trainer.Control(nan_request(), context=None)
+    rollout = role_control("rollout")
+    rollout.worker = FakeTrainerWorker(step=3)
+    with pytest.raises(FailedPrecondition, match="rollout"):
+        await rollout.Control(nan_request(), context=None)
