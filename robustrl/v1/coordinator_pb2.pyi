@@ -477,6 +477,8 @@ class CompleteWorkRequest(_message.Message):
     GROUP_IDS_FIELD_NUMBER: _builtins.int
     ERROR_FIELD_NUMBER: _builtins.int
     RETURNED_FIELD_NUMBER: _builtins.int
+    GENERATED_FROM_FIELD_NUMBER: _builtins.int
+    GENERATED_TO_FIELD_NUMBER: _builtins.int
     job_id: _builtins.str
     instance_id: _builtins.str
     epoch: _builtins.int
@@ -484,6 +486,11 @@ class CompleteWorkRequest(_message.Message):
     """Set when the rollout cannot do the job's work (bad reward plug-in, prompt too long...):
     the job fails with this message.
     """
+    generated_from: _builtins.float
+    """When the generation of these groups ran (epoch seconds), for ETTR accounting: generation
+    that ends up trained counts as effective time.
+    """
+    generated_to: _builtins.float
     @_builtins.property
     def group_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]: ...
     @_builtins.property
@@ -501,10 +508,12 @@ class CompleteWorkRequest(_message.Message):
         group_ids: _abc.Iterable[_builtins.str] | None = ...,
         error: _builtins.str = ...,
         returned: _abc.Mapping[_builtins.str, _builtins.str] | None = ...,
+        generated_from: _builtins.float = ...,
+        generated_to: _builtins.float = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["epoch", b"epoch", "error", b"error", "group_ids", b"group_ids", "instance_id", b"instance_id", "job_id", b"job_id", "returned", b"returned"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["epoch", b"epoch", "error", b"error", "generated_from", b"generated_from", "generated_to", b"generated_to", "group_ids", b"group_ids", "instance_id", b"instance_id", "job_id", b"job_id", "returned", b"returned"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import time
 from typing import Any
 
 from services.common.channels import DEFAULT_DEADLINE
@@ -11,6 +12,7 @@ from services.common.coordinator_client import CoordinatorClient
 from services.common.etcd_client import connect_etcd
 from services.common.keys import KeySpace
 from services.common.registry import MemberRecord
+from services.coordinator.ettr import EttrAccount
 
 
 class StackClient(CoordinatorClient):
@@ -41,6 +43,13 @@ class StackClient(CoordinatorClient):
             "requeued": len(ledger["requeued"]),
             "taken_back": sum(len(v) for v in ledger["released"].values()),
         }
+
+    async def ettr(self, job_id: str) -> dict[str, Any] | None:
+        """The job's ETTR summary as of now (None before the job started)."""
+        raw = await self.etcd.get(self.keys.ettr(job_id))
+        if raw is None:
+            return None
+        return EttrAccount.model_validate_json(raw.value).summary(time.time())
 
     async def recoveries(self, job_id: str) -> list[dict[str, Any]]:
         """What the leader did about each of the job's incidents (oldest first)."""

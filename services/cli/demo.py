@@ -1,12 +1,15 @@
-"""`make demo`: a real GRPO job on the local stack, on CPU, with the leader coordinator
-killed half way.
+"""`make demo`: a real GRPO job on the local stack, on CPU, with failures injected on a
+seeded schedule and recovered role by role.
 
 1. make the tiny model (once; `robustrl model init`);
-2. bring the stack up: etcd, monitor, 2 coordinators, 1 trainer, 2 rollouts;
+2. bring the stack up: etcd, monitor, 2 coordinators, 1 trainer, 1 warm standby, 2 rollouts;
 3. submit examples/arithmetic-grpo.yaml and follow it with a live progress line;
-4. at a third of the steps, SIGKILL the leader coordinator: a standby takes over while the
-   trainer and rollouts keep working;
-5. print the eval curve, the incidents, where the metrics and the plot are; stop the stack.
+4. inject, at steps drawn from the seed (`robustrl chaos`, and a SIGKILL for the leader):
+   - a rollout hang (SIGSTOP; it comes back as a zombie after its replacement, and is fenced);
+   - the leader coordinator killed: a standby takes over, no data-plane role restarts;
+   - the trainer killed: a new trainer restores the last checkpoint, rollouts keep going;
+5. print the eval curve, ETTR, each incident's recovery time, where the metrics and the plot
+   are; stop the stack.
 
 Every step is a `robustrl` command, printed before it runs.
 """
@@ -15,6 +18,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import signal
 import subprocess
 import sys
@@ -58,17 +62,70 @@ def leader_pid() -> int | None:
     return next((int(m["pid"]) for m in members if m["leader"]), None)
 
 
-def kill_leader_when(job_id: str, step: int, watcher: subprocess.Popen[bytes]) -> None:
-    while watcher.poll() is None:
-        current = job_status(job_id)
-        if int(str(current["step"])) >= step:
-            pid = leader_pid()
-            if pid is None:
-                return
-            console.print(f"\n[yellow]chaos: SIGKILL the leader coordinator (pid {pid})[/yellow]")
+SEED = 7
+
+
+def schedule(steps: int, seed: int = SEED) -> list[tuple[int, str]]:
+    """(step, fault) in step order: one of each kind, at steps drawn from the seed."""
+    rng = random.Random(seed)
+    return [
+        (rng.randint(int(0.15 * steps), int(0.25 * steps)), "rollout-hang"),
+        (rng.randint(int(0.35 * steps), int(0.45 * steps)), "leader-kill"),
+        (rng.randint(int(0.55 * steps), int(0.65 * steps)), "trainer-kill"),
+    ]
+
+
+def inject(job_id: str, fault: str) -> None:
+    if fault == "trainer-kill":
+        robustrl("chaos", job_id, "--role", "trainer", "--fault", "kill", "--seed", str(SEED))
+    elif fault == "leader-kill":
+        pid = leader_pid()
+        if pid is not None:
+            console.print(f"[yellow]chaos: SIGKILL the leader coordinator (pid {pid})[/yellow]")
             os.kill(pid, signal.SIGKILL)
-            return
-        time.sleep(0.5)
+
+
+def run_schedule(
+    job_id: str, plan: list[tuple[int, str]], watcher: subprocess.Popen[bytes]
+) -> None:
+    hangs: list[subprocess.Popen[bytes]] = []
+    for step, fault in plan:
+        while watcher.poll() is None and int(str(job_status(job_id)["step"])) < step:
+            time.sleep(0.5)
+        if watcher.poll() is not None:
+            break
+        console.print(f"\n[yellow]chaos at step {step}: {fault}[/yellow]")
+        if fault == "rollout-hang":
+            # Comes back 20 s later, after its replacement: a zombie that must change nothing.
+            # `--hang-for` keeps the command running until it has resumed the process.
+            console.print(
+                f"[bold cyan]$ robustrl chaos {job_id} --role rollout --fault hang "
+                f"--hang-for 20 --seed {SEED}[/bold cyan]"
+            )
+            hangs.append(
+                subprocess.Popen(
+                    [
+                        sys.executable,
+                        "-m",
+                        "services.cli.main",
+                        "chaos",
+                        job_id,
+                        "--role",
+                        "rollout",
+                        "--fault",
+                        "hang",
+                        "--hang-for",
+                        "20",
+                        "--seed",
+                        str(SEED),
+                    ],
+                    cwd=REPO,
+                )
+            )
+        else:
+            inject(job_id, fault)
+    for hang in hangs:
+        hang.wait()
 
 
 def summary(job_id: str, took: float) -> None:
@@ -82,6 +139,7 @@ def summary(job_id: str, took: float) -> None:
         gain = evals[-1][1] - evals[0][1]
         console.print(f"  first -> last: {evals[0][1]:.3f} -> {evals[-1][1]:.3f} ({gain:+.3f})")
     console.print(f"wall time for the job: {took:.0f}s")
+    robustrl("status", job_id)
     console.print(f"metrics: {RUNS / job_id / 'metrics.jsonl'}")
     console.print(f"reward curve: {RUNS / job_id / 'reward.png'}")
 
@@ -89,7 +147,7 @@ def summary(job_id: str, took: float) -> None:
 def main() -> int:
     robustrl("model", "init")
     robustrl("down")  # whatever an earlier run left behind
-    robustrl("up", "--trainers", "1", "--rollouts", "2")
+    robustrl("up", "--trainers", "1", "--standby-trainers", "1", "--rollouts", "2")
     job_id = f"demo-{int(time.time())}"
     try:
         robustrl("submit", EXAMPLE, "--id", job_id)
@@ -99,7 +157,10 @@ def main() -> int:
         watcher = subprocess.Popen(
             [sys.executable, "-m", "services.cli.main", "watch", job_id], cwd=REPO
         )
-        kill_leader_when(job_id, max(1, spec_steps // 3), watcher)
+        plan = schedule(spec_steps)
+        faults = ", ".join(f"{fault} at step {step}" for step, fault in plan)
+        console.print(f"chaos schedule (seed {SEED}): {faults}")
+        run_schedule(job_id, plan, watcher)
         rc = watcher.wait()
         took = time.monotonic() - started
         robustrl("incidents")

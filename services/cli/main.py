@@ -83,6 +83,16 @@ def job_dict(job: coordinator_pb2.Job) -> dict[str, Any]:
     return out
 
 
+def ettr_line(summary: dict[str, Any]) -> str:
+    line = (
+        f"ETTR {100 * summary['ettr']:.1f}% (kept progress {summary['effective_s']:.0f}s of "
+        f"{summary['wall_s']:.0f}s wall"
+    )
+    if summary["rolled_back_steps"]:
+        line += f"; {summary['rolled_back_steps']} steps rolled back"
+    return line + ")"
+
+
 def emit_json(data: object) -> None:
     print(json.dumps(data, indent=2, sort_keys=True))
 
@@ -128,6 +138,9 @@ def cmd_up(args: argparse.Namespace) -> int:
             services.append(stack.start_service(state, "coordinator", f"coordinator-{i}", extra))
         for i in range(args.trainers):
             services.append(stack.start_service(state, "trainer", f"trainer-{i}"))
+        for i in range(args.standby_trainers):
+            standby = {"ROBUSTRL_TRAINER_STANDBY": "true"}
+            services.append(stack.start_service(state, "trainer", f"standby-{i}", standby))
         for i in range(args.rollouts):
             services.append(stack.start_service(state, "rollout", f"rollout-{i}"))
         wait_for_members(state, services, timeout=args.timeout)
@@ -258,6 +271,7 @@ def cmd_status(args: argparse.Namespace) -> int:
             job["bound_members"] = bound
             job["work"] = await client.work_summary(args.job)
             job["recoveries"] = await client.recoveries(args.job)
+            job["ettr"] = await client.ettr(args.job)
             if args.json:
                 emit_json(job)
                 return 0
@@ -269,6 +283,8 @@ def cmd_status(args: argparse.Namespace) -> int:
                 console.print("  groups: " + ", ".join(f"{k} {v}" for k, v in job["work"].items()))
             for m in bound:
                 console.print(f"  member {m['role']} {m['instance_id']} ({m['address']})")
+            if job["ettr"]:
+                console.print("  " + ettr_line(job["ettr"]))
             for r in job["recoveries"]:
                 took = f"recovered in {r['recovery_s']:.1f}s" if r["done_at"] else "recovering"
                 console.print(
@@ -462,6 +478,12 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--coordinators", type=int, default=2, help="coordinator replicas (default 2)")
     up.add_argument("--trainers", type=int, default=0, help="trainer instances (default 0)")
     up.add_argument("--rollouts", type=int, default=0, help="rollout instances (default 0)")
+    up.add_argument(
+        "--standby-trainers",
+        type=int,
+        default=0,
+        help="warm standby trainers, promoted when a job's trainer fails (default 0)",
+    )
     up.add_argument("--timeout", type=float, default=60.0, help="seconds to wait for health")
     up.add_argument("--job", help="submit this job spec once the stack is up")
     up.add_argument("--json", action="store_true", help=argparse.SUPPRESS)

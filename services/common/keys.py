@@ -11,6 +11,7 @@
 <prefix>/fences/<instance_id>             a fenced instance: everything it sends is refused
 <prefix>/recovery/<job_id>/<incident_id>  what the leader did about an incident, and when
 <prefix>/provisioned/<instance_id>        a process a local provisioner started (pid, host)
+<prefix>/ettr/<job_id>                    the job's ETTR account (kept time, wall time, incidents)
 """
 
 from __future__ import annotations
@@ -60,6 +61,9 @@ class KeySpace:
 
     def recovery(self, job_id: str, incident_id: str) -> bytes:
         return f"{self.prefix}/recovery/{job_id}/{incident_id}".encode()
+
+    def ettr(self, job_id: str) -> bytes:
+        return f"{self.prefix}/ettr/{job_id}".encode()
 
     def provisioned(self, instance_id: str = "") -> bytes:
         return f"{self.prefix}/provisioned/{instance_id}".encode()

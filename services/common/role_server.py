@@ -175,7 +175,15 @@ class RoleControl:
             return
         log.warning(f"{self.runtime.role}.fenced", job=self.binding.job_id)
         self.binding = replace(self.binding, fenced=True)
-        self._fencing = asyncio.get_running_loop().create_task(self.stop_worker())
+        self._fencing = asyncio.get_running_loop().create_task(self._stop_fenced())
+
+    async def _stop_fenced(self) -> None:
+        await self.stop_worker()
+        # Off the job in the registry too: it no longer serves it, whatever it believed.
+        self.runtime.progress.job_id = ""
+        assert self.runtime.member is not None
+        labels = {**self.runtime.member.labels, "fenced": "true"}
+        await self.runtime.update_member(job_id="", labels=labels)
 
     async def stop_worker(self) -> None:
         if self.worker is not None:

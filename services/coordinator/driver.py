@@ -10,6 +10,7 @@ members of finished jobs. Everything it decides is written to etcd before it is 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import time
 from typing import TypeAlias
@@ -26,6 +27,7 @@ from services.common.registry import MemberRecord, Registry
 from services.common.runtime import ServiceRuntime
 from services.common.tasks import TaskItem, UnknownTaskError, get_task, load_dataset
 from services.coordinator import jobs, work
+from services.coordinator.ettr import EttrAccount
 from services.coordinator.executor import RecoveryExecutor
 from services.coordinator.jobs import JobRecord, Phase
 from services.coordinator.leadership import Leadership
@@ -40,6 +42,9 @@ CONTROL_DEADLINE = 30.0
 """Seconds a member gets to accept a BIND (it loads the model before answering)."""
 
 FIRST_EPOCH = 1
+
+ACCOUNTING_ONLY = frozenset({"step_started_at", "step_ended_at"})
+"""Progress metrics that feed ETTR and are not kept in the job record."""
 
 
 def dataset_for(spec: JobSpec) -> list[TaskItem]:
@@ -84,6 +89,10 @@ class JobDriver:
         self._task: asyncio.Task[None] | None = None
         self.provisioner: Provisioner = NoProvisioner()
         self.executor = RecoveryExecutor(self)
+        self.accounts: dict[str, EttrAccount] = {}
+        """ETTR per job, saved at <prefix>/ettr/<job> on every step."""
+        self.generated: dict[str, dict[str, tuple[float, float]]] = {}
+        """job -> delivered group -> when it was generated, until it trains (then it counts)."""
         self._provisioning: dict[tuple[str, str], list[float]] = {}
         """(job, role) -> when replacements were asked for and have not registered yet."""
 
@@ -120,6 +129,9 @@ class JobDriver:
             raw = await self.runtime.client.get(self.runtime.keys.work(record.job_id))
             if raw is not None:
                 self.ledgers[record.job_id] = work.WorkLedger.model_validate_json(raw.value)
+            raw = await self.runtime.client.get(self.runtime.keys.ettr(record.job_id))
+            if raw is not None:
+                self.accounts[record.job_id] = EttrAccount.model_validate_json(raw.value)
         log.info("coordinator.ledgers_reloaded", jobs=len(self.ledgers))
         self.executor.start()
 
@@ -157,6 +169,15 @@ class JobDriver:
         )
         if not ok:
             raise Aborted("lost leadership while saving the work ledger; retry")
+
+    async def save_account(self, job_id: str) -> None:
+        account = self.accounts.get(job_id)
+        if account is None:
+            return
+        assert self.runtime.client is not None
+        await self.runtime.client.put(
+            self.runtime.keys.ettr(job_id), account.model_dump_json().encode()
+        )
 
     async def update_job(
         self, job_id: str, change: dict[str, object], phase: Phase | None = None, message: str = ""
@@ -197,8 +218,13 @@ class JobDriver:
             and not m.job_id
             and m.labels.get("standby") != "true"
             and m.labels.get("follower") != "true"
+            and m.labels.get("fenced") != "true"
         ]
-        rollouts = [m for m in members if m.role == "rollout" and not m.job_id]
+        rollouts = [
+            m
+            for m in members
+            if m.role == "rollout" and not m.job_id and m.labels.get("fenced") != "true"
+        ]
         need = spec.rollout.replicas
         if not trainers or len(rollouts) < need:
             waiting = (
@@ -240,6 +266,8 @@ class JobDriver:
             bound.append(member)
         ledger = work.WorkLedger(job_id=record.job_id)
         await self.save_ledger(ledger)
+        self.accounts[record.job_id] = EttrAccount(started_at=time.time())
+        await self.save_account(record.job_id)
         self.ledgers[record.job_id] = ledger
         self.datasets[record.job_id] = dataset
         await self.update_job(
@@ -286,7 +314,10 @@ class JobDriver:
             role: [
                 m
                 for m in sorted(members, key=lambda m: m.labels.get("standby") != "true")
-                if m.role == role and not m.job_id and m.labels.get("follower") != "true"
+                if m.role == role
+                and not m.job_id
+                and m.labels.get("follower") != "true"
+                and m.labels.get("fenced") != "true"
             ]
             for role in ("trainer", "rollout")
         }
@@ -315,6 +346,14 @@ class JobDriver:
             return
         for member in bound:
             self._provisioning.pop((record.job_id, member.role), None)
+            if member.labels.get("standby") == "true":
+                # Keep one warm: the next trainer failure should not wait for a cold start.
+                try:
+                    await self.provisioner.request(
+                        "trainer", record.job_id, f"replacing standby {member.instance_id}", True
+                    )
+                except Exception as exc:
+                    log.error("coordinator.provision_failed", role="standby", error=repr(exc))
         new_roles = {**record.member_roles, **{m.instance_id: m.role for m in bound}}
         recovered = "trainer" in new_roles.values() and record.phase is Phase.RECOVERING
         await self.update_job(
@@ -366,6 +405,13 @@ class JobDriver:
                 await self.control_quietly(
                     member, trainer_pb2.ControlRequest.ACTION_RELEASE, job_id, member.epoch
                 )
+        account = self.accounts.pop(job_id, None)
+        if account is not None and account.ended_at is None:
+            account.end(time.time())
+            self.accounts[job_id] = account
+            await self.save_account(job_id)
+            del self.accounts[job_id]
+        self.generated.pop(job_id, None)
         self.ledgers.pop(job_id, None)
         self.datasets.pop(job_id, None)
 
@@ -473,6 +519,10 @@ class JobDriver:
             ledger = self.ledger(request.job_id)
             ignored = work.complete(ledger, request.instance_id, list(request.group_ids))
             ignored += work.give_back(ledger, request.instance_id, dict(request.returned))
+            if request.generated_to > request.generated_from > 0:
+                spans = self.generated.setdefault(request.job_id, {})
+                for group in set(request.group_ids) - set(ignored):
+                    spans[group] = (request.generated_from, request.generated_to)
             if ignored:
                 log.debug(
                     "coordinator.completion_ignored",
@@ -499,10 +549,14 @@ class JobDriver:
                     ledger, list(request.trained_group_ids), dict(request.discarded_groups)
                 )
                 await self.save_ledger(ledger)
+            self._account_progress(record, request)
             change: dict[str, object] = {
                 "step": request.step,
                 "weight_version": request.weight_version,
-                "metrics": {**record.metrics, **dict(request.metrics)},
+                "metrics": {
+                    **record.metrics,
+                    **{k: v for k, v in request.metrics.items() if k not in ACCOUNTING_ONLY},
+                },
             }
             if request.finished:
                 spec = self.spec(record)
@@ -513,6 +567,39 @@ class JobDriver:
                     f"completed {request.step}/{spec.trainer.steps} steps",
                 )
                 log.info("coordinator.job_succeeded", job=request.job_id, step=request.step)
+                await self.save_account(request.job_id)
                 return False
             await self.update_job(request.job_id, change)
+            await self.save_account(request.job_id)
             return True
+
+    def _account_progress(
+        self, record: JobRecord, request: coordinator_pb2.ReportProgressRequest
+    ) -> None:
+        """ETTR: the step's own work is kept time (until a roll back takes it), and so is the
+        generation of every group it trained."""
+        account = self.accounts.get(request.job_id)
+        if account is None:
+            return
+        now = time.time()
+        started = request.metrics.get("step_started_at", 0.0)
+        ended = request.metrics.get("step_ended_at", 0.0)
+        if request.step > 0 and ended > started > 0:
+            done = [s.step for s in account.steps]
+            if done and request.step <= max(done):
+                # A restored trainer computes these steps again: the first tries are lost.
+                with contextlib.suppress(ValueError):
+                    account.roll_back(request.step - 1)
+            account.add_step(request.step, started, ended)
+        spans = self.generated.get(request.job_id, {})
+        for group in request.trained_group_ids:
+            span = spans.pop(group, None)
+            if span is not None:
+                account.add_generation(*span)
+        for group in request.discarded_groups:
+            spans.pop(group, None)
+        if request.finished:
+            account.end(now)
+        checkpointed = request.step - self.spec(record).trainer.checkpoint_every
+        with contextlib.suppress(ValueError):
+            account.compact(now - 600.0, checkpoint_step=max(0, checkpointed))

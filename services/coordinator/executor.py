@@ -25,6 +25,7 @@ from services.common.keys import KeySpace
 from services.common.logs import get_logger
 from services.common.registry import MemberRecord
 from services.coordinator import recovery, work
+from services.coordinator.ettr import IncidentTiming
 from services.coordinator.jobs import TERMINAL, JobRecord, Phase
 from services.coordinator.recovery import Do
 from services.monitor.incidents import IncidentLog, IncidentRecord
@@ -170,6 +171,7 @@ class RecoveryExecutor:
             await self._save(entry)
             await self._execute(record, decided, entry)
             await self._save(entry)
+            await self._account(entry)
 
     async def _execute(
         self, record: JobRecord, actions: list[recovery.Action], entry: RecoveryRecord
@@ -272,6 +274,23 @@ class RecoveryExecutor:
         records, _ = await self.incident_log.list(job_id)
         return [r.rank for r in records if r.kind == "NON_FINITE"][:-1]
 
+    async def _account(self, entry: RecoveryRecord) -> None:
+        """The incident's timeline in the job's ETTR account."""
+        account = self.driver.accounts.get(entry.job_id)
+        if account is None:
+            return
+        account.add_incident(
+            IncidentTiming(
+                incident_id=entry.incident_id,
+                kind=entry.kind,
+                role=entry.role,
+                instance_id=entry.instance_id,
+                detected_at=entry.detected_at,
+                recovered_at=entry.done_at,
+            )
+        )
+        await self.driver.save_account(entry.job_id)
+
     async def _save(self, entry: RecoveryRecord) -> None:
         runtime = self.driver.runtime
         assert runtime.client is not None
@@ -298,6 +317,7 @@ class RecoveryExecutor:
                         recovery_s=round(entry.done_at - entry.detected_at, 2),
                     )
                 await self._save(entry)
+                await self._account(entry)
                 return
 
 

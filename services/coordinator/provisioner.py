@@ -49,8 +49,9 @@ class Provisioner(ABC):
     name: str
 
     @abstractmethod
-    async def request(self, role: str, job_id: str, reason: str) -> str:
-        """Start a member of `role`; returns its instance id (it registers on its own)."""
+    async def request(self, role: str, job_id: str, reason: str, standby: bool = False) -> str:
+        """Start a member of `role` (a warm standby trainer if `standby`); returns its instance
+        id (it registers on its own)."""
 
     async def close(self) -> None:  # noqa: B027 - optional hook
         """Stop watching what was started (the processes themselves keep running)."""
@@ -59,7 +60,7 @@ class Provisioner(ABC):
 class NoProvisioner(Provisioner):
     name = "none"
 
-    async def request(self, role: str, job_id: str, reason: str) -> str:
+    async def request(self, role: str, job_id: str, reason: str, standby: bool = False) -> str:
         log.info("provision.waiting_for_member", role=role, job=job_id, reason=reason)
         return ""
 
@@ -78,10 +79,10 @@ class LocalProvisioner(Provisioner):
         self.log_dir = Path(log_dir or tempfile.mkdtemp(prefix="robustrl-provisioned-"))
         self._procs: list[asyncio.subprocess.Process] = []
 
-    async def request(self, role: str, job_id: str, reason: str) -> str:
+    async def request(self, role: str, job_id: str, reason: str, standby: bool = False) -> str:
         if role not in ROLES:
             raise ValueError(f"cannot provision a {role}; only {', '.join(ROLES)}")
-        instance_id = f"{role}-p{secrets.token_hex(3)}"
+        instance_id = f"{'standby' if standby else role}-p{secrets.token_hex(3)}"
         env = {
             k: v
             for k, v in os.environ.items()
@@ -95,6 +96,8 @@ class LocalProvisioner(Provisioner):
             f"ROBUSTRL_{role.upper()}_INSTANCE_ID": instance_id,
             "PYTHONUNBUFFERED": "1",
         }
+        if standby:
+            env["ROBUSTRL_TRAINER_STANDBY"] = "true"
         argv = [sys.executable, "-m", f"services.{role}"]
         self.log_dir.mkdir(parents=True, exist_ok=True)
         log_path = self.log_dir / f"{instance_id}.log"

@@ -305,7 +305,9 @@ class RolloutWorker:
             try:
                 await self._ensure_weights(reply.min_weight_version)
                 progress.phase = "generating"
+                generated_from = time.time()
                 generated = await self._generate(list(reply.groups))
+                generated_to = time.time()
             except JobError as exc:
                 log.error("rollout.job_error", job=self.job_id, error=str(exc))
                 await self._complete([], error=str(exc))
@@ -317,7 +319,11 @@ class RolloutWorker:
             progress.phase = "delivering"
             await self._wait_received([t.trajectory_id for t in trajectories])
             if generated.group_ids or generated.returned:
-                await self._complete(generated.group_ids, returned=generated.returned)
+                await self._complete(
+                    generated.group_ids,
+                    returned=generated.returned,
+                    span=(generated_from, generated_to),
+                )
 
     async def _lease(
         self, request: coordinator_pb2.LeaseWorkRequest
@@ -442,7 +448,11 @@ class RolloutWorker:
                 await asyncio.wait_for(self.acked.wait(), 1.0)
 
     async def _complete(
-        self, group_ids: list[str], error: str = "", returned: dict[str, str] | None = None
+        self,
+        group_ids: list[str],
+        error: str = "",
+        returned: dict[str, str] | None = None,
+        span: tuple[float, float] = (0.0, 0.0),
     ) -> None:
         request = coordinator_pb2.CompleteWorkRequest(
             job_id=self.job_id,
@@ -451,6 +461,8 @@ class RolloutWorker:
             group_ids=group_ids,
             error=error,
             returned=returned or {},
+            generated_from=span[0],
+            generated_to=span[1],
         )
         for attempt in range(20):  # rides out a coordinator failover (new leader elsewhere)
             try:

@@ -19,3 +19,7 @@ class TrainerSettings(ServiceSettings):
 
     keep_checkpoints: int = Field(default=2, ge=1)
     """Per-step checkpoints kept on disk per job (older ones are deleted)."""
+
+    standby: bool = False
+    """A warm standby: registered with label standby=true, its libraries loaded, never bound
+    to a new job — only promoted to replace a failed trainer (restoring its checkpoint)."""

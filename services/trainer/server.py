@@ -107,7 +107,13 @@ async def _forward(
 
 
 async def serve(settings: TrainerSettings, etcd: EtcdSettings) -> ServiceRuntime:
-    runtime = ServiceRuntime("trainer", settings, etcd, service_names=[SERVICE_NAME])
+    runtime = ServiceRuntime(
+        "trainer",
+        settings,
+        etcd,
+        service_names=[SERVICE_NAME],
+        labels={"standby": "true"} if settings.standby else None,
+    )
     servicer = TrainerServicer(runtime, settings)
     trainer_pb2_grpc.add_TrainerServicer_to_server(servicer, runtime.host.server)
     await runtime.start(on_fenced=servicer.fenced)

@@ -233,6 +233,7 @@ class TrainerWorker:
                     with contextlib.suppress(asyncio.TimeoutError):
                         await asyncio.wait_for(self.data_arrived.wait(), 1.0)
                     continue
+                step_started = time.time()
                 metrics = await self._train(batch)
                 elapsed = time.monotonic() - last
                 last = time.monotonic()
@@ -242,6 +243,9 @@ class TrainerWorker:
                 await self._checkpoint()
                 if self.step % spec.trainer.eval_every == 0 or self.step == spec.trainer.steps:
                     metrics["eval_reward"] = await self._evaluate()
+                # The step's own work (train, publish, checkpoint, eval), for ETTR.
+                metrics["step_started_at"] = step_started
+                metrics["step_ended_at"] = time.time()
                 await self._record(self.step, metrics)
                 keep_going = await self._report(metrics, [g.group_id for g in batch], dropped)
                 if not keep_going:

@@ -66,3 +66,36 @@ def test_full_restart_mode_restarts_everything_for_any_failure() -> None:
     ):
         [action] = decide(incident(kind, who, role), job(mode="full_restart"))
         assert action.do is Do.FULL_RESTART
+
+
+def test_an_incident_about_a_trainer_rank_is_about_the_trainer_that_runs_it() -> None:
+    from services.coordinator.executor import serving_instance
+    from services.coordinator.jobs import JobRecord
+    from services.monitor.incidents import IncidentRecord
+
+    record = JobRecord(
+        job_id="j",
+        spec={},
+        created_at=0.0,
+        updated_at=0.0,
+        member_roles={"trainer-0": "trainer", "rollout-0": "rollout"},
+    )
+
+    def about(instance: str, role: str) -> str:
+        incident = IncidentRecord(
+            incident_id="i",
+            job_id="j",
+            role=role,
+            instance_id=instance,
+            rank=1,
+            kind="COLLECTIVE_HANG",
+            evidence="",
+            confidence=0.9,
+            detected_at=0.0,
+            epoch=0,
+        )
+        return serving_instance(record, incident)
+
+    assert about("trainer-0-rank1", "trainer") == "trainer-0"
+    assert about("rollout-0", "rollout") == "rollout-0"
+    assert about("trainer-9-rank1", "trainer") == "trainer-9-rank1"  # not this job's: no action

@@ -1,0 +1,182 @@
+"""ETTR under the same seeded fault schedule: role-based recovery against full restart.
+
+Each mode runs the same job on a fresh local stack (real etcd, coordinators, monitor, 1 trainer
++ 1 warm standby trainer, 2 rollouts; replacements come from the local provisioner) while
+`robustrl chaos` injects, on seeded schedules, one trainer kill per 10% of the steps and one
+rollout kill per 25%. It prints, side by side, each mode's ETTR (kept progress / wall time,
+from the coordinator's account), the end-to-end time, the recovery times, and the ratios.
+
+    python benchmarks/ettr.py                      # 300 steps per mode
+    python benchmarks/ettr.py --steps 150 --seed 3
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[1]
+EXAMPLE = REPO / "examples" / "arithmetic-grpo.yaml"
+
+
+class Stack:
+    def __init__(self, home: Path, runs: Path) -> None:
+        self.env = {k: v for k, v in os.environ.items() if not k.startswith("ROBUSTRL_")}
+        self.env |= {"ROBUSTRL_HOME": str(home), "ROBUSTRL_TRAINER_RUNS_DIR": str(runs)}
+
+    def argv(self, *args: str) -> list[str]:
+        return [sys.executable, "-m", "services.cli.main", *args]
+
+    def cli(self, *args: str, timeout: float = 3600) -> str:
+        done = subprocess.run(
+            self.argv(*args),
+            capture_output=True,
+            text=True,
+            env=self.env,
+            cwd=REPO,
+            timeout=timeout,
+        )
+        if done.returncode != 0:
+            raise RuntimeError(f"robustrl {' '.join(args)}: {done.stderr.strip()[-2000:]}")
+        return done.stdout
+
+    def background(self, *args: str) -> subprocess.Popen[str]:
+        return subprocess.Popen(
+            self.argv(*args),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            env=self.env,
+            cwd=REPO,
+        )
+
+
+def run_mode(mode: str, model: Path, steps: int, seed: int) -> dict[str, Any]:
+    with tempfile.TemporaryDirectory(prefix=f"robustrl-ettr-{mode}-") as tmp:
+        stack = Stack(Path(tmp) / "home", Path(tmp) / "runs")
+        stack.cli("up", "--trainers", "1", "--standby-trainers", "1", "--rollouts", "2")
+        try:
+            job = f"ettr-{mode.replace('_', '-')}"
+            stack.cli(
+                "submit",
+                str(EXAMPLE),
+                "--id",
+                job,
+                f"model.path={model}",
+                f"trainer.steps={steps}",
+                "trainer.groups_per_step=16",
+                "trainer.eval_every=1000",
+                f"recovery.mode={mode}",
+            )
+            started = time.monotonic()
+            chaos = [
+                stack.background(
+                    "chaos",
+                    job,
+                    "--role",
+                    "trainer",
+                    "--fault",
+                    "kill",
+                    "--every-pct",
+                    "10",
+                    "--seed",
+                    str(seed),
+                ),
+                stack.background(
+                    "chaos",
+                    job,
+                    "--role",
+                    "rollout",
+                    "--fault",
+                    "kill",
+                    "--every-pct",
+                    "25",
+                    "--seed",
+                    str(seed + 1),
+                ),
+            ]
+            watch = subprocess.run(
+                stack.argv("watch", job),
+                capture_output=True,
+                text=True,
+                env=stack.env,
+                cwd=REPO,
+                timeout=7200,
+            )
+            took = time.monotonic() - started
+            injected = []
+            for proc in chaos:
+                out, _ = proc.communicate(timeout=60)
+                injected += [line for line in out.splitlines() if " at step " in line]
+            status = json.loads(stack.cli("status", job, "--json"))
+        finally:
+            stack.cli("down")
+    recoveries = [r["recovery_s"] for r in status["recoveries"] if r.get("recovery_s")]
+    ettr = status["ettr"] or {}
+    return {
+        "mode": mode,
+        "phase": status["phase"],
+        "watch_rc": watch.returncode,
+        "wall_s": took,
+        "ettr": ettr.get("ettr", 0.0),
+        "effective_s": ettr.get("effective_s", 0.0),
+        "rolled_back_steps": ettr.get("rolled_back_steps", 0),
+        "faults": len(injected),
+        "recoveries": len(recoveries),
+        "recovery_median_s": statistics.median(recoveries) if recoveries else None,
+        "recovery_max_s": max(recoveries) if recoveries else None,
+        "eval": status["metrics"].get("eval_reward"),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", default=str(REPO / ".robustrl" / "models" / "tiny-qwen"))
+    parser.add_argument("--steps", type=int, default=300)
+    parser.add_argument("--seed", type=int, default=11)
+    args = parser.parse_args()
+    model = Path(args.model)
+    if not (model / "config.json").exists():
+        subprocess.run(
+            [sys.executable, "-m", "services.cli.main", "model", "init", "--out", str(model)],
+            cwd=REPO,
+            check=True,
+        )
+    rows = []
+    for mode in ("role_based", "full_restart"):
+        print(f"[{mode}] running {args.steps} steps under the fault schedule", flush=True)
+        rows.append(run_mode(mode, model, args.steps, args.seed))
+        print(f"[{mode}] {rows[-1]}", flush=True)
+
+    def fmt(value: float | None, spec: str) -> str:
+        return "-" if value is None else format(value, spec)
+
+    print()
+    print(
+        f"{'mode':14} {'phase':10} {'ETTR':>7} {'wall s':>8} {'faults':>7} "
+        f"{'recovery med s':>15} {'max s':>7} {'steps lost':>10}"
+    )
+    for r in rows:
+        print(
+            f"{r['mode']:14} {r['phase']:10} {100 * r['ettr']:>6.1f}% {r['wall_s']:>8.0f} "
+            f"{r['faults']:>7} {fmt(r['recovery_median_s'], '.1f'):>15} "
+            f"{fmt(r['recovery_max_s'], '.1f'):>7} {r['rolled_back_steps']:>10}"
+        )
+    role, full = rows
+    if full["ettr"] and full["wall_s"]:
+        print(
+            f"ETTR role-based / full restart: {role['ettr'] / full['ettr']:.2f}x; "
+            f"end-to-end time full restart / role-based: {full['wall_s'] / role['wall_s']:.2f}x"
+        )
+
+
+if __name__ == "__main__":
+    main()
