@@ -74,17 +74,28 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
     ) -> coordinator_pb2.Job:
         job_id = validate_job_id(request.job_id)
         guard = await self.leadership.require_leader()
-        record, revision = await self.store.get(job_id)
-        if request.expected_revision and request.expected_revision != revision:
-            raise Aborted(
-                f"job {job_id!r} is at revision {revision}, not {request.expected_revision}; "
-                "re-read it and retry"
-            )
         reason = request.reason or "cancelled by user"
-        updated = jobs.transition(record, Phase.CANCELLED, reason, jobs.now())
-        new_revision = await self.store.update(updated, revision, guard)
-        log.info("coordinator.job_cancelled", job=job_id, reason=reason)
-        return jobs.to_proto(updated, new_revision)
+        # Under the driver's job lock, so the leader's own updates never race it; an
+        # unconditional cancel also re-reads and retries a lost compare-and-swap.
+        async with self.driver.lock(job_id):
+            attempt = 0
+            while True:
+                attempt += 1
+                record, revision = await self.store.get(job_id)
+                if request.expected_revision and request.expected_revision != revision:
+                    raise Aborted(
+                        f"job {job_id!r} is at revision {revision}, not "
+                        f"{request.expected_revision}; re-read it and retry"
+                    )
+                updated = jobs.transition(record, Phase.CANCELLED, reason, jobs.now())
+                try:
+                    new_revision = await self.store.update(updated, revision, guard)
+                except Aborted:
+                    if request.expected_revision or attempt >= 5:
+                        raise
+                    continue
+                log.info("coordinator.job_cancelled", job=job_id, reason=reason)
+                return jobs.to_proto(updated, new_revision)
 
     async def WatchJob(
         self, request: coordinator_pb2.WatchJobRequest, context: grpc.aio.ServicerContext

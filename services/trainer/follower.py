@@ -39,7 +39,7 @@ from services.common.runtime import ServiceRuntime
 from services.trainer.config import TrainerSettings
 
 if TYPE_CHECKING:
-    from services.trainer.grpo import GRPOConfig, GRPOTrainer, Sample
+    from services.trainer.grpo import GRPOTrainer, Sample
 
 log = get_logger(__name__)
 
@@ -68,27 +68,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def grpo_config(spec: JobSpec) -> GRPOConfig:
-    """The GRPO settings of a job, as rank 0 builds them (services/trainer/worker.py)."""
-    from services.trainer.grpo import GRPOConfig
-
-    return GRPOConfig(
-        lr=spec.trainer.lr,
-        temperature=spec.rollout.temperature,
-        clip_eps_low=spec.trainer.clip_eps,
-        clip_eps_high=spec.trainer.clip_eps,
-        kl_coef=spec.trainer.kl_coef,
-        decay_steps=spec.trainer.steps,
-        min_lr_ratio=spec.trainer.min_lr_ratio,
-    )
-
-
 def load_trainer(spec: JobSpec) -> GRPOTrainer:
     """The policy from `model.path` and its GRPO trainer, loaded as rank 0 loads them."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from services.trainer.grpo import GRPOTrainer
+    from services.trainer.grpo import GRPOTrainer, grpo_config
 
     path = Path(spec.model.path)
     torch.manual_seed(spec.seed)

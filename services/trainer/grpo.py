@@ -18,6 +18,8 @@ from dataclasses import dataclass
 
 import torch
 
+from services.common.jobspec import JobSpec
+
 
 def group_advantages(rewards: Sequence[float], *, scale_by_std: bool = True) -> list[float]:
     """Advantages of one prompt group: ``(r - mean) / std`` (population std).
@@ -341,3 +343,16 @@ class GRPOTrainer:
 def _grads_finite(model: torch.nn.Module) -> bool:
     grads = [p.grad for p in model.parameters() if p.grad is not None]
     return not grads or bool(torch.stack([torch.isfinite(g).all() for g in grads]).all())
+
+
+def grpo_config(spec: JobSpec) -> GRPOConfig:
+    """A job's GRPO settings, the same on every trainer rank."""
+    return GRPOConfig(
+        lr=spec.trainer.lr,
+        temperature=spec.rollout.temperature,
+        clip_eps_low=spec.trainer.clip_eps,
+        clip_eps_high=spec.trainer.clip_eps,
+        kl_coef=spec.trainer.kl_coef,
+        decay_steps=spec.trainer.steps,
+        min_lr_ratio=spec.trainer.min_lr_ratio,
+    )

@@ -116,16 +116,9 @@ class TrainerWorker:
         torch.manual_seed(spec.seed)
         self.tokenizer = AutoTokenizer.from_pretrained(path)
         self.model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
-        config = grpo.GRPOConfig(
-            lr=spec.trainer.lr,
-            temperature=spec.rollout.temperature,
-            clip_eps_low=spec.trainer.clip_eps,
-            clip_eps_high=spec.trainer.clip_eps,
-            kl_coef=spec.trainer.kl_coef,
-            decay_steps=spec.trainer.steps,
-            min_lr_ratio=spec.trainer.min_lr_ratio,
+        self.trainer = grpo.GRPOTrainer(
+            self.model, grpo.grpo_config(spec), pad_id=int(self.tokenizer.pad_token_id)
         )
-        self.trainer = grpo.GRPOTrainer(self.model, config, pad_id=int(self.tokenizer.pad_token_id))
         self.checkpoints = checkpoint.CheckpointWriter(
             self.run_dir / "checkpoints",
             keep=self.settings.keep_checkpoints,

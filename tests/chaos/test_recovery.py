@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 
 from tests.e2e.test_cli_stack import EXAMPLE, Cli
-from tests.e2e.test_detection import DETECTION_ENV, incidents, member, step_of, wait_for_incident
+from tests.e2e.test_detection import detection_stack, incidents, member, step_of, wait_for_incident
 from tests.e2e.test_rl_job import etcd_json
 from tests.support import eventually_sync
 
@@ -27,14 +27,8 @@ pytestmark = [pytest.mark.chaos, pytest.mark.slow, pytest.mark.timeout(420)]
 
 @pytest.fixture
 def stack(tmp_path: Path) -> Iterator[Cli]:
-    cli = Cli(tmp_path / "home")
-    cli.env.update(DETECTION_ENV)
-    cli.env["ROBUSTRL_TRAINER_RUNS_DIR"] = str(tmp_path / "runs")
-    cli.run("up", "--trainers", "1", "--rollouts", "2")
-    try:
+    with detection_stack(tmp_path) as cli:
         yield cli
-    finally:
-        cli.run("down", check=False)
 
 
 def submit(cli: Cli, model_dir: Path, job: str, *overrides: str) -> None:

@@ -13,12 +13,12 @@ import pytest
 from services.cli.chaos import plan_schedule
 from tests.e2e.test_cli_stack import Cli
 from tests.e2e.test_detection import (
-    DETECTION_ENV,
     PROBE_DEADLINE,
     PROBE_WAIT,
     SILENCE,
     SLACK,
     TTL,
+    detection_stack,
     incidents,
     member,
     step_of,
@@ -33,15 +33,8 @@ JOB = "chaos"
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cli]:
     """One stack for the module: the second test needs only the trainer the first leaves."""
-    tmp_path = tmp_path_factory.mktemp("chaos")
-    cli = Cli(tmp_path / "home")
-    cli.env.update(DETECTION_ENV)
-    cli.env["ROBUSTRL_TRAINER_RUNS_DIR"] = str(tmp_path / "runs")
-    cli.run("up", "--trainers", "1", "--rollouts", "2")
-    try:
+    with detection_stack(tmp_path_factory.mktemp("chaos")) as cli:
         yield cli
-    finally:
-        cli.run("down", check=False)
 
 
 def chaos(cli: Cli, job: str, *args: str, timeout: float = 60) -> list[dict[str, Any]]:

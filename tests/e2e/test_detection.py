@@ -3,6 +3,7 @@ bound, by the right kind, naming the right member — and a fault-free run repor
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -35,8 +36,9 @@ DETECTION_ENV = {
 }
 
 
-@pytest.fixture
-def stack(tmp_path: Path) -> Iterator[Cli]:
+@contextlib.contextmanager
+def detection_stack(tmp_path: Path) -> Iterator[Cli]:
+    """A local stack (1 trainer, 2 rollouts) with fast detection settings; `down` at the end."""
     cli = Cli(tmp_path / "home")
     cli.env.update(DETECTION_ENV)
     cli.env["ROBUSTRL_TRAINER_RUNS_DIR"] = str(tmp_path / "runs")
@@ -45,6 +47,12 @@ def stack(tmp_path: Path) -> Iterator[Cli]:
         yield cli
     finally:
         cli.run("down", check=False)
+
+
+@pytest.fixture
+def stack(tmp_path: Path) -> Iterator[Cli]:
+    with detection_stack(tmp_path) as cli:
+        yield cli
 
 
 def submit(cli: Cli, model_dir: Path, job: str, *overrides: str) -> None:
