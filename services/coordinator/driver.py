@@ -300,7 +300,7 @@ class JobDriver:
     async def _fill(self, record: JobRecord, members: list[MemberRecord]) -> None:
         """Bind replacements for roles the job lost (recovery fenced them): a free member if
         there is one, else ask the provisioner. A new trainer comes with a new epoch."""
-        if not record.member_roles:
+        if record.members and not record.member_roles:
             return  # a record from before roles were kept: nothing to compare with
         spec = self.spec(record)
         roles = list(record.member_roles.values())

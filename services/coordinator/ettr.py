@@ -1,7 +1,9 @@
 """ETTR (effective training time ratio) accounting — pure: every time comes from the caller.
 
 Effective time is the measure of the union of
-  - the intervals in which the trainer computed a step that is kept (not rolled back later);
+  - the intervals in which the trainer made a step that is kept (not rolled back later): from
+    the end of its previous step, or from when the trainer became ready (after a start or a
+    restore), to the step's end — waiting for data between steps is part of making a step;
   - the intervals in which a rollout generated a group that was later trained (used),
 within the job's wall time [started_at, now or ended_at]. A union, not a sum: rollouts and
 the trainer overlap, and counting both would let ETTR pass 1. Generation that is used counts

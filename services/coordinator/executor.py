@@ -230,6 +230,10 @@ class RecoveryExecutor:
         if ledger is not None:
             for holder in {held.instance_id for held in ledger.open.values()}:
                 work.release_holder(ledger, holder, f"full restart ({reason})")
+            # Delivered but untrained groups lived in the trainer's intake and the rollouts'
+            # memory, both thrown away: they are generated again.
+            for group in list(ledger.delivered):
+                work.take_back(ledger, group, f"full restart ({reason})")
             await driver.save_ledger(ledger)
         entry.waiting_for = list(record.member_roles.values())
         await driver.update_job(

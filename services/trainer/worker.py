@@ -214,6 +214,10 @@ class TrainerWorker:
             if self.step == 0:
                 await self._record(self.step, {"eval_reward": await self._evaluate()})
             last = time.monotonic()
+            # ETTR: a kept step stands for the time since the previous one ended (or since this
+            # trainer became ready): waiting for data between steps is part of making a step,
+            # the time before a restored trainer was ready is not.
+            previous_end = time.time()
             while self.step < spec.trainer.steps and not self._stopping:
                 batch, stale = self.intake.take_batch(self.step, spec.trainer.groups_per_step)
                 dropped = self._reject(stale)
@@ -226,7 +230,6 @@ class TrainerWorker:
                     with contextlib.suppress(asyncio.TimeoutError):
                         await asyncio.wait_for(self.data_arrived.wait(), 1.0)
                     continue
-                step_started = time.time()
                 metrics = await self._train(batch)
                 elapsed = time.monotonic() - last
                 last = time.monotonic()
@@ -236,9 +239,8 @@ class TrainerWorker:
                 await self._checkpoint()
                 if self.step % spec.trainer.eval_every == 0 or self.step == spec.trainer.steps:
                     metrics["eval_reward"] = await self._evaluate()
-                # The step's own work (train, publish, checkpoint, eval), for ETTR.
-                metrics["step_started_at"] = step_started
-                metrics["step_ended_at"] = time.time()
+                metrics["step_started_at"] = previous_end
+                metrics["step_ended_at"] = previous_end = time.time()
                 await self._record(self.step, metrics)
                 keep_going = await self._report(metrics, [g.group_id for g in batch], dropped)
                 if not keep_going:
