@@ -136,14 +136,16 @@ class TrainerWorker:
     def _forget_after(self, step: int) -> None:
         """The run's logs keep only what the restored state contains: steps after the
         checkpoint were lost with the failed trainer and are trained again."""
-        for name in ("trained.jsonl", "metrics.jsonl"):
+        # trained.jsonl numbers a step by the count before it (0 is the first step);
+        # metrics.jsonl by the count after it (step 0 is the evaluation before training).
+        for name, last in (("trained.jsonl", step - 1), ("metrics.jsonl", step)):
             path = self.run_dir / name
             if not path.exists():
                 continue
             kept = [
                 line
                 for line in path.read_text().splitlines()
-                if line and json.loads(line).get("step", 0) <= step
+                if line and json.loads(line).get("step", 0) <= last
             ]
             path.write_text("".join(line + "\n" for line in kept))
 
