@@ -4,9 +4,12 @@ One run measures, per payload size, side by side:
   memcpy        an in-process tensor copy (the memory ceiling of this host)
   plain ucxx    ucxx tagged send/recv of the same bytes in the same bucket size, between two
                 processes, on an open endpoint into a ready buffer (the transport's ceiling)
-  ours          UcxTransport.pull of a freshly published version: etcd manifest and holders,
-                connect, pull the buckets into a fresh staging buffer, sha256 every bucket,
-                return the tensors ("ours again": the same version pulled a second time)
+  ours          UcxTransport.pull of a freshly published version, as a running rollout does
+                it: etcd manifest and holders, pull the buckets over the endpoint kept from
+                the last pull into the receive buffer the last pull's tensors left free,
+                xxh3 every bucket, return the tensors ("ours again": the same version pulled
+                a second time; "ours cold": the first pull at this size, into a new buffer,
+                and at the first size over a new endpoint)
   grpc stream   GrpcStreamTransport.fetch through a real gRPC server (the fallback/baseline)
 and then fans one version out to N pullers: all from the trainer, versus with relays (the
 trainer serves one puller at a time; pullers that are done serve the others).
@@ -27,7 +30,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import hashlib
 import json
 import os
 import statistics
@@ -393,20 +395,23 @@ def memcpy_gbps(nbytes: int, repeat: int) -> float:
     return nbytes / statistics.median(times) / 1e9
 
 
-def sha256_gbps(nbytes: int, bucket: int) -> float:
+def checksum_gbps(nbytes: int, bucket: int) -> float:
     """What bucket verification alone can reach here, with the transport's thread count."""
+    from services.common.ucx_transport import bucket_checksum
+
     data = torch.randint(0, 256, (nbytes,), dtype=torch.uint8)
-    views = [data[s : s + bucket].numpy() for s in range(0, nbytes, bucket)]
+    views = [data[s : s + bucket] for s in range(0, nbytes, bucket)]
     with ThreadPoolExecutor(max_workers=min(4, os.cpu_count() or 1)) as pool:
         started = time.perf_counter()
-        list(pool.map(lambda v: hashlib.sha256(v.data).hexdigest(), views))
+        list(pool.map(bucket_checksum, views))
         return nbytes / (time.perf_counter() - started) / 1e9
 
 
 async def point_to_point(driver: Driver, sizes_mib: list[int]) -> list[dict[str, Any]]:
-    """Each repeat publishes a new version (untimed), then times, side by side: plain ucxx,
-    the first pull of that version (what a rollout does), a second pull of it (what the next
-    puller of the same holder sees), and the gRPC fetch."""
+    """Per size, a first version warms plain ucxx (untimed) and times our first pull at that
+    size ("cold"). Then each repeat publishes a new version (untimed) and times, side by side:
+    plain ucxx, the first pull of that version (what a rollout does), a second pull of it (what
+    the next puller of the same holder sees), and the gRPC fetch."""
     args = driver.args
     bucket = args.bucket_mib * MIB
     sender, receiver = await driver.spawn(("trainer", False, 0), ("receiver", False, 0))
@@ -416,19 +421,18 @@ async def point_to_point(driver: Driver, sizes_mib: list[int]) -> list[dict[str,
         for size_mib in sizes_mib:
             nbytes = size_mib * MIB
             times: dict[str, list[float]] = {"plain": [], "ucx": [], "ucx_again": [], "grpc": []}
-            plain_address = ""
             publish_s: list[float] = []
             await receiver.call("plain_reset")
-            for repeat in range(args.repeat):
+            version += 1
+            published = await sender.call("publish", bytes=nbytes, version=version, grpc=False)
+            plain_address = published["plain_address"]
+            # Warm the endpoint and buffers, as a running pipeline's would be.
+            await receiver.call("plain", address=plain_address, bytes=nbytes, bucket=bucket)
+            cold = (await receiver.call("ucx_pull", version=version))["seconds"]
+            for _ in range(args.repeat):
                 version += 1
-                published = await sender.call(
-                    "publish", bytes=nbytes, version=version, plain=repeat == 0
-                )
+                published = await sender.call("publish", bytes=nbytes, version=version, plain=False)
                 publish_s.append(published["publish_s"])
-                if repeat == 0:
-                    plain_address = published["plain_address"]
-                    # Warm the endpoint and buffers, as a running pipeline's would be.
-                    await receiver.call("plain", address=plain_address, bytes=nbytes, bucket=bucket)
                 plain = await receiver.call(
                     "plain", address=plain_address, bytes=nbytes, bucket=bucket
                 )
@@ -442,6 +446,7 @@ async def point_to_point(driver: Driver, sizes_mib: list[int]) -> list[dict[str,
             row: dict[str, Any] = {"size_mib": size_mib, "memcpy": memcpy_gbps(nbytes, args.repeat)}
             pick = min if args.stat == "best" else statistics.median
             row.update({k: nbytes / pick(v) / 1e9 for k, v in times.items()})
+            row["ucx_cold"] = nbytes / cold / 1e9
             row["publish"] = nbytes / pick(publish_s) / 1e9
             rows.append(row)
             print(f"  measured {size_mib} MiB", file=sys.stderr, flush=True)
@@ -476,7 +481,10 @@ async def fan_out(driver: Driver, size_mib: int, pullers: int, relays: bool) -> 
 
 
 def print_report(
-    rows: list[dict[str, Any]], fan: list[dict[str, Any]], args: argparse.Namespace, sha: float
+    rows: list[dict[str, Any]],
+    fan: list[dict[str, Any]],
+    args: argparse.Namespace,
+    checksum: float,
 ) -> None:
     env = {k: v for k, v in os.environ.items() if k.startswith(("UCX_", "UCXPY_"))}
     load = ", ".join(f"{x:.1f}" for x in os.getloadavg())
@@ -486,23 +494,24 @@ def print_report(
     print(f"UCX env: {env or 'transport defaults'}")
     header = (
         f"{'payload':>9} {'memcpy':>8} {'plain ucxx':>11} {'ours':>8} {'ours again':>11}"
-        f" {'grpc':>8} {'ours/plain':>11} {'ours/grpc':>10}"
+        f" {'ours cold':>10} {'grpc':>8} {'ours/plain':>11} {'ours/grpc':>10}"
     )
     print(header)
     print("-" * len(header))
     for r in rows:
         print(
             f"{r['size_mib']:>5} MiB {r['memcpy']:>8.2f} {r['plain']:>11.2f} {r['ucx']:>8.2f}"
-            f" {r['ucx_again']:>11.2f} {r['grpc']:>8.2f} {r['ucx'] / r['plain']:>11.2f}"
-            f" {r['ucx'] / r['grpc']:>10.2f}"
+            f" {r['ucx_again']:>11.2f} {r['ucx_cold']:>10.2f} {r['grpc']:>8.2f}"
+            f" {r['ucx'] / r['plain']:>11.2f} {r['ucx'] / r['grpc']:>10.2f}"
         )
     print(
         "ours: first pull of a freshly published version; ours again: a second pull of it"
-        " from the same holder"
+        " from the same holder;\nours cold: one pull, the first at this size (a new receive"
+        " buffer; at the first size a new endpoint)"
     )
     publish = ", ".join(f"{r['size_mib']} MiB {r['publish']:.2f}" for r in rows)
-    print(f"UcxTransport.publish (pack, sha256, etcd), GB/s: {publish}")
-    print(f"(sha256 of buckets in the transport's thread pool alone: {sha:.2f} GB/s)")
+    print(f"UcxTransport.publish (pack, xxh3, etcd), GB/s: {publish}")
+    print(f"(xxh3 of buckets in the transport's thread pool alone: {checksum:.2f} GB/s)")
     if fan:
         print(f"\nfan-out of one {args.fanout_mib} MiB version to {args.pullers} pullers")
         print(f"{'mode':<36} {'seconds':>8} {'aggregate GB/s':>15} {'from trainer':>13}")
@@ -527,8 +536,8 @@ async def driver_main(args: argparse.Namespace) -> None:
                     fan.append(await fan_out(driver, args.fanout_mib, args.pullers, relays))
         finally:
             await driver.close()
-    sha = sha256_gbps(max(sizes) * MIB, args.bucket_mib * MIB)
-    print_report(rows, fan, args, sha)
+    checksum = checksum_gbps(max(sizes) * MIB, args.bucket_mib * MIB)
+    print_report(rows, fan, args, checksum)
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:

@@ -25,14 +25,16 @@ from services.common.keys import KeySpace
 from services.common.ucx_transport import (
     ROLE_RELAY,
     ROLE_TRAINER,
+    BucketEntry,
     BucketManifest,
     HolderRecord,
+    ReceiveBuffers,
     WeightKeys,
     choose_holder,
     make_transport,
     plan_layout,
 )
-from services.common.weights import GrpcStreamTransport
+from services.common.weights import GrpcStreamTransport, WeightIntegrityError
 from tests.integration.ucx_peer import make_tensors, tensors_digest
 from tests.support import eventually
 
@@ -264,6 +266,21 @@ async def test_a_late_joiner_gets_the_current_version_from_a_relay_with_the_trai
     assert _only_from(result["counters"], "relay")
 
 
+async def test_tensors_a_caller_keeps_stay_intact_while_later_versions_are_pulled(
+    peers: Any,
+) -> None:
+    # The puller relays (holds the newest version) and reuses receive buffers nobody uses.
+    trainer, puller = await peers(("trainer",), ("puller", "--keep", "1"))
+    for version in (1, 2, 3, 4):
+        await trainer.call("publish", version=version, seed=version)
+        result = await puller.call("pull", version=version, keep=version == 1)
+        assert result["ok"] and result["digest"] == tensors_digest(make_tensors(version))
+
+    kept = await puller.call("kept")
+
+    assert kept["digests"] == {"1": tensors_digest(make_tensors(1))}
+
+
 async def test_a_holder_asked_for_what_it_does_not_hold_answers_with_a_clear_error(
     peers: Any,
 ) -> None:
@@ -377,6 +394,34 @@ def test_choose_holder_spreads_load_and_spares_the_trainer() -> None:
     assert choose_holder([trainer, busy_relay], rng) == trainer
     assert choose_holder([holder("full", ROLE_RELAY, 1, cap=1)], rng) is None
     assert choose_holder([], rng) is None
+
+
+def test_a_receive_buffer_is_handed_out_again_only_once_no_tensor_uses_it() -> None:
+    buffers = ReceiveBuffers(keep=2)
+    pulled = buffers.take(4096)
+    kept = pulled[64:128].view(torch.float32)  # a caller still holds part of a pull
+    kept.fill_(1.0)
+    del pulled
+
+    again = buffers.take(4096)
+    again.fill_(0)
+
+    assert torch.all(kept == 1.0)
+    address = again.data_ptr()
+    del again
+    assert buffers.take(4096).data_ptr() == address
+
+
+def test_a_manifest_whose_checksums_this_process_cannot_verify_is_refused() -> None:
+    entries, total, spans = plan_layout(make_tensors(0), 256 << 10)
+    buckets = tuple(BucketEntry(i, o, n, "0" * 32) for i, (o, n) in enumerate(spans))
+    manifest = BucketManifest(JOB, 1, 1, total, 256 << 10, entries, buckets)
+    assert BucketManifest.from_json(manifest.to_json()) == manifest
+    body = json.loads(manifest.to_json())
+    body["checksum_algorithm"] = "sha256"
+
+    with pytest.raises(WeightIntegrityError, match="sha256 checksums"):
+        BucketManifest.from_json(json.dumps(body).encode())
 
 
 @pytest.mark.gpu

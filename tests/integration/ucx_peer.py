@@ -7,7 +7,9 @@ Stdout carries only those lines; logs go to stderr. Commands:
 
     publish {version, seed}        pack and publish make_tensors(seed) (trainer)
     hold {version, seed}           serve make_tensors(seed) as a relay of version
-    pull {version, save?}          pull and verify; reply with the tensors' digest, counters
+    pull {version, save?, keep?}   pull and verify; reply with the tensors' digest, counters;
+                                   keep: hold on to the tensors (as a slow caller would)
+    kept {}                        the digest of each kept pull's tensors, now
     fetch_latest {}                the existing flow: latest Announcement, then fetch()
     ask {address, version, buckets} ask a holder directly; reply with its error code/message
     wait_served {buckets}          reply once this process has served that many buckets
@@ -99,6 +101,7 @@ async def _handle(
     keys: KeySpace,
     args: argparse.Namespace,
     cmd: dict[str, Any],
+    kept: dict[int, NamedTensors],
 ) -> dict[str, Any]:
     op, job = cmd["cmd"], args.job
     if op == "publish":
@@ -128,6 +131,8 @@ async def _handle(
             return {"ok": False, "error": f"{type(exc).__name__}: {exc}"}
         if cmd.get("save"):
             torch.save([(n, t.clone()) for n, t in tensors], cmd["save"])
+        if cmd.get("keep"):
+            kept[int(cmd["version"])] = tensors
         return {
             "ok": True,
             "device": tensors[0][1].device.type,
@@ -150,6 +155,8 @@ async def _handle(
 
         await eventually(served, timeout=60, interval=0.01)
         return {"ok": True}
+    if op == "kept":
+        return {"ok": True, "digests": {v: tensors_digest(t) for v, t in kept.items()}}
     if op == "latest":
         return {"ok": True, "version": await transport.latest_version()}
     if op == "state":
@@ -191,6 +198,7 @@ async def main(argv: list[str]) -> None:
     )
     await transport.start()
     print(json.dumps({"event": "ready", "address": transport.address}), flush=True)
+    kept: dict[int, NamedTensors] = {}
     loop = asyncio.get_running_loop()
     try:
         while True:
@@ -200,7 +208,7 @@ async def main(argv: list[str]) -> None:
             cmd = json.loads(line)
             if cmd["cmd"] == "exit":
                 break
-            reply = await _handle(transport, client, keys, args, cmd)
+            reply = await _handle(transport, client, keys, args, cmd, kept)
             print(json.dumps({"id": cmd.get("id"), **reply}), flush=True)
     finally:
         await transport.close()
