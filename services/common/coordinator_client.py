@@ -1,5 +1,9 @@
 """Calling the coordinator from anywhere: find the replicas in etcd, send writes to the
-leader, and follow a follower's redirect once if leadership moved meanwhile."""
+leader, and follow a follower's redirect once if leadership moved meanwhile.
+
+Writes are a data-plane hot path (every lease, completion and progress report), so the
+client remembers the leader's address and keeps a channel to it; it looks in etcd again
+only after the leader stops answering."""
 
 from __future__ import annotations
 
@@ -26,6 +30,8 @@ class CoordinatorClient:
         self.etcd = client
         self.keys = keys
         self.registry = Registry(client, keys)
+        self._leader_address: str | None = None
+        self._channels: dict[str, grpc.aio.Channel] = {}
 
     async def leader(self) -> dict[str, str] | None:
         """{instance_id, address} of the leading replica, or None."""
@@ -60,14 +66,35 @@ class CoordinatorClient:
 
     async def write(self, call: Call[T]) -> T:
         """The leader answers writes; a follower's redirect is followed once."""
-        address = (await self.addresses())[0]
+        address = self._leader_address or (await self.addresses())[0]
         try:
-            return await _on(address, call)
+            return await self._on_leader(address, call)
         except grpc.aio.AioRpcError as exc:
             hint = dict(exc.trailing_metadata() or ()).get(LEADER_METADATA_KEY)
             if exc.code() != grpc.StatusCode.UNAVAILABLE or not hint or hint == address:
                 raise
-            return await _on(str(hint), call)
+            return await self._on_leader(str(hint), call)
+
+    async def _on_leader(self, address: str, call: Call[T]) -> T:
+        channel = self._channels.get(address)
+        if channel is None:
+            channel = self._channels[address] = open_channel(address)
+        try:
+            result = await call(coordinator_pb2_grpc.CoordinatorStub(channel))
+        except grpc.aio.AioRpcError as exc:
+            if exc.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+                # Not (or no longer) the leader, or gone: find it in etcd next time.
+                self._leader_address = None
+                await self._channels.pop(address).close()
+            raise
+        self._leader_address = address
+        return result
+
+    async def close_channels(self) -> None:
+        channels, self._channels = list(self._channels.values()), {}
+        self._leader_address = None
+        for channel in channels:
+            await channel.close()
 
 
 async def _on(address: str, call: Call[T]) -> T:

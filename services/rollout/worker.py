@@ -226,6 +226,8 @@ class RolloutWorker:
         self.meter = GenerationMeter(runtime.progress.counters)
         self.loaded_epoch = 0  # trainer epoch of the weights in the engine (0: from disk)
         self._tasks: list[asyncio.Task[None]] = []
+        assert runtime.client is not None
+        self.coordinator = CoordinatorClient(runtime.client, runtime.keys)
 
     def load(self) -> None:
         torch.set_num_threads(self.settings.torch_threads)
@@ -259,11 +261,7 @@ class RolloutWorker:
         await cancel_and_wait(*self._tasks)
         if self.transport is not None:
             await self.transport.close()
-
-    @property
-    def coordinator(self) -> CoordinatorClient:
-        assert self.runtime.client is not None
-        return CoordinatorClient(self.runtime.client, self.runtime.keys)
+        await self.coordinator.close_channels()
 
     # ------------------------------------------------------------------ generation
 

@@ -73,8 +73,10 @@ class TrainerWorker:
         self.uncommitted: dict[str, list[str]] = defaultdict(list)
         self.transport: WeightTransport | None = None
         self.ranks: LeaderRanks | None = None
-        self.fences: FenceSet | None = None
         """Ranks 1..N-1 (spec.trainer.world_size > 1); this process is rank 0."""
+        self.fences: FenceSet | None = None
+        assert runtime.client is not None
+        self.coordinator = CoordinatorClient(runtime.client, runtime.keys)
         self._task: asyncio.Task[None] | None = None
         self._stopping = False
         # Filled by load():
@@ -163,6 +165,7 @@ class TrainerWorker:
             await self.transport.close()
         if self.checkpoints is not None:
             await asyncio.to_thread(self.checkpoints.close)
+        await self.coordinator.close_channels()
 
     # ------------------------------------------------------------------ intake
 
@@ -480,7 +483,7 @@ class TrainerWorker:
             finished=finished,
             error=error,
         )
-        return await report_to_coordinator(self.runtime, request)
+        return await report_to_coordinator(self.coordinator, request)
 
     def inject_nan(self, step: int) -> None:
         """Chaos (Control INJECT_NAN): make `step`'s loss non-finite, as spec.faults would."""
@@ -488,15 +491,13 @@ class TrainerWorker:
 
 
 async def report_to_coordinator(
-    runtime: ServiceRuntime, request: coordinator_pb2.ReportProgressRequest
+    client: CoordinatorClient, request: coordinator_pb2.ReportProgressRequest
 ) -> bool:
     """ReportProgress to the leader, riding out a leader change (up to ~30 s).
 
     A loop rather than gRPC's retry policy: after a failover the leader is at another
     address, which only a fresh look in etcd finds.
     """
-    assert runtime.client is not None
-    client = CoordinatorClient(runtime.client, runtime.keys)
     delay = 0.2
     for _ in range(20):
         try:
