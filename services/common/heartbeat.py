@@ -85,13 +85,10 @@ class HeartbeatSender:
         self._task = asyncio.create_task(self._run(), name="heartbeat")
 
     async def _pause(self) -> None:
-        """Until the next beat is due: the interval, an urgent beat, or stop."""
-        waiters = [asyncio.ensure_future(e.wait()) for e in (self._stop, self._urgent)]
-        try:
-            await asyncio.wait(waiters, timeout=self.interval, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            for waiter in waiters:
-                waiter.cancel()
+        """Until the next beat is due: the interval, an urgent beat, or stop (which also
+        sets `_urgent`, so one event covers both)."""
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(self._urgent.wait(), self.interval)
         self._urgent.clear()
 
     def _beat(self, goodbye: bool = False) -> monitor_pb2.Beat:
@@ -150,6 +147,7 @@ class HeartbeatSender:
     async def stop(self) -> None:
         """Say goodbye (if connected) and stop. Idempotent."""
         self._stop.set()
+        self._urgent.set()
         if self._task is not None:
             with contextlib.suppress(asyncio.TimeoutError, asyncio.CancelledError):
                 await asyncio.wait_for(self._task, 3.0)

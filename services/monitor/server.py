@@ -80,6 +80,11 @@ class MonitorServicer(monitor_pb2_grpc.MonitorServicer):
                 if instance_id and beat.instance_id != instance_id:
                     raise InvalidArgument("one heartbeat stream carries one instance")
                 instance_id = beat.instance_id
+                before = self.views.get(instance_id)
+                nonfinite_before = [
+                    before.counters.get(n, 0.0) if before else 0.0
+                    for n in progress_detectors.NONFINITE_COUNTERS
+                ]
                 detectors.on_beat(
                     self.views,
                     role=ROLE_FROM_PROTO[beat.role],
@@ -97,10 +102,11 @@ class MonitorServicer(monitor_pb2_grpc.MonitorServicer):
                         else 0.0
                     ),
                 )
-                if any(
-                    beat.counters.get(n, 0.0) > 0 for n in progress_detectors.NONFINITE_COUNTERS
-                ):
-                    self._wake.set()  # a NaN is reported in its step, not at the next round
+                nonfinite_now = [
+                    beat.counters.get(n, 0.0) for n in progress_detectors.NONFINITE_COUNTERS
+                ]
+                if any(n > b for n, b in zip(nonfinite_now, nonfinite_before, strict=True)):
+                    self._wake.set()  # a new NaN is reported in its step, not at the next round
                 if beat.goodbye:
                     log.info("monitor.goodbye", member=instance_id)
                 fenced = self.fences is not None and self.fences.fences(
@@ -242,10 +248,10 @@ class MonitorServicer(monitor_pb2_grpc.MonitorServicer):
     async def _ask(self, view: detectors.MemberView) -> tuple[bool, str]:
         """(progressing, what was seen)."""
         assert self.runtime.registry is not None
-        members, _ = await self.runtime.registry.list(view.role)
-        address = next((m.address for m in members if m.instance_id == view.instance_id), "")
-        if not address:
+        member = await self.runtime.registry.get(view.role, view.instance_id)
+        if member is None:
             return False, "not in the registry"
+        address = member.address
         wait = self.settings.probe_wait if view.role == "rollout" else 0.0
         timeout = wait + self.settings.probe_deadline
         try:
