@@ -13,6 +13,7 @@ This module needs torch: the coordinator and monitor never import it.
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import json
 from abc import ABC, abstractmethod
@@ -107,7 +108,8 @@ class WeightTransport(ABC):
 
     @abstractmethod
     async def publish(self, version: int, tensors: NamedTensors) -> None:
-        """Make `version` available and announce it in etcd."""
+        """Make `version` available and announce it in etcd. The transport copies what it
+        serves before it returns: the caller's tensors may change afterwards."""
 
     @abstractmethod
     async def fetch(self, announcement: Announcement) -> NamedTensors:
@@ -133,7 +135,10 @@ class GrpcStreamTransport(WeightTransport):
         self._held: dict[int, tuple[trainer_pb2.WeightManifest, bytes]] = {}
 
     async def publish(self, version: int, tensors: NamedTensors) -> None:
-        self._held[version] = pack(self.job_id, version, self.epoch, tensors)
+        # Packing copies and hashes the whole model: off the event loop.
+        self._held[version] = await asyncio.to_thread(
+            pack, self.job_id, version, self.epoch, tensors
+        )
         # Keep the newest two: a puller that started on the previous version can finish.
         for old in sorted(self._held)[:-2]:
             del self._held[old]

@@ -400,8 +400,14 @@ class TrainerWorker:
     async def _publish(self) -> None:
         assert self.transport is not None
         self.progress.enter("publish")
-        tensors = [(name, t.detach().clone()) for name, t in self.model.state_dict().items()]
-        bad = [name for name, t in tensors if not bool(torch.isfinite(t).all())]
+        # No copy here: the transport copies before publish returns, and the model does not
+        # change while this step awaits it.
+        tensors = [(name, t.detach()) for name, t in self.model.state_dict().items()]
+
+        def nonfinite() -> list[str]:
+            return [name for name, t in tensors if not bool(torch.isfinite(t).all())]
+
+        bad = await asyncio.to_thread(nonfinite)
         if bad:
             # Rollouts must never load these; the monitor reports it, recovery rolls back.
             self._count_nonfinite("weights")
@@ -416,16 +422,21 @@ class TrainerWorker:
         self.progress.enter("checkpoint")
         self.pending_commits[self.step] = dict(self.uncommitted)
         self.uncommitted.clear()
-        extra = {
-            "trained_ids": sorted(self.intake.trained_ids),
-            "trained_groups": sorted(self.intake.trained_groups),
-            "job_id": self.job_id,
-        }
-        # Only the copy to host memory blocks the step; the write goes on in a thread.
-        snapshot = checkpoint.to_host(
-            self.model, self.trainer.optimizer, self.step, checkpoint.capture_rng(), extra
-        )
-        self.checkpoints.save(snapshot)
+        trainer, step = self.trainer, self.step
+
+        def snapshot() -> checkpoint.Snapshot:
+            extra = {
+                "trained_ids": sorted(self.intake.trained_ids),
+                "trained_groups": sorted(self.intake.trained_groups),
+                "job_id": self.job_id,
+            }
+            return checkpoint.to_host(
+                self.model, trainer.optimizer, step, checkpoint.capture_rng(), extra
+            )
+
+        # Only the snapshot blocks the step, and not the event loop (heartbeats, trajectory
+        # streams); the write goes on in the writer thread.
+        self.checkpoints.save(await asyncio.to_thread(snapshot))
 
     def _on_written(self, step: int, extra: dict[str, Any]) -> None:
         """Writer thread: the checkpoint of `step` is durable. Commit on the event loop."""
