@@ -7,6 +7,7 @@ pid is never signalled — even after an `up` that failed half way.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import os
@@ -19,6 +20,13 @@ import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+
+import aetcd
+
+from services.common.config import EtcdSettings, member_argv, member_env
+from services.common.etcd_client import connect_etcd
+from services.common.keys import KeySpace
+from services.coordinator.provisioner import ProvisionedRecord, list_provisioned
 
 STATE_FILE = "stack.json"
 
@@ -173,19 +181,13 @@ def etcd_healthy(endpoints: str) -> bool:
 def service_env(
     state: StackState, role: str, instance_id: str, extra: dict[str, str]
 ) -> dict[str, str]:
-    return {
-        "ROBUSTRL_ETCD_ENDPOINTS": state.etcd_endpoints,
-        "ROBUSTRL_ETCD_PREFIX": state.prefix,
-        f"ROBUSTRL_{role.upper()}_INSTANCE_ID": instance_id,
-        "PYTHONUNBUFFERED": "1",
-        **extra,
-    }
+    return {**member_env(state.etcd_endpoints, state.prefix, role, instance_id), **extra}
 
 
 def start_service(
     state: StackState, role: str, instance_id: str, extra_env: dict[str, str] | None = None
 ) -> Proc:
-    argv = [sys.executable, "-m", f"services.{role}"]
+    argv = member_argv(role)
     env = service_env(state, role, instance_id, extra_env or {})
     return spawn(state, instance_id, argv, env, role=role)
 
@@ -230,31 +232,18 @@ def provisioned_procs(state: StackState) -> list[Proc]:
     under <prefix>/provisioned/): `down` stops them too, checked by command line like ours."""
     if not state.etcd_endpoints or not etcd_healthy(state.etcd_endpoints):
         return []
-    etcdctl = str(Path(find_etcd()).with_name("etcdctl"))
+
+    async def read() -> list[ProvisionedRecord]:
+        settings = EtcdSettings(endpoints=state.etcd_endpoints, prefix=state.prefix)
+        client = await connect_etcd(settings)
+        try:
+            return await asyncio.wait_for(list_provisioned(client, KeySpace(state.prefix)), 10)
+        finally:
+            await client.close()
+
     try:
-        out = subprocess.run(
-            [
-                etcdctl,
-                f"--endpoints={state.etcd_endpoints}",
-                "get",
-                "--prefix",
-                f"{state.prefix}/provisioned/",
-                "--print-value-only",
-            ],
-            capture_output=True,
-            text=True,
-            check=True,
-            timeout=10,
-        ).stdout
-    except (OSError, subprocess.SubprocessError):
+        records = asyncio.run(read())
+    except (OSError, TimeoutError, aetcd.exceptions.ClientError):
         return []
     host = socket.gethostname()
-    procs = []
-    for line in out.splitlines():
-        with contextlib.suppress(ValueError, KeyError):
-            record = json.loads(line)
-            if record["host"] == host:
-                procs.append(
-                    Proc(record["instance_id"], record["pid"], record["argv"], record["log"])
-                )
-    return procs
+    return [Proc(r.instance_id, r.pid, r.argv, r.log, r.role) for r in records if r.host == host]

@@ -8,6 +8,7 @@ namespace) are read without a service prefix so one environment serves the whole
 from __future__ import annotations
 
 import socket
+import sys
 
 from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
@@ -90,3 +91,19 @@ class ServiceSettings(BaseSettings):
         if self.bind_host in ("0.0.0.0", "::", "[::]"):
             return socket.gethostname()
         return self.bind_host
+
+
+def member_env(endpoints: str, prefix: str, role: str, instance_id: str) -> dict[str, str]:
+    """The environment a service process needs on top of the caller's to join a stack as
+    `instance_id` (the local stack and the local provisioner start members with it)."""
+    return {
+        "ROBUSTRL_ETCD_ENDPOINTS": endpoints,
+        "ROBUSTRL_ETCD_PREFIX": prefix,
+        f"ROBUSTRL_{role.upper()}_INSTANCE_ID": instance_id,
+        "PYTHONUNBUFFERED": "1",
+    }
+
+
+def member_argv(role: str) -> list[str]:
+    """The command line of a `role` service process."""
+    return [sys.executable, "-m", f"services.{role}"]

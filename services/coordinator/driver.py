@@ -117,7 +117,6 @@ class JobDriver:
     async def stop(self) -> None:
         await cancel_and_wait(self._task)
         await self.executor.stop()
-        await self.provisioner.close()
 
     async def on_elected(self) -> None:
         """Reload every running job's ledger from etcd (a new leader trusts only etcd)."""
@@ -405,12 +404,11 @@ class JobDriver:
                 await self.control_quietly(
                     member, trainer_pb2.ControlRequest.ACTION_RELEASE, job_id, member.epoch
                 )
-        account = self.accounts.pop(job_id, None)
+        account = self.accounts.get(job_id)
         if account is not None and account.ended_at is None:
             account.end(time.time())
-            self.accounts[job_id] = account
             await self.save_account(job_id)
-            del self.accounts[job_id]
+        self.accounts.pop(job_id, None)
         self.generated.pop(job_id, None)
         self.ledgers.pop(job_id, None)
         self.datasets.pop(job_id, None)

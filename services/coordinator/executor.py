@@ -130,7 +130,8 @@ class RecoveryExecutor:
             if record.phase in TERMINAL:
                 return
             spec = driver.spec(record)
-            nan_history = await self._nan_history(incident.job_id)
+            # Only the NaN policy looks at earlier NaN incidents: no log read for the others.
+            nan_history = await self._nan_history(incident) if incident.kind == "NON_FINITE" else []
             member = serving_instance(record, incident)
             decided = recovery.decide(
                 recovery.IncidentFacts(
@@ -228,11 +229,9 @@ class RecoveryExecutor:
                 )
         ledger = driver.ledgers.get(record.job_id)
         if ledger is not None:
-            for holder in {held.instance_id for held in ledger.open.values()}:
-                work.release_holder(ledger, holder, f"full restart ({reason})")
-            # Delivered but untrained groups lived in the trainer's intake and the rollouts'
-            # memory, both thrown away: they are generated again.
-            for group in list(ledger.delivered):
+            # Open leases and delivered-but-untrained groups alike lived in roles that are
+            # thrown away (the rollouts' memory, the trainer's intake): generate them again.
+            for group in [*ledger.open, *ledger.delivered]:
                 work.take_back(ledger, group, f"full restart ({reason})")
             await driver.save_ledger(ledger)
         entry.waiting_for = list(record.member_roles.values())
@@ -254,9 +253,8 @@ class RecoveryExecutor:
             ),
         )
         log.warning("recovery.fenced", job=record.job_id, member=instance_id, reason=reason)
-        member = None
-        for role in ("trainer", "rollout"):
-            member = member or await self.driver.registry.get(role, instance_id)
+        role = record.member_roles.get(instance_id, "trainer")  # follower ranks are trainers
+        member = await self.driver.registry.get(role, instance_id)
         if member is not None:
             # Tell it too, without waiting on a process that may be stopped or dead.
             task = asyncio.create_task(self._tell_fenced(member, record))
@@ -274,9 +272,14 @@ class RecoveryExecutor:
         except (grpc.aio.AioRpcError, TimeoutError) as exc:
             log.info("recovery.fence_unheard", member=member.instance_id, error=repr(exc)[:200])
 
-    async def _nan_history(self, job_id: str) -> list[int]:
-        records, _ = await self.incident_log.list(job_id)
-        return [r.rank for r in records if r.kind == "NON_FINITE"][:-1]
+    async def _nan_history(self, incident: IncidentRecord) -> list[int]:
+        """Ranks of the job's earlier NaN incidents, oldest first (this one left out)."""
+        records, _ = await self.incident_log.list(incident.job_id)
+        return [
+            r.rank
+            for r in records
+            if r.kind == "NON_FINITE" and r.incident_id != incident.incident_id
+        ]
 
     async def _account(self, entry: RecoveryRecord) -> None:
         """The incident's timeline in the job's ETTR account."""
@@ -318,7 +321,7 @@ class RecoveryExecutor:
                         job=job_id,
                         incident=entry.incident_id,
                         replacements=entry.replacements,
-                        recovery_s=round(entry.done_at - entry.detected_at, 2),
+                        recovery_s=round(entry.recovery_s or 0.0, 2),
                     )
                 await self._save(entry)
                 await self._account(entry)

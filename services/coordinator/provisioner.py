@@ -13,7 +13,6 @@ import asyncio
 import os
 import secrets
 import socket
-import sys
 import tempfile
 import time
 from abc import ABC, abstractmethod
@@ -22,7 +21,7 @@ from pathlib import Path
 import aetcd
 from pydantic import BaseModel
 
-from services.common.config import EtcdSettings
+from services.common.config import EtcdSettings, member_argv, member_env
 from services.common.keys import KeySpace
 from services.common.logs import get_logger
 
@@ -46,20 +45,13 @@ class ProvisionedRecord(BaseModel):
 
 
 class Provisioner(ABC):
-    name: str
-
     @abstractmethod
     async def request(self, role: str, job_id: str, reason: str, standby: bool = False) -> str:
         """Start a member of `role` (a warm standby trainer if `standby`); returns its instance
         id (it registers on its own)."""
 
-    async def close(self) -> None:  # noqa: B027 - optional hook
-        """Stop watching what was started (the processes themselves keep running)."""
-
 
 class NoProvisioner(Provisioner):
-    name = "none"
-
     async def request(self, role: str, job_id: str, reason: str, standby: bool = False) -> str:
         log.info("provision.waiting_for_member", role=role, job=job_id, reason=reason)
         return ""
@@ -68,8 +60,6 @@ class NoProvisioner(Provisioner):
 class LocalProvisioner(Provisioner):
     """Starts `python -m services.<role>` on this host, with this process's ROBUSTRL_* env."""
 
-    name = "local"
-
     def __init__(
         self, client: aetcd.Client, keys: KeySpace, etcd: EtcdSettings, log_dir: str = ""
     ) -> None:
@@ -77,6 +67,7 @@ class LocalProvisioner(Provisioner):
         self.keys = keys
         self.etcd = etcd
         self.log_dir = Path(log_dir or tempfile.mkdtemp(prefix="robustrl-provisioned-"))
+        # Held so asyncio keeps reaping them; nothing else reads it.
         self._procs: list[asyncio.subprocess.Process] = []
 
     async def request(self, role: str, job_id: str, reason: str, standby: bool = False) -> str:
@@ -90,15 +81,10 @@ class LocalProvisioner(Provisioner):
                 (f"ROBUSTRL_{role.upper()}_INSTANCE_ID", f"ROBUSTRL_{role.upper()}_PORT")
             )
         }
-        env |= {
-            "ROBUSTRL_ETCD_ENDPOINTS": self.etcd.endpoints,
-            "ROBUSTRL_ETCD_PREFIX": self.etcd.prefix,
-            f"ROBUSTRL_{role.upper()}_INSTANCE_ID": instance_id,
-            "PYTHONUNBUFFERED": "1",
-        }
+        env |= member_env(self.etcd.endpoints, self.etcd.prefix, role, instance_id)
         if standby:
             env["ROBUSTRL_TRAINER_STANDBY"] = "true"
-        argv = [sys.executable, "-m", f"services.{role}"]
+        argv = member_argv(role)
         self.log_dir.mkdir(parents=True, exist_ok=True)
         log_path = self.log_dir / f"{instance_id}.log"
         fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
