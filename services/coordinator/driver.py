@@ -13,6 +13,7 @@ import asyncio
 import contextlib
 import json
 import time
+from collections import Counter
 from typing import TypeAlias
 
 import grpc
@@ -320,9 +321,10 @@ class JobDriver:
             ]
             for role in ("trainer", "rollout")
         }
+        shortfall = Counter(missing)
         bound: list[MemberRecord] = []
-        for role in missing:
-            while free[role]:
+        for role in list(shortfall):
+            while shortfall[role] and free[role]:
                 member = free[role].pop(0)
                 try:
                     await self.control(
@@ -338,13 +340,15 @@ class JobDriver:
                     )
                     continue
                 bound.append(member)
-                break
+                shortfall[role] -= 1
+        for role, short in shortfall.items():
+            if short:
+                await self._provision(record.job_id, role, short)
             else:
-                await self._provision(record.job_id, role, missing.count(role))
+                self._provisioning.pop((record.job_id, role), None)
         if not bound:
             return
         for member in bound:
-            self._provisioning.pop((record.job_id, member.role), None)
             if member.labels.get("standby") == "true":
                 # Keep one warm: the next trainer failure should not wait for a cold start.
                 try:
