@@ -1,8 +1,9 @@
 """Fencing: once the coordinator replaces an instance, nothing it sends is accepted again.
 
 The leader writes `<prefix>/fences/<instance_id>` (no lease: a fence outlives the process)
-before it starts a replacement. Every receiver checks it: the coordinator refuses the
-instance's LeaseWork / CompleteWork / ReportProgress, the trainer refuses its trajectories,
+before it starts a replacement, and removes the instance from the job's members, which is
+how the coordinator refuses its LeaseWork / CompleteWork / ReportProgress. Every other
+receiver checks the fence: the trainer refuses its trajectories,
 the monitor answers its beats with `fenced`, and rollouts ignore weight manifests of older
 trainer epochs. A process stopped with SIGSTOP and continued after its replacement therefore
 changes nothing; on its next beat it learns it was fenced and stops its work.
@@ -12,7 +13,6 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable
 
 import aetcd
 from pydantic import BaseModel, Field
@@ -45,12 +45,7 @@ class FenceSet:
         self.client = client
         self.keys = keys
         self.records: dict[str, FenceRecord] = {}
-        self.ready = asyncio.Event()
-        self.on_fence: Callable[[FenceRecord], None] | None = None
         self._task: asyncio.Task[None] | None = None
-
-    def __contains__(self, instance_id: object) -> bool:
-        return instance_id in self.records
 
     def fences(self, instance_id: str, job_id: str, epoch: int | None = None) -> bool:
         """Whether `instance_id` is fenced from `job_id` (at `epoch`, if given: a fresh binding
@@ -69,14 +64,11 @@ class FenceSet:
     async def _follow(self) -> None:
         entries, revision = await list_prefix(self.client, self.keys.fences())
         self._replace([FenceRecord.model_validate_json(e.value) for e in entries])
-        self.ready.set()
         async for event in watch_prefix(self.client, self.keys.fences(), revision + 1):
             if isinstance(event, Put):
                 record = FenceRecord.model_validate_json(event.entry.value)
                 self.records[record.instance_id] = record
                 log.info("fence.seen", member=record.instance_id, job=record.job_id)
-                if self.on_fence is not None:
-                    self.on_fence(record)
             elif isinstance(event, Delete):
                 self.records.pop(event.key.decode().rsplit("/", 1)[1], None)
             elif isinstance(event, Resync):

@@ -44,6 +44,14 @@ class Progress:
         self.phase = phase
         self.phase_started_at = time.time()
 
+    def set_counter(self, name: str, value: float) -> None:
+        """Set a counter, also from a worker thread: a new key replaces the dict instead of
+        growing it, so the sender, copying it on the event loop, never sees it change size."""
+        if name in self.counters:
+            self.counters[name] = value
+        else:
+            self.counters = {**self.counters, name: value}
+
     def urge(self) -> None:
         """Send a beat now rather than at the next interval (a NaN must be seen in its step)."""
         if self._wake is not None:

@@ -18,7 +18,7 @@ import pydantic
 
 from robustrl.v1 import trainer_pb2
 from services.common.control import Binding, apply_control
-from services.common.errors import FailedPrecondition, InvalidArgument
+from services.common.errors import FailedPrecondition, InvalidArgument, describe_validation_error
 from services.common.jobspec import JobSpec
 from services.common.logs import get_logger
 from services.common.registry import ROLE_TO_PROTO
@@ -89,7 +89,9 @@ def spec_from_args(args: dict[str, str]) -> JobSpec:
     try:
         return JobSpec.model_validate_json(args["spec_json"])
     except pydantic.ValidationError as exc:
-        raise InvalidArgument(f"the job spec does not validate: {exc.errors()[0]['msg']}") from exc
+        raise InvalidArgument(
+            "the job spec does not validate: " + describe_validation_error(exc)
+        ) from exc
 
 
 class RoleControl:

@@ -20,12 +20,12 @@ class MonitorSettings(ServiceSettings):
     evaluate_interval: float = Field(default=0.2, gt=0)
     """Seconds between detector evaluations."""
 
-    rollout_hang_window: float = Field(default=10.0, gt=0)
+    rollout_hang_window: float = Field(default=ProgressConfig.rollout_hang_window, gt=0)
     """Seconds a rollout may go without a new token while it has requests in flight before
     it is probed. A long-tail generation keeps producing tokens and an idle rollout has no
     requests, so neither is ever probed."""
 
-    silence_window: float = Field(default=3.0, gt=0)
+    silence_window: float = Field(default=ProgressConfig.silence_window, gt=0)
     """Seconds without a beat on a member's open heartbeat stream (a frozen process: beats
     come from its event loop, not its work) before it is probed."""
 
@@ -42,11 +42,11 @@ class MonitorSettings(ServiceSettings):
     checkpoint, publish, eval). Phases not listed, waiting_data above all, have no budget.
     As env: ROBUSTRL_MONITOR_PHASE_BUDGETS='{"checkpoint": 600}'."""
 
-    collective_budget: float = Field(default=30.0, gt=0)
+    collective_budget: float = Field(default=ProgressConfig.collective_budget, gt=0)
     """Seconds trainer ranks may wait in one collective before the rank that has not
     entered it is named."""
 
-    degraded_ratio: float = Field(default=0.3, gt=0, lt=1)
+    degraded_ratio: float = Field(default=ProgressConfig.degraded_ratio, gt=0, lt=1)
     """A rollout below this fraction of its peers' median tokens/s gets a DEGRADED warning."""
 
     def progress_config(self) -> ProgressConfig:

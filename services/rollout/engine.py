@@ -93,6 +93,9 @@ class Engine(ABC):
 
     weight_version: int
     """Version of the weights in use: set by load_weights, 0 for the weights loaded at start."""
+    tokenizer: PreTrainedTokenizerBase
+    max_positions: int
+    _specs: dict[str, TensorSpec]
 
     @abstractmethod
     def generate(
@@ -112,9 +115,20 @@ class Engine(ABC):
         names, a shape or a dtype does not match the model. ``version`` becomes
         ``weight_version`` (default: the current one plus one)."""
 
-    @abstractmethod
     def weight_specs(self) -> dict[str, TensorSpec]:
         """Name -> shape and dtype of every weight load_weights expects."""
+        return dict(self._specs)
+
+    def encode(self, prompt: str, max_new_tokens: int) -> list[int]:
+        """Token ids of ``prompt`` (with bos); ValueError if it leaves no room to generate."""
+        ids = list(self.tokenizer(prompt)["input_ids"])
+        limit = self.max_positions - max_new_tokens
+        if len(ids) > limit:
+            raise ValueError(
+                f"prompt of {len(ids)} tokens exceeds the context: max_position_embeddings "
+                f"{self.max_positions} - max_new_tokens {max_new_tokens} = {limit}"
+            )
+        return ids
 
 
 def sampling_logprobs(logits: torch.Tensor, temperature: float) -> torch.Tensor:
@@ -184,20 +198,6 @@ class TorchEngine(Engine):
     @property
     def device(self) -> torch.device:
         return next(self.model.parameters()).device
-
-    def weight_specs(self) -> dict[str, TensorSpec]:
-        return dict(self._specs)
-
-    def encode(self, prompt: str, max_new_tokens: int) -> list[int]:
-        """Token ids of ``prompt`` (with bos); ValueError if it leaves no room to generate."""
-        ids = list(self.tokenizer(prompt)["input_ids"])
-        limit = self.max_positions - max_new_tokens
-        if len(ids) > limit:
-            raise ValueError(
-                f"prompt of {len(ids)} tokens exceeds the context: max_position_embeddings "
-                f"{self.max_positions} - max_new_tokens {max_new_tokens} = {limit}"
-            )
-        return ids
 
     def generate(
         self,

@@ -150,19 +150,6 @@ class VLLMEngine(Engine):
         self.weight_version = 0
         self._lock = threading.Lock()
 
-    def weight_specs(self) -> dict[str, TensorSpec]:
-        return dict(self._specs)
-
-    def encode(self, prompt: str, max_new_tokens: int) -> list[int]:
-        ids = list(self.tokenizer(prompt)["input_ids"])
-        limit = self.max_positions - max_new_tokens
-        if len(ids) > limit:
-            raise ValueError(
-                f"prompt of {len(ids)} tokens exceeds the context: max_position_embeddings "
-                f"{self.max_positions} - max_new_tokens {max_new_tokens} = {limit}"
-            )
-        return ids
-
     def generate(
         self,
         prompts: Sequence[str],

@@ -100,11 +100,9 @@ def _nan_injector(
 
 
 def _count_nonfinite(progress: Progress, where: str, step: int) -> None:
-    from services.trainer.ranks import set_counter
-
     name = f"nonfinite_{where}"
-    set_counter(progress, name, progress.counters.get(name, 0.0) + 1)
-    set_counter(progress, "step", float(step))
+    progress.set_counter(name, progress.counters.get(name, 0.0) + 1)
+    progress.set_counter("step", float(step))
     log.error("trainer.nonfinite", step=step, rank=progress.rank, where=where)
     progress.urge()
 
@@ -116,21 +114,21 @@ def run_rank(args: argparse.Namespace, spec: JobSpec, progress: Progress, thread
     from services.trainer import ranks
 
     torch.set_num_threads(threads)
-    ranks.enter_phase(progress, "loading")
+    progress.enter("loading")
     trainer = load_trainer(spec)
     group = ranks.RankGroup(args.rank, args.world_size, args.master, progress, args.timeout)
     try:
-        ranks.enter_phase(progress, "starting_ranks")
+        progress.enter("starting_ranks")
         group.init()
         group.broadcast_state(trainer.model, trainer.optimizer)
         while True:
-            ranks.enter_phase(progress, "waiting_data")
+            progress.enter("waiting_data")
             order = group.broadcast_batch(None)
             if order is None:
                 log.info("trainer.follower_done", job=args.job, rank=args.rank)
                 return 0
             if order.step + 1 == args.stop_at_step:
-                ranks.enter_phase(progress, "forward_backward")
+                progress.enter("forward_backward")
                 log.warning("trainer.fault_injected", step=order.step + 1, fault="sigstop")
                 os.kill(os.getpid(), signal.SIGSTOP)
             outcome = ranks.run_step(
@@ -138,7 +136,7 @@ def run_rank(args: argparse.Namespace, spec: JobSpec, progress: Progress, thread
             )
             if outcome.metrics.nonfinite_where:
                 _count_nonfinite(progress, outcome.metrics.nonfinite_where, order.step + 1)
-            ranks.set_counter(progress, "step", float(order.step + 1))
+            progress.set_counter("step", float(order.step + 1))
     except Exception as exc:  # rank 0 is gone or the group broke: nothing to do but leave
         log.error("trainer.follower_failed", job=args.job, rank=args.rank, error=repr(exc))
         return EXIT_FAILED

@@ -47,7 +47,6 @@ import math
 import os
 import pickle
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -87,32 +86,6 @@ def shard(samples: Sequence[T], rank: int, world_size: int) -> list[T]:
     if not 0 <= rank < world_size:
         raise ValueError(f"rank {rank} is outside a world of {world_size}")
     return list(samples[rank::world_size])
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    """A port free on `host` right now (callers that can bind port 0 themselves should)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind((host, 0))
-        return int(sock.getsockname()[1])
-
-
-def enter_phase(progress: Progress, phase: str) -> None:
-    """Start `phase` now (its budget counts from here)."""
-    # Attribute stores rather than Progress.enter: this must work on any Progress version.
-    progress.phase = phase
-    progress.phase_started_at = time.time()
-
-
-def set_counter(progress: Progress, name: str, value: float) -> None:
-    """Set a heartbeat counter from a worker thread.
-
-    A new key replaces the dict instead of growing it, so the heartbeat sender, which copies
-    the dict on the event loop's thread, never sees it change size under it.
-    """
-    if name in progress.counters:
-        progress.counters[name] = value
-    else:
-        progress.counters = {**progress.counters, name: value}
 
 
 class RanksDiverged(RuntimeError):
@@ -171,7 +144,7 @@ class RankGroup:
         self._closed = threading.Event()
         self._watchdog: threading.Thread | None = None
         progress.rank = rank
-        set_counter(progress, "collective_seq", 0.0)
+        progress.set_counter("collective_seq", 0.0)
 
     @property
     def master(self) -> str:
@@ -258,8 +231,8 @@ class RankGroup:
         """
         self.seq += 1
         seq, before, since = self.seq, self.progress.phase, time.monotonic()
-        set_counter(self.progress, "collective_seq", float(seq))
-        enter_phase(self.progress, "collective")
+        self.progress.set_counter("collective_seq", float(seq))
+        self.progress.enter("collective")
         self._current = (name, seq, since)
         log.debug("trainer.collective", name=name, seq=seq, rank=self.rank)
         try:
@@ -277,7 +250,7 @@ class RankGroup:
             raise
         finally:
             self._current = None
-            enter_phase(self.progress, before)
+            self.progress.enter(before)
 
     def _watch(self) -> None:
         warned = 0
@@ -438,10 +411,10 @@ def run_step(
 
     def before_optimizer(nonfinite: bool) -> bool:
         anywhere = group.sync_gradients(trainer.model, nonfinite=nonfinite)
-        enter_phase(progress, "optimizer")
+        progress.enter("optimizer")
         return anywhere
 
-    enter_phase(progress, "forward_backward")
+    progress.enter("forward_backward")
     local = trainer.step(mine, token_normaliser=tokens, before_optimizer=before_optimizer)
     rows = group.gather_step(
         [
@@ -610,7 +583,7 @@ class LeaderRanks:
             warn_after=self.warn_after,
         )
         before = self.progress.phase
-        enter_phase(self.progress, "starting_ranks")
+        self.progress.enter("starting_ranks")
         try:
             master = group.listen()
             self.procs = spawn_followers(
@@ -633,7 +606,7 @@ class LeaderRanks:
             group.close()
             raise
         finally:
-            enter_phase(self.progress, before)
+            self.progress.enter(before)
         self.group = group
 
     def _check_followers(self) -> None:

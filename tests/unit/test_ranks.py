@@ -13,6 +13,7 @@ import torch
 import torch.multiprocessing as mp
 from transformers import AutoModelForCausalLM
 
+from services.cli.stack import free_port
 from services.common.heartbeat import Progress
 from services.trainer.grpo import GRPOConfig, GRPOTrainer, Sample, completion_logprobs
 from services.trainer.modelgen import init_model
@@ -20,9 +21,7 @@ from services.trainer.ranks import (
     RankGroup,
     StepOrder,
     fingerprint,
-    free_port,
     run_step,
-    set_counter,
     shard,
 )
 from tests.unit.tiny_model import TINY
@@ -64,9 +63,9 @@ def test_a_collective_is_numbered_and_reported_then_the_phase_comes_back() -> No
 def test_a_new_counter_replaces_the_dict_rather_than_growing_it() -> None:
     progress = Progress(counters={"step": 1.0})
     seen = progress.counters
-    set_counter(progress, "step", 2.0)
+    progress.set_counter("step", 2.0)
     assert progress.counters is seen and seen["step"] == 2.0
-    set_counter(progress, "nonfinite_loss", 1.0)
+    progress.set_counter("nonfinite_loss", 1.0)
     assert progress.counters is not seen and "nonfinite_loss" not in seen
     assert progress.counters == {"step": 2.0, "nonfinite_loss": 1.0}
 
