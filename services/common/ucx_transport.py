@@ -895,7 +895,8 @@ class UcxTransport(WeightTransport):
         The tensors are views of one buffer this transport keeps while it relays the version
         (relay=True); treat them as read-only (copy them into the model). A later pull receives
         into that buffer again only once none of them is left. WeightUnavailable if no holder
-        can complete the pull within pull_timeout.
+        can complete the pull within pull_timeout, or at once when every holder is gone and a
+        newer manifest has replaced this one (see _superseded).
         """
         if job_id != self.job_id:
             raise ValueError(f"this transport serves job {self.job_id}, not {job_id}")
@@ -904,7 +905,7 @@ class UcxTransport(WeightTransport):
             return unpack_views(held.manifest, held.buffer)
         manifest, revision = await self._read_manifest(job_id, version)
         buffer = self._buffers.take(manifest.total_bytes, device)
-        await self._pull_buckets(manifest, buffer)
+        await self._pull_buckets(manifest, revision, buffer)
         self.counters.pulls_completed += 1
         log.info(
             "weights.pulled",
@@ -946,12 +947,37 @@ class UcxTransport(WeightTransport):
                 holders.append(record)
         return holders, revision
 
+    async def _superseded(self, manifest: BucketManifest, manifest_revision: int) -> str | None:
+        """Why pulling `manifest` no longer makes sense, or None: its manifest was deleted or
+        replaced (a restored trainer republished the version), or a newer version or trainer
+        epoch was published. A pull that has lost every holder stops then instead of waiting
+        out pull_timeout for holders that will never come back."""
+        entries, _ = await list_prefix(self.client, self.wkeys.versions(manifest.job_id))
+        found = False
+        for entry in entries:
+            parsed = self.wkeys.parse(manifest.job_id, entry.key)
+            if parsed is None or parsed[1] != "manifest":
+                continue
+            if parsed[0] == manifest.version:
+                found = True
+                if entry.mod_revision != manifest_revision:
+                    return "its manifest was replaced"
+                continue
+            other = BucketManifest.from_json(entry.value)
+            if (other.trainer_epoch, other.version) > (manifest.trainer_epoch, manifest.version):
+                return f"version {other.version} of trainer epoch {other.trainer_epoch} is newer"
+        return None if found else "its manifest was deleted"
+
     async def _wait_for_holders(
-        self, manifest: BucketManifest, revision: int, timeout: float
+        self, manifest: BucketManifest, revision: int, timeout: float, *, any_version: bool = False
     ) -> None:
         """Until a holder record of this version changes after `revision` (a relay appears, a
-        busy holder frees a slot) or timeout: react at once, without polling etcd."""
-        prefix = self.wkeys.holders(manifest.job_id, manifest.version)
+        busy holder frees a slot) or timeout: react at once, without polling etcd. With
+        `any_version`, any change under the job's versions (a new manifest) wakes it too."""
+        if any_version:
+            prefix = self.wkeys.versions(manifest.job_id)
+        else:
+            prefix = self.wkeys.holders(manifest.job_id, manifest.version)
         # A compacted revision only means something changed: list again either way.
         quiet = (aetcd.exceptions.WatchTimeoutError, aetcd.exceptions.RevisionCompactedError)
         with contextlib.suppress(*quiet):
@@ -959,7 +985,9 @@ class UcxTransport(WeightTransport):
                 prefix, timeout=max(timeout, 0.01), start_revision=revision + 1
             )
 
-    async def _pull_buckets(self, manifest: BucketManifest, buffer: torch.Tensor) -> None:
+    async def _pull_buckets(
+        self, manifest: BucketManifest, manifest_revision: int, buffer: torch.Tensor
+    ) -> None:
         pending = set(range(len(manifest.buckets)))
         bad_from: dict[int, set[str]] = {}  # bucket -> holders that sent it corrupt
         excluded: set[str] = set()  # dead, hung or refusing holders, for this pull
@@ -976,14 +1004,19 @@ class UcxTransport(WeightTransport):
             choice = choose_holder(usable, self._rng)
             if choice is None:
                 left_s = deadline - time.monotonic()
-                if left_s <= 0:
+                stranded = not any(h.instance_id not in excluded for h in listed)
+                why = await self._superseded(manifest, manifest_revision) if stranded else None
+                if left_s <= 0 or why is not None:
                     raise WeightUnavailable(
                         f"version {manifest.version} of job {manifest.job_id}: "
                         f"{len(pending)} of {len(manifest.buckets)} buckets left and no holder "
                         f"can serve them (excluded: {sorted(excluded)})"
+                        + (f"; given up because {why}" if why else "")
                     )
                 # Holders are busy or not there yet (a relay still pulling, a trainer restarting).
-                await self._wait_for_holders(manifest, revision, min(left_s, 1.0))
+                await self._wait_for_holders(
+                    manifest, revision, min(left_s, 1.0), any_version=stranded
+                )
                 continue
             if source is not None and choice.instance_id != source:
                 self.counters.source_switches += 1

@@ -13,6 +13,7 @@ import json
 import os
 import random
 import sys
+import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -218,6 +219,28 @@ async def test_a_source_killed_mid_pull_is_replaced_and_verified_buckets_kept(
     counters = result["counters"]
     assert counters["buckets_by_source"] == {"relay": 2, "trainer": N_BUCKETS - 2}
     assert counters["source_failures"] == 1 and counters["source_switches"] == 1
+
+
+async def test_a_pull_whose_only_holder_died_stops_once_a_newer_epoch_publishes(
+    peers: Any,
+) -> None:
+    old, puller = await peers(
+        ("trainer-old", "--stall-after", "2"), ("puller", "--pull-timeout", "60")
+    )
+    await old.call("publish", version=3, seed=3)
+    pulling = puller.send("pull", version=3)
+    await old.call("wait_served", buckets=2)
+    old.kill()  # the only holder of version 3 dies mid-pull
+    (new,) = await peers(("trainer-new", "--epoch", "2"))
+    began = time.monotonic()
+    await new.call("publish", version=3, seed=4)  # restored: the same version, a new epoch
+    result = await puller.reply(pulling, timeout=60)
+    waited = time.monotonic() - began
+
+    assert not result["ok"] and "given up because its manifest was replaced" in result["error"]
+    assert waited < 10, f"the pull waited {waited:.1f}s for a holder that was gone"
+    fresh = await puller.call("pull", version=3)
+    assert fresh["ok"] and fresh["digest"] == tensors_digest(make_tensors(4))
 
 
 async def test_a_hung_source_is_abandoned_after_the_stall_timeout(peers: Any) -> None:
