@@ -3,8 +3,10 @@
 Each mode runs the same job on a fresh local stack (real etcd, coordinators, monitor, 1 trainer
 + 1 warm standby trainer, 2 rollouts; replacements come from the local provisioner) while
 `robustrl chaos` injects, on seeded schedules, one trainer kill per 10% of the steps and one
-rollout kill per 25%. It prints, side by side, each mode's ETTR (kept progress / wall time,
-from the coordinator's account), the end-to-end time, the recovery times, and the ratios.
+rollout kill per 25%. A third run of the same job without faults is the reference: its ETTR
+is the ceiling that start-up and pipeline bubbles leave on this machine. It prints, side by
+side, each run's ETTR (kept progress / wall time, from the coordinator's account), the
+end-to-end time, the recovery times, and the ratios.
 
     python benchmarks/ettr.py                      # 300 steps per mode
     python benchmarks/ettr.py --steps 150 --seed 3
@@ -59,12 +61,13 @@ class Stack:
         )
 
 
-def run_mode(mode: str, model: Path, steps: int, seed: int) -> dict[str, Any]:
-    with tempfile.TemporaryDirectory(prefix=f"robustrl-ettr-{mode}-") as tmp:
+def run_mode(mode: str, model: Path, steps: int, seed: int, *, faults: bool) -> dict[str, Any]:
+    name = mode if faults else "fault_free"
+    with tempfile.TemporaryDirectory(prefix=f"robustrl-ettr-{name}-") as tmp:
         stack = Stack(Path(tmp) / "home", Path(tmp) / "runs")
         stack.cli("up", "--trainers", "1", "--standby-trainers", "1", "--rollouts", "2")
         try:
-            job = f"ettr-{mode.replace('_', '-')}"
+            job = f"ettr-{name.replace('_', '-')}"
             stack.cli(
                 "submit",
                 str(EXAMPLE),
@@ -77,31 +80,21 @@ def run_mode(mode: str, model: Path, steps: int, seed: int) -> dict[str, Any]:
                 f"recovery.mode={mode}",
             )
             started = time.monotonic()
+            schedule = [("trainer", "10", seed), ("rollout", "25", seed + 1)] if faults else []
             chaos = [
                 stack.background(
                     "chaos",
                     job,
                     "--role",
-                    "trainer",
+                    role,
                     "--fault",
                     "kill",
                     "--every-pct",
-                    "10",
+                    pct,
                     "--seed",
-                    str(seed),
-                ),
-                stack.background(
-                    "chaos",
-                    job,
-                    "--role",
-                    "rollout",
-                    "--fault",
-                    "kill",
-                    "--every-pct",
-                    "25",
-                    "--seed",
-                    str(seed + 1),
-                ),
+                    str(role_seed),
+                )
+                for role, pct, role_seed in schedule
             ]
             watch = subprocess.run(
                 stack.argv("watch", job),
@@ -122,13 +115,14 @@ def run_mode(mode: str, model: Path, steps: int, seed: int) -> dict[str, Any]:
     recoveries = [r["recovery_s"] for r in status["recoveries"] if r.get("recovery_s")]
     ettr = status["ettr"] or {}
     return {
-        "mode": mode,
+        "mode": name,
         "phase": status["phase"],
         "watch_rc": watch.returncode,
         "wall_s": took,
         "ettr": ettr.get("ettr", 0.0),
         "effective_s": ettr.get("effective_s", 0.0),
         "rolled_back_steps": ettr.get("rolled_back_steps", 0),
+        "stalled_s": ettr.get("stalled_s", 0.0),
         "faults": len(injected),
         "recoveries": len(recoveries),
         "recovery_median_s": statistics.median(recoveries) if recoveries else None,
@@ -151,10 +145,11 @@ def main() -> None:
             check=True,
         )
     rows = []
-    for mode in ("role_based", "full_restart"):
-        print(f"[{mode}] running {args.steps} steps under the fault schedule", flush=True)
-        rows.append(run_mode(mode, model, args.steps, args.seed))
-        print(f"[{mode}] {rows[-1]}", flush=True)
+    for mode, faults in (("role_based", False), ("role_based", True), ("full_restart", True)):
+        what = "under the fault schedule" if faults else "without faults"
+        print(f"[{mode}] running {args.steps} steps {what}", flush=True)
+        rows.append(run_mode(mode, model, args.steps, args.seed, faults=faults))
+        print(f"[{rows[-1]['mode']}] {rows[-1]}", flush=True)
 
     def fmt(value: float | None, spec: str) -> str:
         return "-" if value is None else format(value, spec)
@@ -162,19 +157,26 @@ def main() -> None:
     print()
     print(
         f"{'mode':14} {'phase':10} {'ETTR':>7} {'wall s':>8} {'faults':>7} "
-        f"{'recovery med s':>15} {'max s':>7} {'steps lost':>10}"
+        f"{'recovery med s':>15} {'max s':>7} {'steps lost':>10} {'stalled s':>9}"
     )
     for r in rows:
         print(
             f"{r['mode']:14} {r['phase']:10} {100 * r['ettr']:>6.1f}% {r['wall_s']:>8.0f} "
             f"{r['faults']:>7} {fmt(r['recovery_median_s'], '.1f'):>15} "
-            f"{fmt(r['recovery_max_s'], '.1f'):>7} {r['rolled_back_steps']:>10}"
+            f"{fmt(r['recovery_max_s'], '.1f'):>7} {r['rolled_back_steps']:>10} "
+            f"{r['stalled_s']:>9.0f}"
         )
-    role, full = rows
+    reference, role, full = rows
     if full["ettr"] and full["wall_s"]:
         print(
             f"ETTR role-based / full restart: {role['ettr'] / full['ettr']:.2f}x; "
             f"end-to-end time full restart / role-based: {full['wall_s'] / role['wall_s']:.2f}x"
+        )
+    if reference["wall_s"]:
+        print(
+            f"end-to-end time over the fault-free run: role-based "
+            f"{role['wall_s'] / reference['wall_s']:.2f}x, full restart "
+            f"{full['wall_s'] / reference['wall_s']:.2f}x"
         )
 
 

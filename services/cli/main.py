@@ -90,6 +90,8 @@ def ettr_line(summary: dict[str, Any]) -> str:
     )
     if summary["rolled_back_steps"]:
         line += f"; {summary['rolled_back_steps']} steps rolled back"
+    if summary.get("stalled_s", 0.0) >= 1.0:
+        line += f"; {summary['stalled_s']:.0f}s of trainer stalls not counted"
     return line + ")"
 
 

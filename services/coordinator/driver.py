@@ -44,7 +44,7 @@ CONTROL_DEADLINE = 30.0
 
 FIRST_EPOCH = 1
 
-ACCOUNTING_ONLY = frozenset({"step_started_at", "step_ended_at"})
+ACCOUNTING_ONLY = frozenset({"step_started_at", "step_work_started_at", "step_ended_at"})
 """Progress metrics that feed ETTR and are not kept in the job record."""
 
 
@@ -578,8 +578,8 @@ class JobDriver:
     def _account_progress(
         self, record: JobRecord, request: coordinator_pb2.ReportProgressRequest
     ) -> None:
-        """ETTR: the step's own work is kept time (until a roll back takes it), and so is the
-        generation of every group it trained."""
+        """ETTR: the step is kept time (until a roll back takes it; its wait for data within a
+        bound), and so is the generation of every group it trained."""
         account = self.accounts.get(request.job_id)
         if account is None:
             return
@@ -592,7 +592,8 @@ class JobDriver:
                 # A restored trainer computes these steps again: the first tries are lost.
                 with contextlib.suppress(ValueError):
                     account.roll_back(request.step - 1)
-            account.add_step(request.step, started, ended)
+            work = request.metrics.get("step_work_started_at")
+            account.add_step(request.step, started, ended, work_start=work)
         spans = self.generated.get(request.job_id, {})
         for group in request.trained_group_ids:
             span = spans.pop(group, None)

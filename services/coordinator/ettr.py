@@ -1,9 +1,14 @@
 """ETTR (effective training time ratio) accounting — pure: every time comes from the caller.
 
 Effective time is the measure of the union of
-  - the intervals in which the trainer made a step that is kept (not rolled back later): from
-    the end of its previous step, or from when the trainer became ready (after a start or a
-    restore), to the step's end — waiting for data between steps is part of making a step;
+  - the intervals in which the trainer made a step that is kept (not rolled back later). A
+    step's interval runs from the end of its previous step (or from when the trainer became
+    ready after a start or a restore) to its end, so the usual wait for data between steps
+    counts as part of making the step. A wait longer than usual does not: the interval counted
+    is at most STALL_FACTOR times the job's typical step interval (the median of the last
+    RECENT_STEPS), and never less than the step's own work. Without that bound, the time a
+    trainer spends waiting for restarted rollouts after a full restart would count as
+    progress. The first step of a job has no typical interval yet and counts its work only;
   - the intervals in which a rollout generated a group that was later trained (used),
 within the job's wall time [started_at, now or ended_at]. A union, not a sum: rollouts and
 the trainer overlap, and counting both would let ETTR pass 1. Generation that is used counts
@@ -28,10 +33,15 @@ from __future__ import annotations
 
 import bisect
 import math
+import statistics
 from collections.abc import Iterable
 
 from pydantic import BaseModel, Field
 
+STALL_FACTOR = 2.0
+"""A step's counted interval is at most this many typical step intervals (see the module doc)."""
+RECENT_STEPS = 31
+"""How many of the latest step intervals the typical interval is the median of."""
 MAX_INCIDENTS = 200
 """Incident timings kept in an account; older ones leave the list (counted in incidents_total)."""
 
@@ -87,14 +97,28 @@ class EttrAccount(BaseModel):
     """Trainer seconds spent on steps that a roll back threw away (a plain sum)."""
     incidents: list[IncidentTiming] = Field(default_factory=list)
     incidents_total: int = 0
+    recent_intervals: list[float] = Field(default_factory=list)
+    """The latest RECENT_STEPS step intervals as reported (end - start), oldest first."""
+    stalled_s: float = 0.0
+    """Seconds of waiting beyond the bound that steps did not count (a plain sum)."""
 
     # ------------------------------------------------------------------ recording
 
-    def add_step(self, step: int, start: float, end: float) -> None:
-        """The trainer computed `step` during [start, end]; kept unless rolled back later."""
+    def add_step(
+        self, step: int, start: float, end: float, work_start: float | None = None
+    ) -> None:
+        """The trainer made `step` between `start` (its previous step's end, or when it became
+        ready) and `end`, working on it from `work_start` (the batch was complete; None: the
+        whole interval was work). Kept unless rolled back later; see the module doc for the
+        bound on the wait."""
         start, end = self._span(start, end)
-        if end > start:
-            self.steps.append(StepSpan(step=step, start=start, end=end))
+        work_start = start if work_start is None else min(max(work_start, start), end)
+        typical = statistics.median_low(self.recent_intervals) if self.recent_intervals else 0.0
+        self.recent_intervals = [*self.recent_intervals, end - start][-RECENT_STEPS:]
+        counted_from = min(work_start, max(start, end - STALL_FACTOR * typical))
+        self.stalled_s += counted_from - start
+        if end > counted_from:
+            self.steps.append(StepSpan(step=step, start=counted_from, end=end))
 
     def roll_back(self, to_step: int) -> None:
         """A restore from the checkpoint of `to_step`: the steps after it stop counting."""
@@ -164,6 +188,7 @@ class EttrAccount(BaseModel):
             "wall_s": self.wall(now),
             "rolled_back_steps": self.rolled_back_steps,
             "rolled_back_s": self.rolled_back_s,
+            "stalled_s": self.stalled_s,
             "incidents_total": self.incidents_total,
             "incidents": [
                 {**i.model_dump(), "detection_s": i.detection_s, "recovery_s": i.recovery_s}

@@ -220,8 +220,8 @@ class TrainerWorker:
                 await self._record(self.step, {"eval_reward": await self._evaluate()})
             last = time.monotonic()
             # ETTR: a kept step stands for the time since the previous one ended (or since this
-            # trainer became ready): waiting for data between steps is part of making a step,
-            # the time before a restored trainer was ready is not.
+            # trainer became ready), within a bound on the wait for data (coordinator/ettr.py);
+            # the time before a restored trainer was ready is not part of it.
             previous_end = time.time()
             while self.step < spec.trainer.steps and not self._stopping:
                 batch, stale = self.intake.take_batch(self.step, spec.trainer.groups_per_step)
@@ -235,6 +235,7 @@ class TrainerWorker:
                     with contextlib.suppress(asyncio.TimeoutError):
                         await asyncio.wait_for(self.data_arrived.wait(), 1.0)
                     continue
+                work_started = time.time()
                 metrics = await self._train(batch)
                 elapsed = time.monotonic() - last
                 last = time.monotonic()
@@ -245,6 +246,7 @@ class TrainerWorker:
                 if self.step % spec.trainer.eval_every == 0 or self.step == spec.trainer.steps:
                     metrics["eval_reward"] = await self._evaluate()
                 metrics["step_started_at"] = previous_end
+                metrics["step_work_started_at"] = work_started
                 metrics["step_ended_at"] = previous_end = time.time()
                 await self._record(self.step, metrics)
                 keep_going = await self._report(metrics, [g.group_id for g in batch], dropped)

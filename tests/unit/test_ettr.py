@@ -6,6 +6,7 @@ import pytest
 
 from services.coordinator.ettr import (
     MAX_INCIDENTS,
+    STALL_FACTOR,
     EttrAccount,
     IncidentTiming,
     Span,
@@ -90,6 +91,39 @@ def test_a_fault_free_timeline_is_about_one() -> None:
     account.end(t)
     assert account.ettr(t) == pytest.approx(1.0, abs=0.02)
     assert account.ettr(t + 1000) == account.ettr(t)  # the job ended: the clock stopped
+
+
+def test_a_wait_longer_than_usual_counts_only_up_to_the_bound() -> None:
+    """Steps every second (0.2 s waiting for data, 0.8 s of work); then the trainer waits 20 s
+    for rollouts that a full restart brought down: only STALL_FACTOR typical intervals of that
+    step count, and the first step of the job, with no typical interval yet, counts its work."""
+    account = EttrAccount(started_at=0.0)
+    for step in range(1, 11):
+        account.add_step(step, step - 1.0, float(step), work_start=step - 0.8)
+    assert account.effective(10.0) == pytest.approx(0.8 + 9.0)
+    account.add_step(11, 10.0, 31.0, work_start=30.2)
+    assert account.effective(31.0) == pytest.approx(0.8 + 9.0 + STALL_FACTOR * 1.0)
+    assert account.stalled_s == pytest.approx(0.2 + 21.0 - STALL_FACTOR * 1.0)
+    # A slow step that was all work counts whole, however long.
+    account.add_step(12, 31.0, 41.0, work_start=31.0)
+    assert account.effective(41.0) == pytest.approx(0.8 + 9.0 + STALL_FACTOR + 10.0)
+
+
+def test_a_stall_is_covered_only_by_generation_that_was_used() -> None:
+    """The same 20 s trainer wait: role-based recovery kept rollouts generating used groups
+    through it, a full restart had no rollouts for 15 s of it."""
+    role_based, full_restart = EttrAccount(started_at=0.0), EttrAccount(started_at=0.0)
+    for account in (role_based, full_restart):
+        for step in range(1, 11):
+            account.add_step(step, step - 1.0, float(step), work_start=step - 0.8)
+            account.add_generation(step - 1.0, float(step))
+        account.add_step(11, 10.0, 31.0, work_start=30.2)
+        account.end(31.0)
+    role_based.add_generation(10.0, 30.2)
+    full_restart.add_generation(25.0, 30.2)
+    assert role_based.ettr(31.0) == pytest.approx(1.0)
+    # [0, 10] of steps and their generation, then [25, 31]: generation up to the step's end.
+    assert full_restart.ettr(31.0) == pytest.approx((10.0 + 6.0) / 31.0)
 
 
 def test_compaction_keeps_the_numbers_identical() -> None:
