@@ -23,7 +23,7 @@ from rich.console import Console
 from rich.table import Table
 
 from robustrl.v1 import coordinator_pb2, coordinator_pb2_grpc
-from services.cli import chaos, stack
+from services.cli import chaos, provider, stack
 from services.cli.client import DEFAULT_DEADLINE, StackClient
 
 console = Console(soft_wrap=True)
@@ -136,7 +136,10 @@ def cmd_up(args: argparse.Namespace) -> int:
         services = [stack.start_service(state, "monitor", "monitor-0")]
         for i in range(args.coordinators):
             # Replacements a coordinator starts log next to the stack's own processes.
-            extra = {"ROBUSTRL_COORDINATOR_PROVISION_LOG_DIR": str(home / "logs")}
+            extra = {
+                "ROBUSTRL_COORDINATOR_PROVISION_LOG_DIR": str(home / "logs"),
+                "ROBUSTRL_COORDINATOR_PROVISIONER": args.provisioner,
+            }
             services.append(stack.start_service(state, "coordinator", f"coordinator-{i}", extra))
         for i in range(args.trainers):
             services.append(stack.start_service(state, "trainer", f"trainer-{i}"))
@@ -465,6 +468,31 @@ def cmd_chaos(args: argparse.Namespace) -> int:
         raise UsageError(str(exc)) from exc
 
 
+def cmd_provider(args: argparse.Namespace) -> int:
+    """Fulfil an `external` provisioner's requests with a command (services/cli/provider.py)."""
+    roles = [r.strip() for r in args.roles.split(",") if r.strip()]
+    unknown = sorted(set(roles) - {"trainer", "rollout"})
+    if unknown or not roles:
+        given = ",".join(unknown) or "nothing"
+        raise UsageError(f"--roles takes trainer and/or rollout, not {given}")
+    name = args.name or f"provider-{os.uname().nodename}-{os.getpid()}"
+
+    async def run(client: StackClient) -> int:
+        console.print(f"provider {name}: serving {', '.join(roles)} requests with: {args.exec}")
+        try:
+            await provider.serve_requests(
+                client, args.exec, name=name, roles=roles, timeout=args.timeout
+            )
+        except provider.ProviderError as exc:
+            raise UsageError(f"the coordinator refused this provider: {exc}") from exc
+        return 0
+
+    try:
+        return with_client(args, run)
+    except KeyboardInterrupt:
+        return 0
+
+
 # ----------------------------------------------------------------------------- parser
 
 
@@ -485,6 +513,13 @@ def build_parser() -> argparse.ArgumentParser:
         type=int,
         default=0,
         help="warm standby trainers, promoted when a job's trainer fails (default 0)",
+    )
+    up.add_argument(
+        "--provisioner",
+        choices=("local", "external", "none"),
+        default="local",
+        help="who starts replacement members: local processes (default), a scheduler "
+        "connected with `robustrl provider` (external), or nobody (none)",
     )
     up.add_argument("--timeout", type=float, default=60.0, help="seconds to wait for health")
     up.add_argument("--job", help="submit this job spec once the stack is up")
@@ -542,6 +577,26 @@ def build_parser() -> argparse.ArgumentParser:
     chaos_cmd = sub.add_parser("chaos", help="inject failures into a running job: kill, hang, NaN")
     chaos.add_arguments(chaos_cmd)
     chaos_cmd.set_defaults(func=cmd_chaos)
+
+    provide = sub.add_parser(
+        "provider",
+        help="start replacement members for an `external` provisioner by running a command",
+    )
+    provide.add_argument(
+        "--exec",
+        required=True,
+        metavar="CMD",
+        help="shell command run per request, with the request in ROBUSTRL_PROVISION_* and the "
+        "member's environment (see services/cli/provider.py); exit 0 means started",
+    )
+    provide.add_argument("--name", default="", help="this scheduler's name (default: host-pid)")
+    provide.add_argument(
+        "--roles", default="trainer,rollout", help="roles it starts (default trainer,rollout)"
+    )
+    provide.add_argument(
+        "--timeout", type=float, default=120.0, help="seconds CMD may run (default 120)"
+    )
+    provide.set_defaults(func=cmd_provider)
     return parser
 
 

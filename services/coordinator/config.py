@@ -22,10 +22,12 @@ class CoordinatorSettings(ServiceSettings):
     lease_seconds: float = Field(default=60.0, gt=0)
     """How long a rollout may hold a prompt group before it is leased to another."""
 
-    provisioner: Literal["local", "none"] = "local"
+    provisioner: Literal["local", "external", "none"] = "local"
     """Who starts replacement members: `local` starts service processes on this host (the
-    local stack); `none` starts nothing and waits for a free member of the role to appear in
-    the registry (an operator or scheduler starts them)."""
+    local stack); `external` sends each request to a scheduler connected over the
+    Provisioning gRPC stream (`robustrl provider`, or a Slurm/Kubernetes operator's own
+    client); `none` starts nothing and waits for a free member of the role to appear in the
+    registry (an operator starts them)."""
 
     provision_log_dir: str = ""
     """Where the local provisioner writes its processes' logs; empty: a temp directory."""

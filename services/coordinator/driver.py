@@ -382,6 +382,13 @@ class JobDriver:
             )
             await self.executor.bound(record.job_id, member.role, member.instance_id)
 
+    def provision_failed(self, job_id: str, role: str) -> None:
+        """The provisioner will not deliver a member it was asked for: the next supervision
+        round asks again instead of waiting out the de-duplication window."""
+        asked = self._provisioning.get((job_id, role))
+        if asked:
+            asked.pop(0)
+
     async def _provision(self, job_id: str, role: str, count: int) -> None:
         """Ask for `count` members of `role`, minus those asked for recently (120 s)."""
         now = time.time()

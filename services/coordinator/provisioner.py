@@ -2,9 +2,10 @@
 
 A request names a role and why. The provisioner starts a member of that role somewhere; the
 new member registers in etcd like any other, and the leader binds it to the job that needs
-it. So a provisioner never talks to the job: `local` starts a service process on this host,
-and a scheduler-backed one (Slurm, Kubernetes) would submit a pod or a job step instead and
-let the member register itself — the interface is the same.
+it. So a provisioner never talks to the job: `local` starts a service process on this host;
+`external` hands the request to a scheduler (a Slurm or Kubernetes operator) connected over
+the Provisioning gRPC stream, which submits a job step or a pod and lets the member register
+itself. A Docker or Kubernetes provisioner in the coordinator would be one more subclass.
 """
 
 from __future__ import annotations
@@ -16,18 +17,25 @@ import socket
 import tempfile
 import time
 from abc import ABC, abstractmethod
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import aetcd
 from pydantic import BaseModel
 
+from robustrl.v1 import provisioning_pb2
 from services.common.config import EtcdSettings, member_argv, member_env
+from services.common.errors import AlreadyExists, InvalidArgument, NotFound
 from services.common.keys import KeySpace
 from services.common.logs import get_logger
+from services.common.registry import ROLE_FROM_PROTO, ROLE_TO_PROTO
 
 log = get_logger(__name__)
 
 ROLES = ("trainer", "rollout")
+ACCEPTED_METADATA_KEY = "robustrl-scheduler-accepted"
+"""Initial metadata of a Provisioning stream whose hello was accepted (value: the name)."""
 
 
 class ProvisionedRecord(BaseModel):
@@ -45,10 +53,21 @@ class ProvisionedRecord(BaseModel):
 
 
 class Provisioner(ABC):
+    on_failure: Callable[[str, str], None] | None = None
+    """Called with (job_id, role) when a member asked for will not come (the scheduler said
+    so), so the caller asks again at once instead of waiting for it."""
+
     @abstractmethod
     async def request(self, role: str, job_id: str, reason: str, standby: bool = False) -> str:
         """Start a member of `role` (a warm standby trainer if `standby`); returns its instance
         id (it registers on its own)."""
+
+
+def new_member(role: str, standby: bool) -> str:
+    """A fresh instance id for a provisioned member; ValueError for a role nobody provisions."""
+    if role not in ROLES:
+        raise ValueError(f"cannot provision a {role}; only {', '.join(ROLES)}")
+    return f"{'standby' if standby else role}-p{secrets.token_hex(3)}"
 
 
 class NoProvisioner(Provisioner):
@@ -71,9 +90,7 @@ class LocalProvisioner(Provisioner):
         self._procs: list[asyncio.subprocess.Process] = []
 
     async def request(self, role: str, job_id: str, reason: str, standby: bool = False) -> str:
-        if role not in ROLES:
-            raise ValueError(f"cannot provision a {role}; only {', '.join(ROLES)}")
-        instance_id = f"{'standby' if standby else role}-p{secrets.token_hex(3)}"
+        instance_id = new_member(role, standby)
         env = {
             k: v
             for k, v in os.environ.items()
@@ -114,6 +131,140 @@ class LocalProvisioner(Provisioner):
         await self.client.put(self.keys.provisioned(instance_id), record.model_dump_json().encode())
         log.info("provision.started", role=role, member=instance_id, pid=proc.pid, job=job_id)
         return instance_id
+
+
+@dataclass
+class Scheduler:
+    """One scheduler connected to the Provisioning stream."""
+
+    name: str
+    roles: frozenset[str]
+    outbox: asyncio.Queue[provisioning_pb2.ProvisionRequest] = field(default_factory=asyncio.Queue)
+
+
+@dataclass
+class PendingRequest:
+    message: provisioning_pb2.ProvisionRequest
+    role: str
+    sent_to: str | None = None
+    """The scheduler it was sent to; None while it waits for one."""
+
+
+class ExternalProvisioner(Provisioner):
+    """Hands each request to a connected scheduler that offers the role (the one with the
+    fewest requests outstanding) and keeps it until that scheduler reports on it. A request
+    made while no such scheduler is connected, or sent on a stream that broke before the
+    report, goes to the next one that connects: nothing asked for is dropped. Pending requests
+    live in the leader's memory; a new leader asks again for what its jobs still miss."""
+
+    def __init__(self, etcd: EtcdSettings) -> None:
+        self.etcd = etcd
+        self.pending: dict[str, PendingRequest] = {}
+        self.schedulers: dict[str, Scheduler] = {}
+
+    async def request(self, role: str, job_id: str, reason: str, standby: bool = False) -> str:
+        instance_id = new_member(role, standby)
+        env = member_env(self.etcd.endpoints, self.etcd.prefix, role, instance_id)
+        if standby:
+            env["ROBUSTRL_TRAINER_STANDBY"] = "true"
+        message = provisioning_pb2.ProvisionRequest(
+            request_id=f"prov-{secrets.token_hex(4)}",
+            role=ROLE_TO_PROTO[role],
+            instance_id=instance_id,
+            job_id=job_id,
+            reason=reason,
+            standby=standby,
+            env=env,
+            argv=member_argv(role),
+        )
+        self.pending[message.request_id] = PendingRequest(message, role)
+        sent_to = self._dispatch(self.pending[message.request_id])
+        log.info(
+            "provision.requested",
+            role=role,
+            member=instance_id,
+            job=job_id,
+            request=message.request_id,
+            scheduler=sent_to or "none connected; kept until one is",
+        )
+        return instance_id
+
+    def connect(self, hello: provisioning_pb2.ProvisionerHello) -> Scheduler:
+        """A scheduler said hello: register it and send it what waits for its roles."""
+        if not hello.name:
+            raise InvalidArgument("the hello must name the scheduler")
+        if hello.name in self.schedulers:
+            raise AlreadyExists(f"a scheduler named {hello.name!r} is already connected")
+        roles = {ROLE_FROM_PROTO.get(r, str(r)) for r in hello.roles} or set(ROLES)
+        if not roles <= set(ROLES):
+            raise InvalidArgument(
+                f"a scheduler can offer only {', '.join(ROLES)}, not {sorted(roles - set(ROLES))}"
+            )
+        scheduler = Scheduler(hello.name, frozenset(roles))
+        self.schedulers[scheduler.name] = scheduler
+        waiting = [p for p in self.pending.values() if p.sent_to is None]
+        for pending in waiting:
+            self._dispatch(pending)
+        log.info(
+            "provision.scheduler_connected",
+            scheduler=scheduler.name,
+            roles=sorted(scheduler.roles),
+            sent=sum(p.sent_to == scheduler.name for p in waiting),
+        )
+        return scheduler
+
+    def disconnect(self, scheduler: Scheduler) -> None:
+        """Its stream ended: what it did not report on goes to another scheduler, or waits."""
+        if self.schedulers.get(scheduler.name) is not scheduler:
+            return
+        del self.schedulers[scheduler.name]
+        orphans = [p for p in self.pending.values() if p.sent_to == scheduler.name]
+        for pending in orphans:
+            pending.sent_to = None
+            self._dispatch(pending)
+        log.warning("provision.scheduler_gone", scheduler=scheduler.name, unreported=len(orphans))
+
+    def report(self, scheduler: Scheduler, report: provisioning_pb2.ProvisionReport) -> None:
+        pending = self.pending.get(report.request_id)
+        if pending is None or pending.sent_to != scheduler.name:
+            raise NotFound(
+                f"no request {report.request_id!r} is waiting for a report from {scheduler.name!r}"
+            )
+        del self.pending[report.request_id]
+        message = pending.message
+        if report.ok:
+            log.info(
+                "provision.started",
+                role=pending.role,
+                member=message.instance_id,
+                job=message.job_id,
+                scheduler=scheduler.name,
+                detail=report.detail,
+            )
+            return
+        log.error(
+            "provision.failed",
+            role=pending.role,
+            member=message.instance_id,
+            job=message.job_id,
+            scheduler=scheduler.name,
+            error=report.error,
+        )
+        if self.on_failure is not None and not message.standby:
+            self.on_failure(message.job_id, pending.role)
+
+    def _dispatch(self, pending: PendingRequest) -> str | None:
+        offering = [s for s in self.schedulers.values() if pending.role in s.roles]
+        if not offering:
+            return None
+
+        def outstanding(s: Scheduler) -> int:
+            return sum(p.sent_to == s.name for p in self.pending.values())
+
+        chosen = min(offering, key=lambda s: (outstanding(s), s.name))
+        pending.sent_to = chosen.name
+        chosen.outbox.put_nowait(pending.message)
+        return chosen.name
 
 
 async def list_provisioned(client: aetcd.Client, keys: KeySpace) -> list[ProvisionedRecord]:

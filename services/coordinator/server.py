@@ -2,15 +2,22 @@
 
 from __future__ import annotations
 
+import asyncio
 import secrets
 from collections.abc import AsyncIterator
+from typing import Any
 
 import grpc
 from google.protobuf.timestamp_pb2 import Timestamp
 
-from robustrl.v1 import coordinator_pb2, coordinator_pb2_grpc
+from robustrl.v1 import (
+    coordinator_pb2,
+    coordinator_pb2_grpc,
+    provisioning_pb2,
+    provisioning_pb2_grpc,
+)
 from services.common.config import EtcdSettings
-from services.common.errors import Aborted, InvalidArgument
+from services.common.errors import Aborted, FailedPrecondition, InvalidArgument
 from services.common.jobspec import parse_spec, validate_job_id
 from services.common.logs import get_logger
 from services.common.registry import ROLE_FROM_PROTO, member_to_proto
@@ -20,12 +27,18 @@ from services.coordinator.config import CoordinatorSettings
 from services.coordinator.driver import JobDriver
 from services.coordinator.jobs import Phase
 from services.coordinator.leadership import Leadership
-from services.coordinator.provisioner import LocalProvisioner
+from services.coordinator.provisioner import (
+    ACCEPTED_METADATA_KEY,
+    ExternalProvisioner,
+    LocalProvisioner,
+    Scheduler,
+)
 from services.coordinator.store import JobStore
 
 log = get_logger(__name__)
 
 SERVICE_NAME = coordinator_pb2.DESCRIPTOR.services_by_name["Coordinator"].full_name
+PROVISIONING_SERVICE_NAME = provisioning_pb2.DESCRIPTOR.services_by_name["Provisioning"].full_name
 
 
 class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
@@ -152,6 +165,75 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
         return coordinator_pb2.ReportProgressResponse(keep_going=keep_going)
 
 
+class ProvisioningServicer(provisioning_pb2_grpc.ProvisioningServicer):
+    """The `external` provisioner's stream (protos/robustrl/v1/provisioning.proto)."""
+
+    def __init__(self, leadership: Leadership, driver: JobDriver) -> None:
+        self.leadership = leadership
+        self.driver = driver
+
+    async def Provision(
+        self,
+        request_iterator: AsyncIterator[provisioning_pb2.ProvisionerMessage],
+        context: grpc.aio.ServicerContext,
+    ) -> AsyncIterator[provisioning_pb2.ProvisionRequest]:
+        await self.leadership.require_leader()
+        provisioner = self.driver.provisioner
+        if not isinstance(provisioner, ExternalProvisioner):
+            raise FailedPrecondition(
+                "this coordinator does not take an external provisioner; start it with "
+                "ROBUSTRL_COORDINATOR_PROVISIONER=external"
+            )
+        first = await anext(aiter(request_iterator), None)
+        if first is None or not first.HasField("hello"):
+            raise InvalidArgument("the first message on the stream must be a hello")
+        scheduler = provisioner.connect(first.hello)
+        # Tells the scheduler it was accepted before any request comes.
+        await context.send_initial_metadata(((ACCEPTED_METADATA_KEY, scheduler.name),))
+        # Reports arrive while requests go out: the reader hands its outcome to the writer.
+        ended: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        reader = asyncio.create_task(self._read(request_iterator, provisioner, scheduler, ended))
+        getter: asyncio.Future[provisioning_pb2.ProvisionRequest] | None = None
+        try:
+            while True:
+                if getter is None:
+                    getter = asyncio.ensure_future(scheduler.outbox.get())
+                either: list[asyncio.Future[Any]] = [getter, ended]
+                await asyncio.wait(either, timeout=1.0, return_when="FIRST_COMPLETED")
+                if getter.done():
+                    request, getter = getter.result(), None
+                    yield request
+                elif ended.done():
+                    ended.result()  # the reader's error, if it stopped on one
+                    return
+                else:
+                    await self.leadership.require_leader()  # a deposed leader ends the stream
+        finally:
+            # A request taken from the outbox but not sent is still pending: disconnect
+            # sends it elsewhere, like every other one this scheduler did not report on.
+            if getter is not None:
+                getter.cancel()
+            reader.cancel()
+            provisioner.disconnect(scheduler)
+
+    @staticmethod
+    async def _read(
+        messages: AsyncIterator[provisioning_pb2.ProvisionerMessage],
+        provisioner: ExternalProvisioner,
+        scheduler: Scheduler,
+        ended: asyncio.Future[None],
+    ) -> None:
+        try:
+            async for message in messages:
+                if not message.HasField("report"):
+                    raise InvalidArgument("only reports may follow the hello")
+                provisioner.report(scheduler, message.report)
+        except Exception as exc:
+            ended.set_exception(exc)
+        else:
+            ended.set_result(None)
+
+
 def _event(record: jobs.JobRecord, revision: int) -> coordinator_pb2.JobEvent:
     observed = Timestamp()
     observed.GetCurrentTime()
@@ -162,7 +244,9 @@ def _event(record: jobs.JobRecord, revision: int) -> coordinator_pb2.JobEvent:
 
 async def serve(settings: CoordinatorSettings, etcd: EtcdSettings) -> ServiceRuntime:
     """Start a coordinator replica: server, registration, campaign. Returns its runtime."""
-    runtime = ServiceRuntime("coordinator", settings, etcd, service_names=[SERVICE_NAME])
+    runtime = ServiceRuntime(
+        "coordinator", settings, etcd, service_names=[SERVICE_NAME, PROVISIONING_SERVICE_NAME]
+    )
 
     driver: JobDriver | None = None
 
@@ -183,12 +267,18 @@ async def serve(settings: CoordinatorSettings, etcd: EtcdSettings) -> ServiceRun
     coordinator_pb2_grpc.add_CoordinatorServicer_to_server(
         CoordinatorServicer(runtime, leadership, driver), runtime.host.server
     )
+    provisioning_pb2_grpc.add_ProvisioningServicer_to_server(
+        ProvisioningServicer(leadership, driver), runtime.host.server
+    )
     await runtime.start()
     if settings.provisioner == "local":
         assert runtime.client is not None
         driver.provisioner = LocalProvisioner(
             runtime.client, runtime.keys, etcd, settings.provision_log_dir
         )
+    elif settings.provisioner == "external":
+        driver.provisioner = ExternalProvisioner(etcd)
+    driver.provisioner.on_failure = driver.provision_failed
     leadership.start()
     driver.start()
     runtime.host.before_stop.insert(0, leadership.resign)

@@ -4,10 +4,12 @@ is trained or accounted for."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
 import statistics
+import subprocess
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -15,7 +17,7 @@ from typing import Any
 
 import pytest
 
-from tests.e2e.test_cli_stack import EXAMPLE, Cli
+from tests.e2e.test_cli_stack import EXAMPLE, REPO, Cli
 from tests.e2e.test_detection import detection_stack, incidents, member, step_of, wait_for_incident
 from tests.e2e.test_rl_job import etcd_json
 from tests.support import eventually_sync
@@ -180,3 +182,52 @@ def test_a_killed_leader_coordinator_restarts_no_data_plane_role(
     assert after == data_plane
     assert recoveries(stack, "lc") == []
     assert_nothing_lost_or_trained_twice(stack, "lc", tmp_path / "runs" / "lc")
+
+
+def test_an_external_scheduler_supplies_the_replacement_rollout(
+    model_dir: Path, tmp_path: Path
+) -> None:
+    """`external` provisioner: the request waits for a scheduler; `robustrl provider`, started
+    only after the failure, receives it and starts the member with the request's id."""
+    started = tmp_path / "started"
+    started.mkdir()
+    command = (
+        f"$ROBUSTRL_PROVISION_ARGV >{started}/$ROBUSTRL_PROVISION_INSTANCE_ID.log 2>&1 & "
+        f"echo $! >{started}/$ROBUSTRL_PROVISION_INSTANCE_ID.pid; echo pid $!"
+    )
+    provider: subprocess.Popen[bytes] | None = None
+    with detection_stack(tmp_path, "--provisioner", "external") as cli:
+        try:
+            submit(cli, model_dir, "ex")
+            eventually_sync(lambda: step_of(cli, "ex") >= 5, timeout=180)
+            os.kill(int(member(cli, "rollout-1")["pid"]), signal.SIGKILL)
+            wait_for_incident(cli, "MEMBER_LOST", "rollout-1", timeout=15)
+            eventually_sync(lambda: bool(recoveries(cli, "ex")), timeout=15)
+            assert not recoveries(cli, "ex")[0]["done_at"]  # no scheduler: nothing started
+            assert list(started.iterdir()) == []
+            provider = subprocess.Popen(
+                cli.argv("provider", "--exec", command, "--name", "sim", "--roles", "rollout"),
+                stdout=subprocess.DEVNULL,
+                stderr=(tmp_path / "provider.log").open("w"),
+                env=cli.env,
+                cwd=REPO,
+            )
+            finish(cli, "ex")
+            [rec] = recoveries(cli, "ex")
+            assert rec["actions"] == [
+                "FENCE rollout-1",
+                "REQUEUE rollout-1",
+                "REPLACE_ROLLOUT rollout-1",
+            ]
+            [replacement] = rec["replacements"]
+            # The member that joined is the very process the scheduler's command started.
+            pid = int((started / f"{replacement}.pid").read_text())
+            assert member(cli, replacement)["pid"] == pid
+            assert_nothing_lost_or_trained_twice(cli, "ex", tmp_path / "runs" / "ex")
+        finally:
+            if provider is not None:
+                provider.kill()  # the provider we started, by pid
+                provider.wait()
+            for pid_file in started.glob("*.pid"):  # the members its command started
+                with contextlib.suppress(ProcessLookupError, ValueError):
+                    os.kill(int(pid_file.read_text()), signal.SIGKILL)

@@ -31,7 +31,7 @@ class Cli:
         self, *args: str, check: bool = True, timeout: float = 120
     ) -> subprocess.CompletedProcess[str]:
         result = subprocess.run(
-            [sys.executable, "-m", "services.cli.main", *args],
+            self.argv(*args),
             capture_output=True,
             text=True,
             env=self.env,
@@ -41,6 +41,9 @@ class Cli:
         if check and result.returncode != 0:
             raise AssertionError(f"robustrl {' '.join(args)} failed: {result.stderr}")
         return result
+
+    def argv(self, *args: str) -> list[str]:
+        return [sys.executable, "-m", "services.cli.main", *args]
 
     def json(self, *args: str) -> object:
         return json.loads(self.run(*args, "--json").stdout)

@@ -55,14 +55,17 @@ async def monitor(etcd_settings: EtcdSettings) -> AsyncIterator[ServiceRuntime]:
     await runtime.shutdown()
 
 
-@pytest.fixture
-async def coordinators(
-    etcd_settings: EtcdSettings, monitor: ServiceRuntime
-) -> AsyncIterator[list[ServiceRuntime]]:
-    """Two replicas; the list is ordered leader first once one leads."""
+async def start_coordinators(
+    etcd_settings: EtcdSettings, **settings: object
+) -> list[ServiceRuntime]:
+    """Two replicas, ordered leader first once one leads and takes writes."""
     runtimes = [
         await serve_coordinator(
-            CoordinatorSettings(instance_id=f"coordinator-{i}", heartbeat_interval=0.2),
+            CoordinatorSettings(
+                instance_id=f"coordinator-{i}",
+                heartbeat_interval=0.2,
+                **settings,  # type: ignore[arg-type]
+            ),
             etcd_settings,
         )
         for i in range(2)
@@ -75,7 +78,26 @@ async def coordinators(
     await eventually(elected, timeout=10)
     leader = await leader_of(runtimes)
     assert leader is not None
-    ordered = [leader, *[r for r in runtimes if r is not leader]]
-    yield ordered
+    return [leader, *[r for r in runtimes if r is not leader]]
+
+
+@pytest.fixture
+async def coordinators(
+    etcd_settings: EtcdSettings, monitor: ServiceRuntime
+) -> AsyncIterator[list[ServiceRuntime]]:
+    """Two replicas with the local provisioner; the list is ordered leader first."""
+    runtimes = await start_coordinators(etcd_settings)
+    yield runtimes
+    for runtime in runtimes:
+        await runtime.shutdown()
+
+
+@pytest.fixture
+async def external_coordinators(
+    etcd_settings: EtcdSettings,
+) -> AsyncIterator[list[ServiceRuntime]]:
+    """Two replicas that take an external provisioner; leader first."""
+    runtimes = await start_coordinators(etcd_settings, provisioner="external")
+    yield runtimes
     for runtime in runtimes:
         await runtime.shutdown()
