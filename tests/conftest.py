@@ -113,3 +113,16 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
         timeout=600,
     )
     return out
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The smallest model (tests/unit/tiny_model.py's TINY, seed 0), made once in-process, for
+    the engine, GRPO and trainer-rank tests. Read-only: a test that changes it makes a copy."""
+    import torch
+
+    from services.trainer.modelgen import init_model
+    from tests.unit.tiny_model import TINY
+
+    torch.set_num_threads(1)
+    return init_model(tmp_path_factory.mktemp("tiny"), seed=0, shape=TINY)

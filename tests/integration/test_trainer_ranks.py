@@ -15,7 +15,6 @@ from pathlib import Path
 
 import grpc
 import pytest
-import torch
 
 from robustrl.v1 import monitor_pb2, monitor_pb2_grpc
 from services.common.config import EtcdSettings
@@ -29,22 +28,14 @@ from services.monitor.server import serve as serve_monitor
 from services.trainer.config import TrainerSettings
 from services.trainer.follower import load_trainer
 from services.trainer.grpo import GRPOTrainer, Sample, StepMetrics, completion_logprobs
-from services.trainer.modelgen import init_model
 from services.trainer.ranks import LeaderRanks, fingerprint
 from tests.support import eventually
-from tests.unit.tiny_model import TINY
 
 JOB = "ranks-job"
 BUDGET = 1.0
 """The monitor's collective budget here: the incident must come within it (plus a round)."""
 STOP_AT = 3
 """The 1-based step inside which rank 1 is stopped."""
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    torch.set_num_threads(1)
-    return init_model(tmp_path_factory.mktemp("tiny"), seed=0, shape=TINY)
 
 
 @pytest.fixture
@@ -84,9 +75,9 @@ async def _health(monitor: ServiceRuntime) -> dict[str, monitor_pb2.MemberHealth
 @pytest.mark.slow
 @pytest.mark.timeout(120)
 async def test_ranks_train_alike_and_a_rank_stopped_in_a_step_is_named(
-    etcd_settings: EtcdSettings, fast_monitor: ServiceRuntime, model_dir: Path, tmp_path: Path
+    etcd_settings: EtcdSettings, fast_monitor: ServiceRuntime, tiny_model_dir: Path, tmp_path: Path
 ) -> None:
-    spec = JobSpec(name="ranks", model=ModelSpec(path=str(model_dir)))
+    spec = JobSpec(name="ranks", model=ModelSpec(path=str(tiny_model_dir)))
     spec_path = tmp_path / "spec.json"
     spec_path.write_text(spec.model_dump_json())
     settings = TrainerSettings(instance_id="trainer-0", heartbeat_interval=0.1)
@@ -217,9 +208,9 @@ async def test_ranks_train_alike_and_a_rank_stopped_in_a_step_is_named(
 
 
 async def test_a_follower_that_dies_before_joining_fails_the_start_at_once(
-    etcd_settings: EtcdSettings, model_dir: Path, tmp_path: Path
+    etcd_settings: EtcdSettings, tiny_model_dir: Path, tmp_path: Path
 ) -> None:
-    trainer = load_trainer(JobSpec(name="ranks", model=ModelSpec(path=str(model_dir))))
+    trainer = load_trainer(JobSpec(name="ranks", model=ModelSpec(path=str(tiny_model_dir))))
     progress = Progress(phase="loading")
     leader = LeaderRanks(progress, timeout_s=60)
     started = time.monotonic()

@@ -20,15 +20,9 @@ from tests.unit.tiny_model import TINY
 PROMPTS = ["3+4=", "12+17=", "1+1=", "19+13="]
 
 
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    torch.set_num_threads(1)
-    return init_model(tmp_path_factory.mktemp("tiny"), seed=0, shape=TINY)
-
-
 @pytest.fixture
-def engine(model_dir: Path) -> TorchEngine:
-    return TorchEngine.from_pretrained(model_dir)
+def engine(tiny_model_dir: Path) -> TorchEngine:
+    return TorchEngine.from_pretrained(tiny_model_dir)
 
 
 def _single_sequence_logprobs(
@@ -209,15 +203,15 @@ def test_bad_sampling_params_are_rejected() -> None:
     assert SamplingParams(max_new_tokens=4, min_new_tokens=4).min_new_tokens == 4
 
 
-def _other_weights(model_dir: Path, tmp_path: Path) -> TorchEngine:
+def _other_weights(tiny_model_dir: Path, tmp_path: Path) -> TorchEngine:
     init_model(tmp_path / "other", seed=1, shape=TINY)
     return TorchEngine.from_pretrained(tmp_path / "other")
 
 
 def test_load_weights_swaps_the_whole_model(
-    engine: TorchEngine, model_dir: Path, tmp_path: Path
+    engine: TorchEngine, tiny_model_dir: Path, tmp_path: Path
 ) -> None:
-    other = _other_weights(model_dir, tmp_path)
+    other = _other_weights(tiny_model_dir, tmp_path)
     params = SamplingParams(n=2, temperature=1.0, max_new_tokens=5, seed=5)
     assert engine.generate(PROMPTS, params) != other.generate(PROMPTS, params)
     engine.load_weights(other.model.state_dict().items(), version=7)
@@ -229,10 +223,10 @@ def test_load_weights_swaps_the_whole_model(
 
 @pytest.mark.parametrize("fault", ["shape", "dtype", "missing", "unknown", "duplicate"])
 def test_load_weights_rejects_a_mismatch_and_changes_nothing(
-    engine: TorchEngine, model_dir: Path, tmp_path: Path, fault: str
+    engine: TorchEngine, tiny_model_dir: Path, tmp_path: Path, fault: str
 ) -> None:
     before = {k: v.clone() for k, v in engine.model.state_dict().items()}
-    update = list(_other_weights(model_dir, tmp_path).model.state_dict().items())
+    update = list(_other_weights(tiny_model_dir, tmp_path).model.state_dict().items())
     # The bad tensor comes last, so a non-atomic loader would already have copied the rest.
     name, tensor = update[-1]
     if fault == "shape":
@@ -253,9 +247,9 @@ def test_load_weights_rejects_a_mismatch_and_changes_nothing(
 
 
 def test_a_weight_swap_waits_for_the_generation_in_progress(
-    engine: TorchEngine, model_dir: Path, tmp_path: Path
+    engine: TorchEngine, tiny_model_dir: Path, tmp_path: Path
 ) -> None:
-    other = _other_weights(model_dir, tmp_path)
+    other = _other_weights(tiny_model_dir, tmp_path)
     params = SamplingParams(n=2, temperature=1.0, max_new_tokens=5, seed=5)
     expected_old = engine.generate(PROMPTS, params)
     started, release = threading.Event(), threading.Event()
@@ -299,11 +293,11 @@ def test_vllm_engine_module_needs_no_vllm_to_import() -> None:
 
 
 def test_vllm_weight_specs_come_from_the_checkpoint_header(
-    engine: TorchEngine, model_dir: Path
+    engine: TorchEngine, tiny_model_dir: Path
 ) -> None:
     from services.rollout.vllm_engine import checkpoint_specs
 
-    assert checkpoint_specs(model_dir) == engine.weight_specs()
+    assert checkpoint_specs(tiny_model_dir) == engine.weight_specs()
 
 
 def test_vllm_outputs_convert_to_completions() -> None:
@@ -328,19 +322,21 @@ def test_vllm_outputs_convert_to_completions() -> None:
 
 
 @pytest.mark.gpu
-def test_vllm_engine_matches_the_torch_engine(model_dir: Path, tmp_path: Path) -> None:
+def test_vllm_engine_matches_the_torch_engine(tiny_model_dir: Path, tmp_path: Path) -> None:
     pytest.importorskip("vllm")
     if not torch.cuda.is_available():
         pytest.skip("vLLM needs a CUDA GPU")
     from services.rollout.vllm_engine import VLLMEngine
 
-    reference = TorchEngine.from_pretrained(model_dir)
-    vllm = VLLMEngine(model_dir, dtype="float32", gpu_memory_utilization=0.2, enforce_eager=True)
+    reference = TorchEngine.from_pretrained(tiny_model_dir)
+    vllm = VLLMEngine(
+        tiny_model_dir, dtype="float32", gpu_memory_utilization=0.2, enforce_eager=True
+    )
     groups = vllm.generate(PROMPTS, SamplingParams(n=3, temperature=0.8, max_new_tokens=6, seed=1))
     for c in (c for g in groups for c in g):
         ref = _single_sequence_logprobs(reference, c.prompt_ids, c.token_ids, 0.8)
         assert c.logprobs == pytest.approx(ref, abs=1e-3)
-    other = _other_weights(model_dir, tmp_path)
+    other = _other_weights(tiny_model_dir, tmp_path)
     vllm.load_weights(other.model.state_dict().items(), version=4)
     assert vllm.weight_version == 4
     greedy = SamplingParams(n=1, temperature=0.0, max_new_tokens=6)

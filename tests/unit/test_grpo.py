@@ -20,8 +20,6 @@ from services.trainer.grpo import (
     lr_at,
     policy_loss,
 )
-from services.trainer.modelgen import init_model
-from tests.unit.tiny_model import TINY
 
 PAD = 0
 
@@ -162,14 +160,10 @@ def test_sample_validates_lengths() -> None:
         Sample([1], [], [], 0.0)
 
 
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    torch.set_num_threads(1)
-    return init_model(tmp_path_factory.mktemp("tiny"), seed=0, shape=TINY)
-
-
-def _policy(model_dir: Path) -> torch.nn.Module:
-    model: torch.nn.Module = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+def _policy(tiny_model_dir: Path) -> torch.nn.Module:
+    model: torch.nn.Module = AutoModelForCausalLM.from_pretrained(
+        tiny_model_dir, dtype=torch.float32
+    )
     return model
 
 
@@ -182,8 +176,8 @@ def _on_policy(
     return Sample(prompt, completion, lp[0], adv)
 
 
-def test_a_step_raises_the_good_completion_and_lowers_the_bad(model_dir: Path) -> None:
-    model = _policy(model_dir)
+def test_a_step_raises_the_good_completion_and_lowers_the_bad(tiny_model_dir: Path) -> None:
+    model = _policy(tiny_model_dir)
     trainer = GRPOTrainer(model, GRPOConfig(lr=1e-2), pad_id=PAD)
     prompt = [1, 5, 4, 6, 16]
     good, bad = [7, 2], [9, 2]
@@ -204,8 +198,8 @@ def test_a_step_raises_the_good_completion_and_lowers_the_bad(model_dir: Path) -
     assert trainer.ref_model is None
 
 
-def test_stale_behaviour_logprobs_are_clipped(model_dir: Path) -> None:
-    model = _policy(model_dir)
+def test_stale_behaviour_logprobs_are_clipped(tiny_model_dir: Path) -> None:
+    model = _policy(tiny_model_dir)
     trainer = GRPOTrainer(model, GRPOConfig(lr=1e-3), pad_id=PAD)
     fresh = _on_policy(model, [1, 5, 4, 6, 16], [7, 2], 1.0)
     # The rollout's policy gave these tokens far less mass: ratio ~ e >> 1 + eps.
@@ -217,8 +211,8 @@ def test_stale_behaviour_logprobs_are_clipped(model_dir: Path) -> None:
     assert metrics.clip_frac == 1.0
 
 
-def test_non_finite_loss_skips_the_update(model_dir: Path) -> None:
-    model = _policy(model_dir)
+def test_non_finite_loss_skips_the_update(tiny_model_dir: Path) -> None:
+    model = _policy(tiny_model_dir)
     trainer = GRPOTrainer(model, GRPOConfig(lr=1e-2), pad_id=PAD)
     before = {k: v.clone() for k, v in model.state_dict().items()}
     poisoned = Sample([1, 5, 4, 6, 16], [7, 2], [float("nan"), -0.1], 1.0)
@@ -231,8 +225,8 @@ def test_non_finite_loss_skips_the_update(model_dir: Path) -> None:
     assert all(p.grad is None for p in model.parameters())
 
 
-def test_kl_keeps_a_frozen_reference_only_when_enabled(model_dir: Path) -> None:
-    model = _policy(model_dir)
+def test_kl_keeps_a_frozen_reference_only_when_enabled(tiny_model_dir: Path) -> None:
+    model = _policy(tiny_model_dir)
     trainer = GRPOTrainer(model, GRPOConfig(lr=1e-2, kl_coef=0.1), pad_id=PAD)
     assert trainer.ref_model is not None
     assert all(not p.requires_grad for p in trainer.ref_model.parameters())
@@ -246,12 +240,12 @@ def test_kl_keeps_a_frozen_reference_only_when_enabled(model_dir: Path) -> None:
         assert torch.equal(v, ref_before[k]), k
 
 
-def test_micro_batches_give_the_same_update(model_dir: Path) -> None:
+def test_micro_batches_give_the_same_update(tiny_model_dir: Path) -> None:
     prompts = [[1, 5, 4, 6, 16], [1, 7, 4, 8, 16], [1, 9, 4, 9, 16]]
     completions = [[7, 2], [8, 9, 2], [10]]
     results = []
     for micro in (0, 1):
-        model = _policy(model_dir)
+        model = _policy(tiny_model_dir)
         trainer = GRPOTrainer(model, GRPOConfig(lr=1e-2, micro_batch_size=micro), pad_id=PAD)
         batch = [
             _on_policy(model, p, c, a)
@@ -266,22 +260,22 @@ def test_micro_batches_give_the_same_update(model_dir: Path) -> None:
         assert torch.allclose(v, micro_state[k], atol=1e-6), k
 
 
-def test_the_lr_schedule_resumes_from_a_restored_optimizer(model_dir: Path) -> None:
+def test_the_lr_schedule_resumes_from_a_restored_optimizer(tiny_model_dir: Path) -> None:
     config = GRPOConfig(lr=1e-2, decay_steps=4, min_lr_ratio=0.5)
-    model = _policy(model_dir)
+    model = _policy(tiny_model_dir)
     trainer = GRPOTrainer(model, config, pad_id=PAD)
     batch = [_on_policy(model, [1, 5, 4, 6, 16], [7, 2], 1.0)]
     lrs = [trainer.step(batch).lr for _ in range(3)]
     assert lrs == pytest.approx([1e-2, 0.875e-2, 0.75e-2])
-    resumed = GRPOTrainer(_policy(model_dir), config, pad_id=PAD)
+    resumed = GRPOTrainer(_policy(tiny_model_dir), config, pad_id=PAD)
     # A copy, as from a checkpoint: load_state_dict may keep the given tensors.
     resumed.optimizer.load_state_dict(copy.deepcopy(trainer.optimizer.state_dict()))
     assert resumed.steps_taken == 3
     assert resumed.step(batch).lr == pytest.approx(trainer.step(batch).lr)
 
 
-def test_an_empty_batch_is_an_error(model_dir: Path) -> None:
-    trainer = GRPOTrainer(_policy(model_dir), GRPOConfig(), pad_id=PAD)
+def test_an_empty_batch_is_an_error(tiny_model_dir: Path) -> None:
+    trainer = GRPOTrainer(_policy(tiny_model_dir), GRPOConfig(), pad_id=PAD)
     with pytest.raises(ValueError, match="empty"):
         trainer.step([])
 
@@ -289,18 +283,18 @@ def test_an_empty_batch_is_an_error(model_dir: Path) -> None:
 # --- the hooks data parallelism uses (services/trainer/ranks.py) ----------------------------
 
 
-def test_halves_normalised_by_the_batch_add_up_to_the_batch_step(model_dir: Path) -> None:
+def test_halves_normalised_by_the_batch_add_up_to_the_batch_step(tiny_model_dir: Path) -> None:
     """What each rank does: its shard, the batch's token count, and the summed gradients."""
     prompts = [[1, 5, 4, 6, 16], [1, 7, 4, 8, 16], [1, 9, 4, 9, 16]]
     completions = [[7, 2], [8, 9, 2], [10]]
-    reference = _policy(model_dir)
+    reference = _policy(tiny_model_dir)
     batch = [
         _on_policy(reference, p, c, a)
         for p, c, a in zip(prompts, completions, [1.0, -0.5, -0.5], strict=True)
     ]
     full = GRPOTrainer(reference, GRPOConfig(lr=1e-2), pad_id=PAD).step(batch)
 
-    other = _policy(model_dir)
+    other = _policy(tiny_model_dir)
     other_trainer = GRPOTrainer(other, GRPOConfig(lr=1e-2), pad_id=PAD)
     tokens = sum(len(c) for c in completions)
     other_grads: list[torch.Tensor] = []
@@ -312,7 +306,7 @@ def test_halves_normalised_by_the_batch_add_up_to_the_batch_step(model_dir: Path
     # The "other rank": its half, and a hook that keeps its gradients instead of stepping.
     part = other_trainer.step(batch[2:], token_normaliser=tokens, before_optimizer=keep)
 
-    model = _policy(model_dir)
+    model = _policy(tiny_model_dir)
     trainer = GRPOTrainer(model, GRPOConfig(lr=1e-2), pad_id=PAD)
     seen: list[bool] = []
 
@@ -335,8 +329,8 @@ def test_halves_normalised_by_the_batch_add_up_to_the_batch_step(model_dir: Path
         assert torch.allclose(value, expected, atol=1e-6), name
 
 
-def test_another_ranks_nan_skips_the_step_here_too(model_dir: Path) -> None:
-    model = _policy(model_dir)
+def test_another_ranks_nan_skips_the_step_here_too(tiny_model_dir: Path) -> None:
+    model = _policy(tiny_model_dir)
     trainer = GRPOTrainer(model, GRPOConfig(lr=1e-2), pad_id=PAD)
     before = {k: v.clone() for k, v in model.state_dict().items()}
     batch = [_on_policy(model, [1, 5, 4, 6, 16], [7, 2], 1.0)]
@@ -348,8 +342,8 @@ def test_another_ranks_nan_skips_the_step_here_too(model_dir: Path) -> None:
         assert torch.equal(v, before[k]), k
 
 
-def test_a_nan_here_is_flagged_to_the_hook_and_named(model_dir: Path) -> None:
-    trainer = GRPOTrainer(_policy(model_dir), GRPOConfig(lr=1e-2), pad_id=PAD)
+def test_a_nan_here_is_flagged_to_the_hook_and_named(tiny_model_dir: Path) -> None:
+    trainer = GRPOTrainer(_policy(tiny_model_dir), GRPOConfig(lr=1e-2), pad_id=PAD)
     poisoned = Sample([1, 5, 4, 6, 16], [7, 2], [-0.1, -0.1], float("nan"))
     flags: list[bool] = []
 
@@ -360,12 +354,12 @@ def test_a_nan_here_is_flagged_to_the_hook_and_named(model_dir: Path) -> None:
     metrics = trainer.step([poisoned], token_normaliser=2, before_optimizer=hook)
     assert flags == [True]
     assert metrics.nonfinite and metrics.nonfinite_where == "loss"
-    single = GRPOTrainer(_policy(model_dir), GRPOConfig(lr=1e-2), pad_id=PAD).step([poisoned])
+    single = GRPOTrainer(_policy(tiny_model_dir), GRPOConfig(lr=1e-2), pad_id=PAD).step([poisoned])
     assert single.nonfinite_where == "loss"
 
 
-def test_an_empty_shard_still_joins_the_sum(model_dir: Path) -> None:
-    trainer = GRPOTrainer(_policy(model_dir), GRPOConfig(lr=1e-2), pad_id=PAD)
+def test_an_empty_shard_still_joins_the_sum(tiny_model_dir: Path) -> None:
+    trainer = GRPOTrainer(_policy(tiny_model_dir), GRPOConfig(lr=1e-2), pad_id=PAD)
     calls: list[bool] = []
 
     def hook(mine: bool) -> bool:

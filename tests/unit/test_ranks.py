@@ -16,7 +16,6 @@ from transformers import AutoModelForCausalLM
 from services.cli.stack import free_port
 from services.common.heartbeat import Progress
 from services.trainer.grpo import GRPOConfig, GRPOTrainer, Sample, completion_logprobs
-from services.trainer.modelgen import init_model
 from services.trainer.ranks import (
     RankGroup,
     StepOrder,
@@ -24,7 +23,6 @@ from services.trainer.ranks import (
     run_step,
     shard,
 )
-from tests.unit.tiny_model import TINY
 
 PAD = 0
 CONFIG = GRPOConfig(lr=1e-2)
@@ -73,14 +71,8 @@ def test_a_new_counter_replaces_the_dict_rather_than_growing_it() -> None:
 # --- two real gloo ranks against one ----------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    torch.set_num_threads(1)
-    return init_model(tmp_path_factory.mktemp("tiny"), seed=0, shape=TINY)
-
-
-def _trainer(model_dir: Path) -> GRPOTrainer:
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+def _trainer(tiny_model_dir: Path) -> GRPOTrainer:
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
     return GRPOTrainer(model, CONFIG, pad_id=PAD)
 
 
@@ -108,10 +100,10 @@ def _batches(trainer: GRPOTrainer) -> tuple[list[Sample], list[list[Sample]]]:
 
 
 def _rank_main(
-    rank: int, master: str, model_dir: Path, out: Path, check: Callable[[], None] | None = None
+    rank: int, master: str, tiny_model_dir: Path, out: Path, check: Callable[[], None] | None = None
 ) -> None:
     torch.set_num_threads(1)
-    trainer = _trainer(model_dir)
+    trainer = _trainer(tiny_model_dir)
     before, batches = _batches(trainer)
     if rank == 0:
         trainer.step(before)
@@ -141,17 +133,19 @@ def _rank_main(
 
 
 @pytest.mark.timeout(90)
-def test_two_gloo_ranks_take_the_single_rank_step(model_dir: Path, tmp_path: Path) -> None:
+def test_two_gloo_ranks_take_the_single_rank_step(tiny_model_dir: Path, tmp_path: Path) -> None:
     # Rank 1 is a spawned process, rank 0 this one (a second child would cost its imports).
     master = f"127.0.0.1:{free_port()}"
-    peer = mp.get_context("spawn").Process(target=_rank_main, args=(1, master, model_dir, tmp_path))
+    peer = mp.get_context("spawn").Process(
+        target=_rank_main, args=(1, master, tiny_model_dir, tmp_path)
+    )
     peer.start()
 
     def peer_alive() -> None:
         assert peer.exitcode is None, f"rank 1 exited with {peer.exitcode}"
 
     try:
-        _rank_main(0, master, model_dir, tmp_path, peer_alive)
+        _rank_main(0, master, tiny_model_dir, tmp_path, peer_alive)
         peer.join(30)
         assert peer.exitcode == 0
     finally:
@@ -160,7 +154,7 @@ def test_two_gloo_ranks_take_the_single_rank_step(model_dir: Path, tmp_path: Pat
             peer.join()
     ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(2)]
 
-    single = _trainer(model_dir)
+    single = _trainer(tiny_model_dir)
     before, batches = _batches(single)
     single.step(before)
     expected = [single.step(batch) for batch in batches]
