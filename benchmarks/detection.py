@@ -21,8 +21,6 @@ import argparse
 import json
 import os
 import signal
-import subprocess
-import sys
 import tempfile
 import time
 from collections.abc import Callable
@@ -30,56 +28,20 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-REPO = Path(__file__).resolve().parents[1]
-EXAMPLE = REPO / "examples" / "arithmetic-grpo.yaml"
+from local_stack import EXAMPLE, REPO, Stack, ensure_model
 
 TTL = 8.0
 SILENCE = 2.0
 PROBE_WAIT = 1.0
 PROBE_DEADLINE = 2.0
 COLLECTIVE_BUDGET = 2.0
-
-
-class Stack:
-    """A local stack in its own ROBUSTRL_HOME, driven through the `robustrl` CLI."""
-
-    def __init__(self, home: Path, runs: Path) -> None:
-        self.env = {k: v for k, v in os.environ.items() if not k.startswith("ROBUSTRL_")}
-        self.env |= {
-            "ROBUSTRL_HOME": str(home),
-            "ROBUSTRL_TRAINER_RUNS_DIR": str(runs),
-            "ROBUSTRL_ETCD_SESSION_TTL": str(int(TTL)),
-            "ROBUSTRL_MONITOR_SILENCE_WINDOW": str(SILENCE),
-            "ROBUSTRL_MONITOR_PROBE_WAIT": str(PROBE_WAIT),
-            "ROBUSTRL_MONITOR_PROBE_DEADLINE": str(PROBE_DEADLINE),
-            "ROBUSTRL_MONITOR_COLLECTIVE_BUDGET": str(COLLECTIVE_BUDGET),
-        }
-        self.runs = runs
-
-    def cli(self, *args: str, timeout: float = 600) -> str:
-        done = subprocess.run(
-            [sys.executable, "-m", "services.cli.main", *args],
-            capture_output=True,
-            text=True,
-            env=self.env,
-            cwd=REPO,
-            timeout=timeout,
-        )
-        if done.returncode != 0:
-            raise RuntimeError(f"robustrl {' '.join(args)}: {done.stderr.strip()[-2000:]}")
-        return done.stdout
-
-    def json(self, *args: str) -> Any:
-        return json.loads(self.cli(*args, "--json"))
-
-    def pid(self, instance_id: str) -> int:
-        return int(next(m["pid"] for m in self.json("members") if m["instance_id"] == instance_id))
-
-    def step(self, job: str) -> int:
-        return int(self.json("status", job)["step"])
-
-    def incidents(self, job: str = "") -> list[dict[str, Any]]:
-        return list(self.json("incidents", *([job] if job else [])))
+DETECTION_ENV = {
+    "ROBUSTRL_ETCD_SESSION_TTL": str(int(TTL)),
+    "ROBUSTRL_MONITOR_SILENCE_WINDOW": str(SILENCE),
+    "ROBUSTRL_MONITOR_PROBE_WAIT": str(PROBE_WAIT),
+    "ROBUSTRL_MONITOR_PROBE_DEADLINE": str(PROBE_DEADLINE),
+    "ROBUSTRL_MONITOR_COLLECTIVE_BUDGET": str(COLLECTIVE_BUDGET),
+}
 
 
 def wait(predicate: Callable[[], bool], timeout: float, what: str) -> None:
@@ -231,12 +193,7 @@ def main() -> None:
     )
     args = parser.parse_args()
     model = Path(args.model)
-    if not (model / "config.json").exists():
-        subprocess.run(
-            [sys.executable, "-m", "services.cli.main", "model", "init", "--out", str(model)],
-            cwd=REPO,
-            check=True,
-        )
+    ensure_model(model)
     scenarios: dict[str, Callable[[Stack], Any]] = {
         "calm": lambda s: calm(s, model, args.calm_steps),
         "crash_rollout": lambda s: crash(s, model, "rollout-1"),
@@ -251,7 +208,7 @@ def main() -> None:
         if args.only and name not in args.only:
             continue
         with tempfile.TemporaryDirectory(prefix="robustrl-detect-") as tmp:
-            stack = Stack(Path(tmp) / "home", Path(tmp) / "runs")
+            stack = Stack(Path(tmp) / "home", Path(tmp) / "runs", DETECTION_ENV)
             stack.cli("up", "--trainers", "1", "--rollouts", "2")
             print(f"[{name}] running", flush=True)
             try:

@@ -16,49 +16,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
-REPO = Path(__file__).resolve().parents[1]
-EXAMPLE = REPO / "examples" / "arithmetic-grpo.yaml"
-
-
-class Stack:
-    def __init__(self, home: Path, runs: Path) -> None:
-        self.env = {k: v for k, v in os.environ.items() if not k.startswith("ROBUSTRL_")}
-        self.env |= {"ROBUSTRL_HOME": str(home), "ROBUSTRL_TRAINER_RUNS_DIR": str(runs)}
-
-    def argv(self, *args: str) -> list[str]:
-        return [sys.executable, "-m", "services.cli.main", *args]
-
-    def cli(self, *args: str, timeout: float = 3600) -> str:
-        done = subprocess.run(
-            self.argv(*args),
-            capture_output=True,
-            text=True,
-            env=self.env,
-            cwd=REPO,
-            timeout=timeout,
-        )
-        if done.returncode != 0:
-            raise RuntimeError(f"robustrl {' '.join(args)}: {done.stderr.strip()[-2000:]}")
-        return done.stdout
-
-    def background(self, *args: str) -> subprocess.Popen[str]:
-        return subprocess.Popen(
-            self.argv(*args),
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-            env=self.env,
-            cwd=REPO,
-        )
+from local_stack import EXAMPLE, REPO, Stack, ensure_model
 
 
 def run_mode(mode: str, model: Path, steps: int, seed: int, *, faults: bool) -> dict[str, Any]:
@@ -97,7 +62,7 @@ def run_mode(mode: str, model: Path, steps: int, seed: int, *, faults: bool) -> 
                 for role, pct, role_seed in schedule
             ]
             watch = subprocess.run(
-                stack.argv("watch", job),
+                Stack.argv("watch", job),
                 capture_output=True,
                 text=True,
                 env=stack.env,
@@ -138,12 +103,7 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=11)
     args = parser.parse_args()
     model = Path(args.model)
-    if not (model / "config.json").exists():
-        subprocess.run(
-            [sys.executable, "-m", "services.cli.main", "model", "init", "--out", str(model)],
-            cwd=REPO,
-            check=True,
-        )
+    ensure_model(model)
     rows = []
     for mode, faults in (("role_based", False), ("role_based", True), ("full_restart", True)):
         what = "under the fault schedule" if faults else "without faults"
