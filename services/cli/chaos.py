@@ -35,10 +35,11 @@ import grpc
 from robustrl.v1 import coordinator_pb2, trainer_pb2, trainer_pb2_grpc
 from services.common.channels import DEFAULT_DEADLINE, open_channel
 from services.common.coordinator_client import CoordinatorClient
+from services.common.registry import DATA_PLANE_ROLES as ROLES
 from services.common.registry import MemberRecord
+from services.common.role_server import NAN_STEP_KEY
 
 FAULTS = ("kill", "hang", "nan")
-ROLES = ("trainer", "rollout")
 POLL_S = 0.2
 """How often a scheduled run reads the job's step."""
 
@@ -392,7 +393,7 @@ class Chaos:
                 # The trainer got further than the job record said: its next step, then.
                 del request.args["step"]
                 reply = await stub.Control(request, timeout=DEFAULT_DEADLINE)
-        return int(reply.status.metrics["nan_step"])
+        return int(reply.status.metrics[NAN_STEP_KEY])
 
     async def _resume_later(self, victim: MemberRecord, after: float) -> None:
         await asyncio.sleep(after)

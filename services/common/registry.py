@@ -20,6 +20,8 @@ from services.common.session import Session
 from services.common.watch import Entry, WatchEvent, list_prefix, watch_prefix
 
 ROLES = ("coordinator", "monitor", "trainer", "rollout")
+DATA_PLANE_ROLES = ("trainer", "rollout")
+"""The roles a job binds, and the only ones chaos targets and provisioners start."""
 
 ROLE_TO_PROTO: dict[str, common_pb2.Role.ValueType] = {
     "coordinator": common_pb2.ROLE_COORDINATOR,

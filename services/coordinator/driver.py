@@ -180,11 +180,19 @@ class JobDriver:
         )
 
     async def update_job(
-        self, job_id: str, change: dict[str, object], phase: Phase | None = None, message: str = ""
+        self,
+        job_id: str,
+        change: dict[str, object],
+        phase: Phase | None = None,
+        message: str = "",
+        *,
+        read: tuple[JobRecord, int] | None = None,
     ) -> JobRecord:
-        """Apply a change to the job record with compare-and-swap, retrying lost races."""
+        """Apply a change to the job record with compare-and-swap, retrying lost races.
+        `read`: the record and revision the caller just read, tried first instead of a get."""
         for _ in range(5):
-            record, revision = await self.store.get(job_id)
+            record, revision = read if read is not None else await self.store.get(job_id)
+            read = None
             updated = record.model_copy(update={**change, "updated_at": jobs.now()})
             if phase is not None and phase is not record.phase:
                 updated = jobs.transition(updated, phase, message, jobs.now())
@@ -211,20 +219,11 @@ class JobDriver:
 
     async def _try_start(self, record: JobRecord, members: list[MemberRecord]) -> None:
         spec = self.spec(record)
+        # A job starts on a free trainer; standbys wait for a trainer to fail.
         trainers = [
-            m
-            for m in members
-            if m.role == "trainer"
-            and not m.job_id
-            and m.labels.get("standby") != "true"
-            and m.labels.get("follower") != "true"
-            and m.labels.get("fenced") != "true"
+            m for m in free_members(members, "trainer") if m.labels.get("standby") != "true"
         ]
-        rollouts = [
-            m
-            for m in members
-            if m.role == "rollout" and not m.job_id and m.labels.get("fenced") != "true"
-        ]
+        rollouts = free_members(members, "rollout")
         need = spec.rollout.replicas
         if not trainers or len(rollouts) < need:
             waiting = (
@@ -310,15 +309,10 @@ class JobDriver:
         if not missing:
             return
         epoch = record.epoch + 1 if "trainer" in missing else record.epoch
-        free = {
-            role: [
-                m
-                for m in sorted(members, key=lambda m: m.labels.get("standby") != "true")
-                if m.role == role
-                and not m.job_id
-                and m.labels.get("follower") != "true"
-                and m.labels.get("fenced") != "true"
-            ]
+        free = {  # warm standbys first
+            role: sorted(
+                free_members(members, role), key=lambda m: m.labels.get("standby") != "true"
+            )
             for role in ("trainer", "rollout")
         }
         shortfall = Counter(missing)
@@ -543,7 +537,8 @@ class JobDriver:
 
     async def report_progress(self, request: coordinator_pb2.ReportProgressRequest) -> bool:
         async with self.lock(request.job_id):
-            record, _ = await self.store.get(request.job_id)
+            read = await self.store.get(request.job_id)
+            record = read[0]
             if record.phase in jobs.TERMINAL:
                 return False
             await self._bound_member(record, "trainer", request.instance_id)
@@ -574,11 +569,12 @@ class JobDriver:
                     change,
                     Phase.SUCCEEDED,
                     f"completed {request.step}/{spec.trainer.steps} steps",
+                    read=read,
                 )
                 log.info("coordinator.job_succeeded", job=request.job_id, step=request.step)
                 await self.save_account(request.job_id)
                 return False
-            await self.update_job(request.job_id, change)
+            await self.update_job(request.job_id, change, read=read)
             await self.save_account(request.job_id)
             return True
 
@@ -613,3 +609,16 @@ class JobDriver:
         checkpointed = request.step - self.spec(record).trainer.checkpoint_every
         with contextlib.suppress(ValueError):
             account.compact(now - 600.0, checkpoint_step=max(0, checkpointed))
+
+
+def free_members(members: list[MemberRecord], role: str) -> list[MemberRecord]:
+    """Members of `role` that a job may bind: in no job, not a trainer's follower rank, not
+    fenced."""
+    return [
+        m
+        for m in members
+        if m.role == role
+        and not m.job_id
+        and m.labels.get("follower") != "true"
+        and m.labels.get("fenced") != "true"
+    ]

@@ -29,11 +29,11 @@ from services.common.config import EtcdSettings, member_argv, member_env
 from services.common.errors import AlreadyExists, InvalidArgument, NotFound
 from services.common.keys import KeySpace
 from services.common.logs import get_logger
+from services.common.registry import DATA_PLANE_ROLES as ROLES
 from services.common.registry import ROLE_FROM_PROTO, ROLE_TO_PROTO
 
 log = get_logger(__name__)
 
-ROLES = ("trainer", "rollout")
 ACCEPTED_METADATA_KEY = "robustrl-scheduler-accepted"
 """Initial metadata of a Provisioning stream whose hello was accepted (value: the name)."""
 
@@ -145,9 +145,12 @@ class Scheduler:
 @dataclass
 class PendingRequest:
     message: provisioning_pb2.ProvisionRequest
-    role: str
     sent_to: str | None = None
     """The scheduler it was sent to; None while it waits for one."""
+
+    @property
+    def role(self) -> str:
+        return ROLE_FROM_PROTO[self.message.role]
 
 
 class ExternalProvisioner(Provisioner):
@@ -177,7 +180,7 @@ class ExternalProvisioner(Provisioner):
             env=env,
             argv=member_argv(role),
         )
-        self.pending[message.request_id] = PendingRequest(message, role)
+        self.pending[message.request_id] = PendingRequest(message)
         sent_to = self._dispatch(self.pending[message.request_id])
         log.info(
             "provision.requested",
@@ -232,24 +235,16 @@ class ExternalProvisioner(Provisioner):
             )
         del self.pending[report.request_id]
         message = pending.message
-        if report.ok:
-            log.info(
-                "provision.started",
-                role=pending.role,
-                member=message.instance_id,
-                job=message.job_id,
-                scheduler=scheduler.name,
-                detail=report.detail,
-            )
-            return
-        log.error(
-            "provision.failed",
+        about = log.bind(
             role=pending.role,
             member=message.instance_id,
             job=message.job_id,
             scheduler=scheduler.name,
-            error=report.error,
         )
+        if report.ok:
+            about.info("provision.started", detail=report.detail)
+            return
+        about.error("provision.failed", error=report.error)
         if self.on_failure is not None and not message.standby:
             self.on_failure(message.job_id, pending.role)
 
