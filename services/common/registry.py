@@ -12,6 +12,7 @@ import time
 from collections.abc import AsyncIterator
 
 import aetcd
+import grpc
 from pydantic import BaseModel, Field
 
 from robustrl.v1 import common_pb2
@@ -68,16 +69,30 @@ def parse_member(entry: Entry) -> MemberRecord:
     return MemberRecord.model_validate_json(entry.value)
 
 
+class LeaseGone(Exception):
+    """A registration was written under a lease that etcd no longer has."""
+
+
 class Registry:
     def __init__(self, client: aetcd.Client, keys: KeySpace) -> None:
         self.client = client
         self.keys = keys
 
     async def register(self, session: Session, member: MemberRecord) -> MemberRecord:
-        """Write (or rewrite) the member's record under the session's lease."""
+        """Write (or rewrite) the member's record under the session's lease. LeaseGone if the
+        lease expired already (its keepalive may not have noticed yet)."""
         member = member.model_copy(update={"lease_id": session.lease_id})
         key = self.keys.member(member.role, member.instance_id)
-        await self.client.put(key, member.model_dump_json().encode(), lease=session.lease_id)
+        try:
+            await self.client.put(key, member.model_dump_json().encode(), lease=session.lease_id)
+        except aetcd.exceptions.ClientError as exc:
+            cause = exc.__cause__
+            if (
+                isinstance(cause, grpc.aio.AioRpcError)
+                and cause.code() == grpc.StatusCode.NOT_FOUND
+            ):
+                raise LeaseGone(f"lease {session.lease_id:x} expired") from exc
+            raise
         return member
 
     async def deregister(self, member: MemberRecord) -> None:

@@ -23,7 +23,7 @@ from services.common.etcd_client import connect_etcd
 from services.common.heartbeat import HeartbeatSender, Progress
 from services.common.keys import KeySpace
 from services.common.logs import configure_logging, get_logger
-from services.common.registry import ROLE_TO_PROTO, MemberRecord, Registry
+from services.common.registry import ROLE_TO_PROTO, LeaseGone, MemberRecord, Registry
 from services.common.server import GrpcHost
 from services.common.session import Session
 
@@ -139,11 +139,18 @@ class ServiceRuntime:
                     delay = min(delay * 2, 2.0)
 
     async def update_member(self, **changes: object) -> None:
-        """Rewrite this member's record (e.g. job binding) under the current session."""
+        """Rewrite this member's record (e.g. job binding) under the current session. If that
+        session's lease has expired (a process frozen past its TTL), the change is written
+        under the next one: it must not be lost to a re-registration of the old record."""
         assert self.registry is not None and self.member is not None and self.session is not None
-        self.member = await self.registry.register(
-            self.session, self.member.model_copy(update=changes)
-        )
+        self.member = self.member.model_copy(update=changes)  # what a re-registration writes
+        session = self.session
+        while True:
+            try:
+                self.member = await self.registry.register(session, self.member)
+                return
+            except LeaseGone:
+                session = await self.next_session(after=session)
 
     async def _leave(self) -> None:
         self._stopped.set()

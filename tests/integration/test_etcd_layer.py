@@ -7,10 +7,11 @@ import asyncio
 import aetcd
 import pytest
 
-from services.common.config import EtcdSettings
+from services.common.config import EtcdSettings, ServiceSettings
 from services.common.election import Election, current_leader
 from services.common.keys import KeySpace
 from services.common.registry import MemberRecord, Registry
+from services.common.runtime import ServiceRuntime
 from services.common.session import Session
 from services.common.watch import Delete, Put, Resync, watch_prefix
 from tests.support import eventually
@@ -173,3 +174,40 @@ async def test_observe_reports_each_leader_change(
     await stream.aclose()  # type: ignore[attr-defined]
     await s2.close()
     assert seen == [None, b"a", b"b"]
+
+
+async def test_a_member_change_made_after_its_lease_expired_is_not_lost(
+    etcd_settings: EtcdSettings, etcd_client: aetcd.Client
+) -> None:
+    """A process frozen past its TTL resumes, its lease is gone, and it changes its record
+    (a fenced rollout leaving its job): the change lands under the next session, and the
+    re-registration does not put the old record back."""
+    settings = EtcdSettings(
+        endpoints=etcd_settings.endpoints, prefix=etcd_settings.prefix, session_ttl=2
+    )
+    runtime = ServiceRuntime(
+        "rollout",
+        ServiceSettings(instance_id="rollout-z"),
+        settings,
+        service_names=[],
+        heartbeats=False,
+    )
+    await runtime.start()
+    try:
+        await runtime.update_member(job_id="job-1")
+        old = runtime.session
+        assert old is not None
+        await etcd_client.revoke_lease(old.lease_id)  # expired while frozen
+        await runtime.update_member(job_id="", labels={"fenced": "true"})
+        assert runtime.session is not old
+
+        async def registered() -> MemberRecord | None:
+            raw = await etcd_client.get(KeySpace(settings.prefix).member("rollout", "rollout-z"))
+            return None if raw is None else MemberRecord.model_validate_json(raw.value)
+
+        record = await registered()
+        assert runtime.session is not None and record is not None
+        assert record.lease_id == runtime.session.lease_id
+        assert record.job_id == "" and record.labels["fenced"] == "true"
+    finally:
+        await runtime.shutdown()
