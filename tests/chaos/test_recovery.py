@@ -23,6 +23,7 @@ from tests.e2e.test_rl_job import etcd_json
 from tests.support import eventually_sync
 
 STEPS = 80
+EXTERNAL_STEPS = 400
 
 pytestmark = [pytest.mark.chaos, pytest.mark.slow, pytest.mark.timeout(420)]
 
@@ -55,7 +56,9 @@ def finish(cli: Cli, job: str) -> dict[str, Any]:
     return status
 
 
-def assert_nothing_lost_or_trained_twice(cli: Cli, job: str, run: Path) -> None:
+def assert_nothing_lost_or_trained_twice(
+    cli: Cli, job: str, run: Path, steps_run: int = STEPS
+) -> None:
     trained_ids: list[str] = []
     trained_groups: list[str] = []
     steps: list[int] = []
@@ -65,9 +68,9 @@ def assert_nothing_lost_or_trained_twice(cli: Cli, job: str, run: Path) -> None:
         for group, detail in entry["groups"].items():
             trained_groups.append(group)
             trained_ids += detail["ids"]
-    assert steps == list(range(STEPS)), "every step trained exactly once, in order"
+    assert steps == list(range(steps_run)), "every step trained exactly once, in order"
     assert len(trained_ids) == len(set(trained_ids)), "a trajectory id was trained twice"
-    assert len(trained_groups) == len(set(trained_groups)) == STEPS * 8
+    assert len(trained_groups) == len(set(trained_groups)) == steps_run * 8
 
     def settled() -> bool:
         work = cli.json("status", job)["work"]  # type: ignore[index]
@@ -198,7 +201,9 @@ def test_an_external_scheduler_supplies_the_replacement_rollout(
     provider: subprocess.Popen[bytes] | None = None
     with detection_stack(tmp_path, "--provisioner", "external") as cli:
         try:
-            submit(cli, model_dir, "ex")
+            # Long enough that the one rollout left cannot finish the job before the provider
+            # and the member it starts are up (cold starts, a few seconds each).
+            submit(cli, model_dir, "ex", f"trainer.steps={EXTERNAL_STEPS}")
             eventually_sync(lambda: step_of(cli, "ex") >= 5, timeout=180)
             os.kill(int(member(cli, "rollout-1")["pid"]), signal.SIGKILL)
             wait_for_incident(cli, "MEMBER_LOST", "rollout-1", timeout=15)
@@ -212,6 +217,7 @@ def test_an_external_scheduler_supplies_the_replacement_rollout(
                 env=cli.env,
                 cwd=REPO,
             )
+            eventually_sync(lambda: bool(recoveries(cli, "ex")[0]["done_at"]), timeout=120)
             finish(cli, "ex")
             [rec] = recoveries(cli, "ex")
             assert rec["actions"] == [
@@ -223,7 +229,9 @@ def test_an_external_scheduler_supplies_the_replacement_rollout(
             # The member that joined is the very process the scheduler's command started.
             pid = int((started / f"{replacement}.pid").read_text())
             assert member(cli, replacement)["pid"] == pid
-            assert_nothing_lost_or_trained_twice(cli, "ex", tmp_path / "runs" / "ex")
+            assert_nothing_lost_or_trained_twice(
+                cli, "ex", tmp_path / "runs" / "ex", steps_run=EXTERNAL_STEPS
+            )
         finally:
             if provider is not None:
                 provider.kill()  # the provider we started, by pid
