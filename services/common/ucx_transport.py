@@ -2,9 +2,10 @@
 
 The trainer publishes version V: it packs the tensors into one buffer (64-byte aligned, in
 manifest order), cuts the buffer into buckets (32 MiB by default), checksums each bucket
-with xxh3-128, and writes the manifest to etcd. Every process that holds V (the trainer after
-publishing, a rollout after it pulled and verified V) runs a UCX listener and registers as a
-holder under its own etcd lease, so a dead holder drops out with its lease:
+(xxh3-128 on the host, a weighted word sum on a GPU: see checksums.py), and writes the
+manifest to etcd. Every process that holds V (the trainer after publishing, a rollout after it
+pulled and verified V) runs a UCX listener and registers as a holder under its own etcd lease,
+so a dead holder drops out with its lease:
 
     <prefix>/weights/<job_id>                                Announcement (existing flow)
     <prefix>/weights/<job_id>/v/<V:012d>/manifest            BucketManifest (JSON), no lease
@@ -18,10 +19,10 @@ kept and the rest come from another holder. A manifest from an older trainer epo
 highest seen is never pulled (a fenced trainer's late publish).
 
 The checksums guard against corruption: flipped bits, torn or misplaced transfers, a holder
-serving a broken copy. They are not a defence against an adversary: xxh3 is not collision
-resistant, and the manifest comes from etcd unsigned anyway (whoever can write etcd or pose
-as a holder is trusted already). It verifies at ~30 GB/s a core here, sha256 at ~1.7, which
-capped a pull at the checksum's speed.
+serving a broken copy. They are not a defence against an adversary: neither algorithm is
+collision resistant, and the manifest comes from etcd unsigned anyway (whoever can write etcd
+or pose as a holder is trusted already). xxh3 verifies at ~30 GB/s a core here, sha256 at
+~1.7, which capped a pull at the checksum's speed.
 
 Pulls reuse what the last pull set up: the endpoint to a holder stays open for the next pull
 from it, and a receive buffer no tensor uses any more is received into again (a fresh one
@@ -33,14 +34,18 @@ on ok one tagged message per bucket. The holder never sends bytes it was not ask
 never answers a version or bucket it does not hold with anything but an error reply.
 
 UCX runs on CPU over TCP and shared memory; on GPU hosts buffers may live on the device (the
-staging buffer is allocated on the pull's device and ucxx moves CUDA memory directly). Only
-the checksum reads a bucket back to the host there.
+staging buffer is allocated on the pull's device and ucxx moves CUDA memory directly). A
+version published from GPU memory carries wsum128 checksums, verified on the GPU, so its
+bytes never pass through the host; only a GPU puller of a host-published version copies each
+bucket back to hash it.
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
+import functools
 import hashlib
 import json
 import os
@@ -57,8 +62,13 @@ from typing import Any
 import aetcd
 import numpy as np
 import torch
-import xxhash
 
+from services.common.checksums import (
+    CHECKSUM_ALGORITHMS,
+    algorithm_for,
+    bucket_checksum,
+    start_bucket_checksum,
+)
 from services.common.errors import Aborted, Fenced
 from services.common.keys import KeySpace
 from services.common.logs import get_logger
@@ -75,8 +85,11 @@ from services.common.weights import (
 log = get_logger(__name__)
 
 DEFAULT_BUCKET_BYTES = 32 << 20
-CHECKSUM_ALGORITHM = "xxh3_128"
 DEFAULT_KEEP_VERSIONS = 2
+# Buckets posted ahead on one endpoint (sends on the holder, receives on the puller), so one
+# bucket's completion never waits for the event loop to post the next: on an H100, receiving
+# one 32 MiB bucket at a time reached a fifth of what the same copies do back to back.
+IN_FLIGHT_BUCKETS = 4
 ALIGN_BYTES = 64  # every tensor starts aligned, so views of the buffer are valid for any dtype
 MAX_CONTROL_BYTES = 1 << 16  # requests and replies are small JSON; refuse anything bigger
 MAX_IDLE_CONNECTIONS = 4  # endpoints kept open between pulls, to the holders used last
@@ -180,7 +193,7 @@ class BucketManifest:
     tensors: tuple[TensorEntry, ...]
     buckets: tuple[BucketEntry, ...]
     published_at: float = 0.0
-    checksum_algorithm: str = CHECKSUM_ALGORITHM
+    checksum_algorithm: str = CHECKSUM_ALGORITHMS[0]
 
     @property
     def digest(self) -> str:
@@ -196,11 +209,11 @@ class BucketManifest:
     def from_json(cls, raw: bytes) -> BucketManifest:
         body = json.loads(raw)
         algorithm = body.get("checksum_algorithm")
-        if algorithm != CHECKSUM_ALGORITHM:
+        if algorithm not in CHECKSUM_ALGORITHMS:
             raise WeightIntegrityError(
                 f"version {body.get('version')}: its buckets carry {algorithm or 'no'} "
-                f"checksums and this process verifies {CHECKSUM_ALGORITHM} only: are the trainer "
-                "and this process on different robustrl releases?"
+                f"checksums and this process verifies {' and '.join(CHECKSUM_ALGORITHMS)} only: "
+                "are the trainer and this process on different robustrl releases?"
             )
         manifest = cls(
             job_id=body["job_id"],
@@ -284,14 +297,6 @@ def unpack_views(manifest: BucketManifest, buffer: torch.Tensor) -> NamedTensors
         raw = buffer[entry.offset : entry.offset + entry.nbytes]
         out.append((entry.name, raw.view(dtype).reshape(entry.shape)))
     return out
-
-
-def bucket_checksum(view: torch.Tensor) -> str:
-    """xxh3-128 of one bucket (hex); xxhash releases the GIL, so it overlaps the transfer."""
-    if view.device.type != "cpu":
-        # Only the checksum needs the bytes on the host; the transfer itself stayed on device.
-        view = view.cpu()
-    return xxhash.xxh3_128_hexdigest(view.numpy().data)
 
 
 def allocate_buffer(
@@ -396,6 +401,19 @@ def choose_holder(holders: Sequence[HolderRecord], rng: random.Random) -> Holder
 
 
 @dataclass
+class PullTimings:
+    """Where one pull's time went, for its log line: asking holders for buckets (connect,
+    request, reply), receiving them, and waiting for checksums after the last one arrived."""
+
+    request_s: float = 0.0
+    receive_s: float = 0.0
+    verify_wait_s: float = 0.0
+
+    def rounded(self) -> dict[str, float]:
+        return {k: round(v, 6) for k, v in asdict(self).items()}
+
+
+@dataclass
 class TransferCounters:
     """What this process pulled and served; counts, never timings."""
 
@@ -476,7 +494,7 @@ def _ucx_errors(ucxx: ModuleType) -> tuple[type[BaseException], ...]:
     return (canceled.__mro__[1], ucxx.exceptions.UCXError)
 
 
-def _ucx_buffer(view: torch.Tensor) -> Any:
+def ucx_buffer(view: torch.Tensor) -> Any:
     """What ucxx sends from / receives into: numpy for host memory, the tensor itself on CUDA
     (ucxx reads __cuda_array_interface__)."""
     return view.numpy() if view.device.type == "cpu" else view
@@ -568,7 +586,7 @@ class HolderConnection:
             raise HolderRefused("bad_reply", detail) from exc
 
     async def receive(self, into: torch.Tensor, seq: int, index: int, timeout: float) -> None:
-        await asyncio.wait_for(self._ep.recv(_ucx_buffer(into), tag=_data_tag(seq, index)), timeout)
+        await asyncio.wait_for(self._ep.recv(ucx_buffer(into), tag=_data_tag(seq, index)), timeout)
 
     async def close(self) -> None:
         # abort() also cancels receives still posted into our buffer, so a late byte from a
@@ -634,6 +652,7 @@ class UcxTransport(WeightTransport):
         stall_timeout: float = 30.0,
         connect_timeout: float = 5.0,
         hash_threads: int | None = None,
+        checksum_algorithm: str | None = None,
         progress_mode: str | None = None,
         faults: HolderFaults | None = None,
         seed: int | None = None,
@@ -657,6 +676,10 @@ class UcxTransport(WeightTransport):
         self.stall_timeout = stall_timeout
         self.connect_timeout = connect_timeout
         self.progress_mode = progress_mode
+        if checksum_algorithm not in (None, *CHECKSUM_ALGORITHMS):
+            raise ValueError(f"checksum_algorithm must be one of {CHECKSUM_ALGORITHMS}")
+        # None: by where the published buffer lives (checksums.algorithm_for).
+        self.checksum_algorithm = checksum_algorithm
         self.faults = faults or HolderFaults()
         self.counters = TransferCounters()
         self._rng = random.Random(instance_id if seed is None else seed)
@@ -832,10 +855,11 @@ class UcxTransport(WeightTransport):
         device = tensors[0][1].device if tensors else torch.device("cpu")
         buffer = allocate_buffer(total, device)
         await asyncio.to_thread(pack_into, tensors, entries, buffer)
+        algorithm = self.checksum_algorithm or algorithm_for(device)
         loop = asyncio.get_running_loop()
         hashes = await asyncio.gather(
             *(
-                loop.run_in_executor(self._pool, bucket_checksum, buffer[o : o + n])
+                loop.run_in_executor(self._pool, bucket_checksum, buffer[o : o + n], algorithm)
                 for o, n in spans
             )
         )
@@ -843,7 +867,15 @@ class UcxTransport(WeightTransport):
             BucketEntry(i, o, n, h) for i, ((o, n), h) in enumerate(zip(spans, hashes, strict=True))
         )
         manifest = BucketManifest(
-            self.job_id, version, epoch, total, self.bucket_bytes, entries, buckets, time.time()
+            self.job_id,
+            version,
+            epoch,
+            total,
+            self.bucket_bytes,
+            entries,
+            buckets,
+            time.time(),
+            algorithm,
         )
         return manifest, buffer
 
@@ -852,8 +884,9 @@ class UcxTransport(WeightTransport):
     ) -> list[str]:
         loop = asyncio.get_running_loop()
         views = [_bucket_view(manifest, buffer, i) for i in indexes]
+        algorithm = manifest.checksum_algorithm
         hashes = await asyncio.gather(
-            *(loop.run_in_executor(self._pool, bucket_checksum, v) for v in views)
+            *(loop.run_in_executor(self._pool, bucket_checksum, v, algorithm) for v in views)
         )
         return list(hashes)
 
@@ -903,23 +936,29 @@ class UcxTransport(WeightTransport):
         held = self._held.get(version)
         if held is not None:
             return unpack_views(held.manifest, held.buffer)
+        started = time.perf_counter()
         manifest, revision = await self._read_manifest(job_id, version)
         buffer = self._buffers.take(manifest.total_bytes, device)
-        await self._pull_buckets(manifest, revision, buffer)
+        timings = PullTimings()
+        await self._pull_buckets(manifest, revision, buffer, timings)
         self.counters.pulls_completed += 1
-        log.info(
-            "weights.pulled",
-            job=job_id,
-            version=version,
-            bytes=manifest.total_bytes,
-            sources=dict(self.counters.buckets_by_source),
-        )
         if self.relay and not self._closed:
             self._held[version] = _Held(manifest, buffer, ROLE_RELAY, revision)
             # The pull itself succeeded; if etcd is away now, the session keeper registers us
             # once it is back.
             await self._register_quietly(version)
             self._prune_local()
+        log.info(
+            "weights.pulled",
+            job=job_id,
+            version=version,
+            bytes=manifest.total_bytes,
+            device=buffer.device.type,
+            checksum=manifest.checksum_algorithm,
+            seconds=round(time.perf_counter() - started, 6),
+            **timings.rounded(),
+            sources=dict(self.counters.buckets_by_source),
+        )
         return unpack_views(manifest, buffer)
 
     async def _read_manifest(self, job_id: str, version: int) -> tuple[BucketManifest, int]:
@@ -986,7 +1025,11 @@ class UcxTransport(WeightTransport):
             )
 
     async def _pull_buckets(
-        self, manifest: BucketManifest, manifest_revision: int, buffer: torch.Tensor
+        self,
+        manifest: BucketManifest,
+        manifest_revision: int,
+        buffer: torch.Tensor,
+        timings: PullTimings,
     ) -> None:
         pending = set(range(len(manifest.buckets)))
         bad_from: dict[int, set[str]] = {}  # bucket -> holders that sent it corrupt
@@ -1030,7 +1073,7 @@ class UcxTransport(WeightTransport):
             wanted = sorted(b for b in pending if choice.instance_id not in bad_from.get(b, ()))
             left = len(pending)
             try:
-                await self._pull_from(choice, manifest, buffer, wanted, pending, bad_from)
+                await self._pull_from(choice, manifest, buffer, wanted, pending, bad_from, timings)
             except HolderRefused as exc:
                 self.counters.refusals += 1
                 if exc.code == "busy":
@@ -1066,26 +1109,50 @@ class UcxTransport(WeightTransport):
         wanted: list[int],
         pending: set[int],
         bad_from: dict[int, set[str]],
+        timings: PullTimings,
     ) -> None:
         """Stream `wanted` from one holder; verify each bucket in a thread while the next one
         arrives. Verified buckets leave `pending` even if the holder fails later."""
         loop = asyncio.get_running_loop()
         checks: list[tuple[int, asyncio.Future[str]]] = []
+        started = time.perf_counter()
         conn = await self._connect(holder.address)
         completed = False
         try:
             seq, sizes = await conn.request(
                 manifest.job_id, manifest.version, manifest.digest, wanted, self.stall_timeout
             )
+            timings.request_s += time.perf_counter() - started
+            started = time.perf_counter()
             expected = [(i, manifest.buckets[i].nbytes) for i in wanted]
             if sizes != expected:
                 raise HolderRefused("bad_reply", f"offered {sizes[:4]}..., asked {wanted[:4]}...")
-            for index, _ in sizes:
+            receives: collections.deque[tuple[int, asyncio.Future[None]]] = collections.deque()
+
+            async def verify_next() -> None:
+                index, received = receives.popleft()
+                await received
                 view = _bucket_view(manifest, buffer, index)
-                await conn.receive(view, seq, index, self.stall_timeout)
-                checks.append((index, loop.run_in_executor(self._pool, bucket_checksum, view)))
+                finish = start_bucket_checksum(view, manifest.checksum_algorithm)
+                checks.append((index, loop.run_in_executor(self._pool, finish)))
+
+            try:
+                for index, _ in sizes:
+                    view = _bucket_view(manifest, buffer, index)
+                    receive = conn.receive(view, seq, index, self.stall_timeout)
+                    receives.append((index, asyncio.ensure_future(receive)))
+                    if len(receives) >= IN_FLIGHT_BUCKETS:
+                        await verify_next()
+                while receives:
+                    await verify_next()
+            finally:
+                for _, received in receives:
+                    received.cancel()
+                await asyncio.gather(*(r for _, r in receives), return_exceptions=True)
             completed = True
         finally:
+            timings.receive_s += time.perf_counter() - started
+            started = time.perf_counter()
             if completed:
                 await self._park(conn)
             else:
@@ -1107,6 +1174,7 @@ class UcxTransport(WeightTransport):
                         bucket=index,
                         holder=holder.instance_id,
                     )
+            timings.verify_wait_s += time.perf_counter() - started
 
     async def _connect(self, address: str) -> HolderConnection:
         """The endpoint kept from an earlier pull from address, else a new one.
@@ -1221,22 +1289,39 @@ class UcxTransport(WeightTransport):
             sizes = [[i, held.manifest.buckets[i].nbytes] for i in buckets]
             reply_ok = {"status": "ok", "seq": seq, "buckets": sizes}
             await endpoint.send_obj(json.dumps(reply_ok).encode())
-            for index in buckets:
-                await self._maybe_stall()
-                view = held.bucket(index)
-                if index in self.faults.corrupt_buckets:
-                    view = view.clone()
-                    view[0] ^= 0xFF
-                await endpoint.send(_ucx_buffer(view), tag=_data_tag(seq, index))
-                self.counters.buckets_served += 1
-                self.counters.bytes_served += int(view.numel())
+            sends: collections.deque[asyncio.Future[Any]] = collections.deque()
+            try:
+                for index in buckets:
+                    await self._maybe_stall(sum(not send.done() for send in sends))
+                    view = held.bucket(index)
+                    if index in self.faults.corrupt_buckets:
+                        view = view.clone()
+                        view[0] ^= 0xFF
+                    send = asyncio.ensure_future(
+                        endpoint.send(ucx_buffer(view), tag=_data_tag(seq, index))
+                    )
+                    send.add_done_callback(functools.partial(self._count_sent, int(view.numel())))
+                    sends.append(send)
+                    if len(sends) >= IN_FLIGHT_BUCKETS:
+                        await sends.popleft()
+                while sends:
+                    await sends.popleft()
+            finally:
+                for send in sends:
+                    send.cancel()
+                await asyncio.gather(*sends, return_exceptions=True)
         finally:
             held.active_pullers -= 1
             self._schedule_record(version)
 
-    async def _maybe_stall(self) -> None:
+    def _count_sent(self, nbytes: int, send: asyncio.Future[Any]) -> None:
+        if not send.cancelled() and send.exception() is None:
+            self.counters.buckets_served += 1
+            self.counters.bytes_served += nbytes
+
+    async def _maybe_stall(self, in_flight: int) -> None:
         limit = self.faults.stall_after_buckets
-        if limit is not None and self.counters.buckets_served >= limit:
+        if limit is not None and self.counters.buckets_served + in_flight >= limit:
             log.warning("weights.fault_stall", served=self.counters.buckets_served)
             await asyncio.Event().wait()  # hang like a wedged process; the test kills us
 

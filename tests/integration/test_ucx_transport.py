@@ -21,6 +21,7 @@ from typing import Any
 import pytest
 import torch
 
+from services.common.checksums import CHECKSUM_ALGORITHMS, WSUM128
 from services.common.config import EtcdSettings
 from services.common.keys import KeySpace
 from services.common.ucx_transport import (
@@ -145,6 +146,11 @@ def _only_from(counters: dict[str, Any], source: str) -> bool:
     return counters["buckets_by_source"] == {source: N_BUCKETS}
 
 
+async def _manifest(client: Any, settings: EtcdSettings, version: int) -> BucketManifest:
+    raw = (await client.get(WeightKeys(KeySpace(settings.prefix)).manifest(JOB, version))).value
+    return BucketManifest.from_json(raw)
+
+
 async def test_pulled_tensors_are_bitwise_identical(
     peers: Any, etcd_client: Any, etcd_settings: EtcdSettings, tmp_path: Path
 ) -> None:
@@ -258,8 +264,13 @@ async def test_a_hung_source_is_abandoned_after_the_stall_timeout(peers: Any) ->
     assert counters["source_failures"] == 1
 
 
-async def test_a_corrupt_bucket_is_never_used_and_is_pulled_again_elsewhere(peers: Any) -> None:
-    trainer, relay, puller = await peers(("trainer",), ("relay", "--corrupt", "1"), ("puller",))
+@pytest.mark.parametrize("algorithm", CHECKSUM_ALGORITHMS)
+async def test_a_corrupt_bucket_is_never_used_and_is_pulled_again_elsewhere(
+    peers: Any, etcd_client: Any, etcd_settings: EtcdSettings, algorithm: str
+) -> None:
+    trainer, relay, puller = await peers(
+        ("trainer", "--checksum", algorithm), ("relay", "--corrupt", "1"), ("puller",)
+    )
     await trainer.call("publish", version=1, seed=9)
     await relay.call("pull", version=1)
 
@@ -269,6 +280,7 @@ async def test_a_corrupt_bucket_is_never_used_and_is_pulled_again_elsewhere(peer
     counters = result["counters"]
     assert counters["checksum_failures"] == 1
     assert counters["buckets_by_source"] == {"relay": N_BUCKETS - 1, "trainer": 1}
+    assert (await _manifest(etcd_client, etcd_settings, 1)).checksum_algorithm == algorithm
 
 
 async def test_a_late_joiner_gets_the_current_version_from_a_relay_with_the_trainer_gone(
@@ -448,7 +460,9 @@ def test_a_manifest_whose_checksums_this_process_cannot_verify_is_refused() -> N
 
 
 @pytest.mark.gpu
-async def test_cuda_tensors_move_device_to_device(peers: Any) -> None:
+async def test_cuda_tensors_move_device_to_device(
+    peers: Any, etcd_client: Any, etcd_settings: EtcdSettings
+) -> None:
     trainer, puller = await peers(("trainer", "--device", "cuda"), ("puller", "--device", "cuda"))
     await trainer.call("publish", version=1, seed=4)
 
@@ -456,3 +470,23 @@ async def test_cuda_tensors_move_device_to_device(peers: Any) -> None:
 
     assert result["ok"] and result["device"] == "cuda"
     assert result["digest"] == tensors_digest(make_tensors(4))
+    # Verified on the GPU: the checksums are ones the GPU computes, not host xxh3.
+    assert (await _manifest(etcd_client, etcd_settings, 1)).checksum_algorithm == WSUM128
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("publisher", ["cuda", "cpu"])
+async def test_a_puller_on_the_other_device_verifies_the_publishers_checksums(
+    peers: Any, publisher: str
+) -> None:
+    puller_device = "cpu" if publisher == "cuda" else "cuda"
+    trainer, puller = await peers(
+        ("trainer", "--device", publisher), ("puller", "--device", puller_device)
+    )
+    await trainer.call("publish", version=1, seed=6)
+
+    result = await puller.call("pull", version=1)
+
+    assert result["ok"] and result["device"] == puller_device
+    assert result["digest"] == tensors_digest(make_tensors(6))
+    assert result["counters"]["checksum_failures"] == 0

@@ -88,6 +88,9 @@ def _parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--stall-timeout", type=float, default=15.0)
     parser.add_argument("--device", default="cpu", help="where published and pulled tensors live")
     parser.add_argument(
+        "--checksum", default=None, help="the publisher's checksum algorithm (default: by device)"
+    )
+    parser.add_argument(
         "--probe-transport",
         action="store_true",
         help="print which transport make_transport('ucx') gives here, then exit",
@@ -194,6 +197,7 @@ async def main(argv: list[str]) -> None:
         session_ttl=2,
         pull_timeout=args.pull_timeout,
         stall_timeout=args.stall_timeout,
+        checksum_algorithm=args.checksum,
         faults=HolderFaults(corrupt_buckets=corrupt, stall_after_buckets=args.stall_after),
     )
     await transport.start()

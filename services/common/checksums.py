@@ -1,0 +1,172 @@
+"""Bucket checksums for the weight plane: one name per algorithm, computed where the bytes are.
+
+A manifest names the algorithm its bucket checksums were made with; every puller verifies with
+that one, on whatever device its copy lives:
+
+    xxh3_128   xxhash's xxh3, 128 bits, on the host. ~30 GB/s a core, and it releases the GIL
+               so the transport overlaps it with the transfer. A CUDA copy must come back to
+               the host to be hashed (measured on an H100: 1.3 GB/s, against 85-300 GB/s for
+               the GPU-to-GPU transfer itself).
+    wsum128    two position-weighted sums of the bucket's 32-bit words, in torch, on the
+               bucket's own device: a CUDA bucket is verified without leaving the GPU. The
+               same bytes give the same digest on any device (integer arithmetic only).
+
+A publisher picks by where its packed buffer lives (`algorithm_for`). Neither algorithm is a
+defence against an adversary (see ucx_transport); both catch flipped bits, torn, misplaced
+and reordered transfers. wsum128 catches every change confined to one 32-bit word for certain
+(each coefficient is odd, so a nonzero word difference times it is nonzero mod 2^32); larger
+changes pass only by an accidental 128-bit match.
+"""
+
+from __future__ import annotations
+
+import functools
+import threading
+from collections.abc import Callable
+
+import numpy as np
+import torch
+import xxhash
+
+XXH3_128 = "xxh3_128"
+WSUM128 = "wsum128"
+CHECKSUM_ALGORITHMS = (XXH3_128, WSUM128)
+
+# Words summed per kernel launch (a 32 MiB bucket is one launch): bounds the temporary, the
+# products, at 8 bytes a word.
+_CHUNK_WORDS = 1 << 23
+_MASK64 = (1 << 64) - 1
+
+
+def algorithm_for(device: torch.device | str) -> str:
+    """The algorithm a publisher whose packed buffer lives on `device` should use."""
+    return XXH3_128 if torch.device(device).type == "cpu" else WSUM128
+
+
+def bucket_checksum(view: torch.Tensor, algorithm: str = XXH3_128) -> str:
+    """The hex checksum of one bucket (a flat uint8 tensor on any device).
+
+    Safe to call from worker threads: xxh3 releases the GIL, and the torch kernels of wsum128
+    run on the calling thread's stream.
+    """
+    if algorithm == XXH3_128:
+        if view.device.type != "cpu":
+            view = view.cpu()
+        return xxhash.xxh3_128_hexdigest(view.numpy().data)
+    if algorithm == WSUM128:
+        if view.device.type != "cuda":
+            return _wsum128_digest(_wsum128_sums(_as_words(view)))
+        # A stream of this thread's own, not the legacy default stream, so the kernels neither
+        # wait for nor hold up the copies UCX runs on its streams (the bucket arrived whole
+        # before the caller asked: a UCX receive completes only after its copy).
+        with torch.cuda.stream(_side_stream(view.device)):
+            return _wsum128_digest(_wsum128_sums(_as_words(view)))
+    raise ValueError(f"unknown checksum algorithm {algorithm!r}; known: {CHECKSUM_ALGORITHMS}")
+
+
+def start_bucket_checksum(view: torch.Tensor, algorithm: str) -> Callable[[], str]:
+    """Begin checksumming one bucket; the returned call gives the digest (run it in a thread).
+
+    A CUDA bucket under wsum128 whose coefficients are ready has its kernels queued right here,
+    on the calling thread (a few asynchronous launches), and the returned call only waits for
+    them: the thread pool then never holds the GIL to launch kernels while the event loop
+    needs it to take in the next bucket. Anything else is computed by the returned call.
+    """
+    ready = _coefficients.ready((view.numel() + 3) // 4, view.device)
+    if algorithm != WSUM128 or view.device.type != "cuda" or not ready:
+        # Coefficients take ~0.1 s of host time to make, once per process: not on the caller.
+        return functools.partial(bucket_checksum, view, algorithm)
+    with torch.cuda.stream(_side_stream(view.device)):  # see bucket_checksum
+        sums = _wsum128_sums(_as_words(view))
+        done = torch.cuda.Event()
+        done.record()
+    return functools.partial(_wsum128_wait, sums, done)
+
+
+def _wsum128_wait(sums: torch.Tensor, done: torch.cuda.Event) -> str:
+    done.synchronize()
+    return _wsum128_digest(sums)
+
+
+def _wsum128_digest(sums: torch.Tensor) -> str:
+    low, high = sums.tolist()
+    return f"{low & _MASK64:016x}{high & _MASK64:016x}"
+
+
+def _wsum128_sums(words: torch.Tensor) -> torch.Tensor:
+    """The two sums as an int64 tensor [2] on the words' device (queued, not waited for)."""
+    coefficients = _coefficients.get(words.numel(), words.device)  # [2, words]
+    sums = [
+        # int32 products wrap mod 2^32; their int64 sum over a chunk is exact. Few kernels per
+        # bucket matter: each launch holds the GIL the event loop needs.
+        (words[start : start + _CHUNK_WORDS] * coefficients[:, start : start + _CHUNK_WORDS]).sum(
+            dim=1, dtype=torch.int64
+        )
+        for start in range(0, words.numel(), _CHUNK_WORDS)
+    ]
+    if not sums:
+        return torch.zeros(2, dtype=torch.int64, device=words.device)
+    return torch.stack(sums).sum(dim=0)
+
+
+def _as_words(view: torch.Tensor) -> torch.Tensor:
+    """The bucket as int32 words; a ragged tail is zero-padded into one more word (the bucket's
+    length is checked on its own, so the padding cannot hide a short transfer)."""
+    flat = view.reshape(-1)
+    whole = flat.numel() - flat.numel() % 4
+    if flat.storage_offset() % 4 or whole != flat.numel():
+        padded = torch.zeros(
+            whole + 4 * (whole != flat.numel()), dtype=torch.uint8, device=flat.device
+        )
+        padded[: flat.numel()] = flat
+        flat = padded
+    return flat.view(torch.int32)
+
+
+class _CoefficientCache:
+    """Per device, the longest coefficient vectors made so far (prefixes serve shorter
+    buckets). Made on the host with numpy's wrapping uint64 arithmetic, so every device gets
+    bit-identical coefficients."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._by_device: dict[torch.device, torch.Tensor] = {}
+
+    def ready(self, words: int, device: torch.device) -> bool:
+        with self._lock:
+            known = self._by_device.get(device)
+            return known is not None and known.shape[1] >= words
+
+    def get(self, words: int, device: torch.device) -> torch.Tensor:
+        """[2, words] int32: the two coefficient rows."""
+        with self._lock:
+            known = self._by_device.get(device)
+            if known is None or known.shape[1] < words:
+                known = _make_coefficients(words).to(device)
+                self._by_device[device] = known
+        return known[:, :words]
+
+
+def _make_coefficients(words: int) -> torch.Tensor:
+    # splitmix64's finaliser over the word positions; low and high halves, forced odd.
+    with np.errstate(over="ignore"):
+        x = np.arange(1, words + 1, dtype=np.uint64) * np.uint64(0x9E3779B97F4A7C15)
+        x ^= x >> np.uint64(30)
+        x *= np.uint64(0xBF58476D1CE4E5B9)
+        x ^= x >> np.uint64(27)
+        x *= np.uint64(0x94D049BB133111EB)
+        x ^= x >> np.uint64(31)
+    low = (x & np.uint64(0xFFFFFFFF)).astype(np.uint32) | np.uint32(1)
+    high = (x >> np.uint64(32)).astype(np.uint32) | np.uint32(1)
+    return torch.from_numpy(np.stack([low, high]).view(np.int32))
+
+
+_coefficients = _CoefficientCache()
+_streams = threading.local()
+
+
+def _side_stream(device: torch.device) -> torch.cuda.Stream:
+    by_device: dict[torch.device, torch.cuda.Stream] = _streams.__dict__.setdefault("by_device", {})
+    if device not in by_device:
+        by_device[device] = torch.cuda.Stream(device)
+    return by_device[device]
