@@ -20,9 +20,15 @@ their own. Throughput is payload bytes / wall seconds (GB = 1e9 B); each point i
 
     python benchmarks/weight_transfer.py                      # 64 and 256 MiB, fan-out to 4
     python benchmarks/weight_transfer.py --sizes 64,256,1024  # the full list (~12 GiB RAM)
+    python benchmarks/weight_transfer.py --device cuda        # GPU buffers on both sides
 
-BENCH_LOG_LEVEL=info makes the workers log every transfer (their log tail is printed if one
-dies).
+With --device cuda every buffer of ours, plain ucxx and memcpy lives in GPU memory (UCX moves
+it device to device); the gRPC stream still serves and receives host copies, as it does for a
+GPU trainer.
+
+BENCH_LOG_LEVEL=info makes the workers log every transfer, with where a pull's time went
+(`weights.pulled`: request_s, receive_s, verify_wait_s); --keep-logs DIR keeps their logs
+(otherwise only a dead worker's log tail is printed).
 """
 
 from __future__ import annotations
@@ -32,6 +38,7 @@ import asyncio
 import contextlib
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -83,6 +90,7 @@ class Worker:
         self.plain_buffer: torch.Tensor | None = None
         self.plain_ep: Any = None
         self.plain_recv: torch.Tensor | None = None
+        self.device = torch.device(args.device)
 
     async def start(self) -> dict[str, Any]:
         from services.common.config import EtcdSettings
@@ -124,7 +132,9 @@ class Worker:
         from services.common.weights import GrpcStreamTransport
 
         nbytes, version = int(cmd["bytes"]), int(cmd["version"])
-        tensors = make_payload(nbytes, seed=version)
+        host_tensors = make_payload(nbytes, seed=version)
+        tensors = [(name, t.to(self.device)) for name, t in host_tensors]
+        sync(self.device)
         started = time.perf_counter()
         await self.ucx.publish(version, tensors)
         publish_s = time.perf_counter() - started
@@ -134,11 +144,12 @@ class Worker:
             self.grpc_transport = GrpcStreamTransport(
                 self.client, self.keys, GRPC_JOB, address=self.grpc_address, epoch=0
             )
-            await self.grpc_transport.publish(version, tensors)
+            await self.grpc_transport.publish(version, host_tensors)
         if cmd.get("plain", True):
             ucxx = load_ucxx()
-            self.plain_buffer = allocate_buffer(nbytes)
+            self.plain_buffer = allocate_buffer(nbytes, self.device)
             self.plain_buffer.copy_(torch.randint(0, 256, (nbytes,), dtype=torch.uint8))
+            sync(self.device)
             if self.plain_listener is None:
                 self.plain_listener = ucxx.create_listener(self._plain_serve, port=None)
         plain_port = self.plain_listener.port if self.plain_listener is not None else 0
@@ -175,6 +186,8 @@ class Worker:
 
     async def _plain_serve(self, ep: Any) -> None:
         """Plain ucxx: on each request, send the buffer in bucket-sized tagged messages."""
+        from services.common.ucx_transport import ucx_buffer
+
         with contextlib.suppress(Exception):
             while True:
                 request = json.loads(bytes(await ep.recv_obj()))
@@ -182,7 +195,7 @@ class Worker:
                 bucket = int(request["bucket"])
                 for i, start in enumerate(range(0, int(request["bytes"]), bucket)):
                     view = self.plain_buffer[start : start + bucket]
-                    await ep.send(view.numpy(), tag=i)
+                    await ep.send(ucx_buffer(view), tag=i)
 
     async def do_state(self, cmd: dict[str, Any]) -> dict[str, Any]:
         return {"counters": self.ucx.counters.as_dict(), "held": self.ucx.held_versions()}
@@ -191,7 +204,7 @@ class Worker:
 
     async def do_ucx_pull(self, cmd: dict[str, Any]) -> dict[str, Any]:
         started = time.perf_counter()
-        tensors = await self.ucx.pull(UCX_JOB, int(cmd["version"]))
+        tensors = await self.ucx.pull(UCX_JOB, int(cmd["version"]), device=self.device)
         seconds = time.perf_counter() - started
         del tensors
         return {"seconds": seconds, "counters": self.ucx.counters.as_dict()}
@@ -209,7 +222,7 @@ class Worker:
         return {"seconds": seconds}
 
     async def do_plain(self, cmd: dict[str, Any]) -> dict[str, Any]:
-        from services.common.ucx_transport import allocate_buffer, load_ucxx
+        from services.common.ucx_transport import allocate_buffer, load_ucxx, ucx_buffer
 
         ucxx = load_ucxx()
         nbytes, bucket = int(cmd["bytes"]), int(cmd["bucket"])
@@ -217,11 +230,11 @@ class Worker:
             host, _, port = cmd["address"].rpartition(":")
             self.plain_ep = await ucxx.create_endpoint(host, int(port))
         if self.plain_recv is None or self.plain_recv.numel() != nbytes:
-            self.plain_recv = allocate_buffer(nbytes)
+            self.plain_recv = allocate_buffer(nbytes, self.device)
         started = time.perf_counter()
         await self.plain_ep.send_obj(json.dumps({"bytes": nbytes, "bucket": bucket}).encode())
         for i, start in enumerate(range(0, nbytes, bucket)):
-            await self.plain_ep.recv(self.plain_recv[start : start + bucket].numpy(), tag=i)
+            await self.plain_ep.recv(ucx_buffer(self.plain_recv[start : start + bucket]), tag=i)
         return {"seconds": time.perf_counter() - started}
 
     async def do_plain_reset(self, cmd: dict[str, Any]) -> dict[str, Any]:
@@ -240,6 +253,11 @@ class Worker:
             await self.grpc_server.stop(0)
         await self.ucx.close()
         await self.client.close()
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 async def worker_main(args: argparse.Namespace) -> None:
@@ -356,6 +374,8 @@ class Driver:
                 name,
                 "--bucket-mib",
                 str(self.args.bucket_mib),
+                "--device",
+                self.args.device,
                 "--max-pullers",
                 str(max_pullers),
                 *(["--relay"] if relay else []),
@@ -383,27 +403,30 @@ class Driver:
             self.etcd.wait(10)
 
 
-def memcpy_gbps(nbytes: int, repeat: int) -> float:
-    src = torch.randint(0, 256, (nbytes,), dtype=torch.uint8)
+def memcpy_gbps(nbytes: int, repeat: int, device: torch.device) -> float:
+    src = torch.randint(0, 256, (nbytes,), dtype=torch.uint8).to(device)
     dst = torch.empty_like(src)
     dst.copy_(src)  # first touch outside the timing
+    sync(device)
     times = []
     for _ in range(repeat):
         started = time.perf_counter()
         dst.copy_(src)
+        sync(device)
         times.append(time.perf_counter() - started)
     return nbytes / statistics.median(times) / 1e9
 
 
-def checksum_gbps(nbytes: int, bucket: int) -> float:
+def checksum_gbps(nbytes: int, bucket: int, device: torch.device) -> float:
     """What bucket verification alone can reach here, with the transport's thread count."""
-    from services.common.ucx_transport import bucket_checksum
+    from services.common.checksums import algorithm_for, bucket_checksum
 
-    data = torch.randint(0, 256, (nbytes,), dtype=torch.uint8)
+    data = torch.randint(0, 256, (nbytes,), dtype=torch.uint8).to(device)
+    sync(device)
     views = [data[s : s + bucket] for s in range(0, nbytes, bucket)]
     with ThreadPoolExecutor(max_workers=min(4, os.cpu_count() or 1)) as pool:
         started = time.perf_counter()
-        list(pool.map(bucket_checksum, views))
+        list(pool.map(bucket_checksum, views, [algorithm_for(device)] * len(views)))
         return nbytes / (time.perf_counter() - started) / 1e9
 
 
@@ -414,6 +437,7 @@ async def point_to_point(driver: Driver, sizes_mib: list[int]) -> list[dict[str,
     the next puller of the same holder sees), and the gRPC fetch."""
     args = driver.args
     bucket = args.bucket_mib * MIB
+    device = torch.device(args.device)
     sender, receiver = await driver.spawn(("trainer", False, 0), ("receiver", False, 0))
     rows = []
     version = 0
@@ -443,7 +467,10 @@ async def point_to_point(driver: Driver, sizes_mib: list[int]) -> list[dict[str,
                 times["grpc"].append(
                     (await receiver.call("grpc_fetch", version=version))["seconds"]
                 )
-            row: dict[str, Any] = {"size_mib": size_mib, "memcpy": memcpy_gbps(nbytes, args.repeat)}
+            row: dict[str, Any] = {
+                "size_mib": size_mib,
+                "memcpy": memcpy_gbps(nbytes, args.repeat, device),
+            }
             pick = min if args.stat == "best" else statistics.median
             row.update({k: nbytes / pick(v) / 1e9 for k, v in times.items()})
             row["ucx_cold"] = nbytes / cold / 1e9
@@ -489,7 +516,10 @@ def print_report(
     env = {k: v for k, v in os.environ.items() if k.startswith(("UCX_", "UCXPY_"))}
     load = ", ".join(f"{x:.1f}" for x in os.getloadavg())
     stat = f"{args.stat} of {args.repeat}"
-    print(f"\nweight transfer, bucket {args.bucket_mib} MiB, {stat}, GB/s")
+    where = "GPU to GPU" if args.device == "cuda" else "host to host"
+    print(f"\nweight transfer ({where}), bucket {args.bucket_mib} MiB, {stat}, GB/s")
+    if args.device == "cuda":
+        print(f"GPU: {torch.cuda.get_device_name()}; grpc moves host copies")
     print(f"host: {os.cpu_count()} cpus, load average {load} (other work skews every column)")
     print(f"UCX env: {env or 'transport defaults'}")
     header = (
@@ -510,8 +540,11 @@ def print_report(
         " buffer; at the first size a new endpoint)"
     )
     publish = ", ".join(f"{r['size_mib']} MiB {r['publish']:.2f}" for r in rows)
-    print(f"UcxTransport.publish (pack, xxh3, etcd), GB/s: {publish}")
-    print(f"(xxh3 of buckets in the transport's thread pool alone: {checksum:.2f} GB/s)")
+    from services.common.checksums import algorithm_for
+
+    algorithm = algorithm_for(args.device)
+    print(f"UcxTransport.publish (pack, {algorithm}, etcd), GB/s: {publish}")
+    print(f"({algorithm} of buckets in the transport's thread pool alone: {checksum:.2f} GB/s)")
     if fan:
         print(f"\nfan-out of one {args.fanout_mib} MiB version to {args.pullers} pullers")
         print(f"{'mode':<36} {'seconds':>8} {'aggregate GB/s':>15} {'from trainer':>13}")
@@ -521,6 +554,12 @@ def print_report(
                 f" {f['trainer_share']:>12.0%}"
             )
         print(f"relays / trainer-only time: {fan[1]['seconds'] / fan[0]['seconds']:.2f}")
+
+
+def keep_logs(workdir: Path, dest: Path) -> None:
+    dest.mkdir(parents=True, exist_ok=True)
+    for log in workdir.glob("*.log"):
+        shutil.copy(log, dest / log.name)
 
 
 async def driver_main(args: argparse.Namespace) -> None:
@@ -536,7 +575,9 @@ async def driver_main(args: argparse.Namespace) -> None:
                     fan.append(await fan_out(driver, args.fanout_mib, args.pullers, relays))
         finally:
             await driver.close()
-    checksum = checksum_gbps(max(sizes) * MIB, args.bucket_mib * MIB)
+            if args.keep_logs:
+                keep_logs(Path(tmp), Path(args.keep_logs))
+    checksum = checksum_gbps(max(sizes) * MIB, args.bucket_mib * MIB, torch.device(args.device))
     print_report(rows, fan, args, checksum)
 
 
@@ -553,6 +594,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     )
     parser.add_argument("--pullers", type=int, default=4, help="fan-out pullers; 0 skips it")
     parser.add_argument("--fanout-mib", type=int, default=256)
+    parser.add_argument(
+        "--device", choices=("cpu", "cuda"), default="cpu", help="where every buffer lives"
+    )
+    parser.add_argument("--keep-logs", default="", help="copy the workers' logs into this folder")
     # Worker-side flags (the driver passes them).
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--endpoints", default="", help=argparse.SUPPRESS)
