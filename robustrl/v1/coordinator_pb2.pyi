@@ -578,6 +578,26 @@ class ReportProgressRequest(_message.Message):
         def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
         def WhichOneof(self, oneof_group: _Never) -> None: ...
 
+    @_typing.final
+    class RegenerateGroupsEntry(_message.Message):
+        DESCRIPTOR: _descriptor.Descriptor
+
+        KEY_FIELD_NUMBER: _builtins.int
+        VALUE_FIELD_NUMBER: _builtins.int
+        key: _builtins.str
+        value: _builtins.str
+        def __init__(
+            self,
+            *,
+            key: _builtins.str = ...,
+            value: _builtins.str = ...,
+        ) -> None: ...
+        _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+        def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "value", b"value"]  # noqa: Y015
+        def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+        def WhichOneof(self, oneof_group: _Never) -> None: ...
+
     JOB_ID_FIELD_NUMBER: _builtins.int
     INSTANCE_ID_FIELD_NUMBER: _builtins.int
     EPOCH_FIELD_NUMBER: _builtins.int
@@ -588,6 +608,7 @@ class ReportProgressRequest(_message.Message):
     DISCARDED_GROUPS_FIELD_NUMBER: _builtins.int
     FINISHED_FIELD_NUMBER: _builtins.int
     ERROR_FIELD_NUMBER: _builtins.int
+    REGENERATE_GROUPS_FIELD_NUMBER: _builtins.int
     job_id: _builtins.str
     instance_id: _builtins.str
     epoch: _builtins.int
@@ -604,6 +625,12 @@ class ReportProgressRequest(_message.Message):
     def discarded_groups(self) -> _containers.ScalarMap[_builtins.str, _builtins.str]:
         """Groups dropped without training, with the reason (e.g. "stale: generated with v3 for step 6")."""
 
+    @_builtins.property
+    def regenerate_groups(self) -> _containers.ScalarMap[_builtins.str, _builtins.str]:
+        """Groups delivered to this trainer that it refused and that must be generated again (made
+        with weights lost when it was restored), with the reason: the leader leases them anew.
+        """
+
     def __init__(
         self,
         *,
@@ -617,10 +644,11 @@ class ReportProgressRequest(_message.Message):
         discarded_groups: _abc.Mapping[_builtins.str, _builtins.str] | None = ...,
         finished: _builtins.bool = ...,
         error: _builtins.str = ...,
+        regenerate_groups: _abc.Mapping[_builtins.str, _builtins.str] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["discarded_groups", b"discarded_groups", "epoch", b"epoch", "error", b"error", "finished", b"finished", "instance_id", b"instance_id", "job_id", b"job_id", "metrics", b"metrics", "step", b"step", "trained_group_ids", b"trained_group_ids", "weight_version", b"weight_version"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["discarded_groups", b"discarded_groups", "epoch", b"epoch", "error", b"error", "finished", b"finished", "instance_id", b"instance_id", "job_id", b"job_id", "metrics", b"metrics", "regenerate_groups", b"regenerate_groups", "step", b"step", "trained_group_ids", b"trained_group_ids", "weight_version", b"weight_version"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

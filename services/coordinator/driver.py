@@ -552,6 +552,9 @@ class JobDriver:
                 work.record_progress(
                     ledger, list(request.trained_group_ids), dict(request.discarded_groups)
                 )
+                again = work.regenerate(ledger, dict(request.regenerate_groups))
+                if again:
+                    log.info("coordinator.groups_requeued", job=request.job_id, groups=again)
                 await self.save_ledger(ledger)
             self._account_progress(record, request)
             change: dict[str, object] = {
@@ -602,7 +605,7 @@ class JobDriver:
             span = spans.pop(group, None)
             if span is not None:
                 account.add_generation(*span)
-        for group in request.discarded_groups:
+        for group in [*request.discarded_groups, *request.regenerate_groups]:
             spans.pop(group, None)
         if request.finished:
             account.end(now)

@@ -142,6 +142,20 @@ def record_progress(ledger: WorkLedger, trained: list[str], discarded: dict[str,
             ledger.requeued.remove(group)
 
 
+def regenerate(ledger: WorkLedger, groups: dict[str, str]) -> list[str]:
+    """The trainer refused these groups (made with weights lost when it was restored): lease
+    them again, whatever the ledger says of them (delivered, or trained by a step the restore
+    took back). Groups dropped for good, or already waiting or out to be generated again, are
+    left. Returns the groups requeued. Mutates."""
+    requeued = []
+    for group, why in groups.items():
+        if group in ledger.discarded or group in ledger.requeued or group in ledger.open:
+            continue
+        take_back(ledger, group, f"the trainer needs it generated again: {why}")
+        requeued.append(group)
+    return requeued
+
+
 def settle_leftovers(ledger: WorkLedger, reason: str) -> list[str]:
     """The job ended: every group still open, requeued or delivered is dropped, with why."""
     left = [*ledger.open, *ledger.requeued, *ledger.delivered]

@@ -36,7 +36,7 @@ from services.rollout.engine import SamplingParams, TorchEngine
 from services.rollout.rewards import RewardError, RewardFn, load_reward, score
 from services.trainer import checkpoint, grpo
 from services.trainer.config import TrainerSettings
-from services.trainer.intake import Group, Intake
+from services.trainer.intake import Group, Intake, TrainedGroups
 from services.trainer.ranks import LeaderRanks
 from services.trainer.report import write_reward_plot
 
@@ -129,8 +129,9 @@ class TrainerWorker:
         restored = checkpoint.load_latest(self.run_dir / "checkpoints")
         if restored is not None:
             self.step = checkpoint.restore(restored, self.model, self.trainer.optimizer)
-            self.intake.trained_ids = set(restored.extra.get("trained_ids", []))
-            self.intake.trained_groups = set(restored.extra.get("trained_groups", []))
+            self.intake.trained_groups = TrainedGroups.from_json(
+                restored.extra.get("trained_groups", [])
+            )
             self.intake.restored_step = self.step
             self._forget_after(self.step)
             log.info("trainer.restored", job=self.job_id, step=self.step, epoch=self.epoch)
@@ -227,7 +228,7 @@ class TrainerWorker:
                 batch, stale = self.intake.take_batch(self.step, spec.trainer.groups_per_step)
                 dropped = self._reject(stale)
                 if not batch:
-                    if dropped:
+                    if dropped or self.intake.regenerate:
                         await self._report({}, [], dropped)
                     if self.progress.phase != "waiting_data":
                         self.progress.enter("waiting_data")
@@ -428,8 +429,7 @@ class TrainerWorker:
 
         def snapshot() -> checkpoint.Snapshot:
             extra = {
-                "trained_ids": sorted(self.intake.trained_ids),
-                "trained_groups": sorted(self.intake.trained_groups),
+                "trained_groups": self.intake.trained_groups.to_json(),
                 "job_id": self.job_id,
             }
             return checkpoint.to_host(
@@ -495,6 +495,7 @@ class TrainerWorker:
             discarded_groups=dropped,
             finished=finished,
             error=error,
+            regenerate_groups=self.intake.take_regenerate(),
         )
         return await report_to_coordinator(self.coordinator, request)
 

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import json
+
 from robustrl.v1 import trainer_pb2
-from services.trainer.intake import Intake
+from services.coordinator.work import group_id
+from services.trainer.intake import Intake, TrainedGroups
 
 
 def traj(
@@ -70,3 +73,69 @@ def test_malformed_or_foreign_trajectories_are_rejected() -> None:
     del bad.logprobs[:]
     assert intake.offer(bad)[0] == "rejected"
     assert not intake.groups
+
+
+def test_a_trajectory_id_must_name_its_group() -> None:
+    intake = Intake("j", max_staleness=1)
+    forged = traj("g1", 0)
+    forged.trajectory_id = "g2/0"
+
+    verdict, why = intake.offer(forged)
+
+    assert verdict == "rejected" and "<group_id>/<n>" in why and not intake.groups
+
+
+def test_trained_groups_stay_runs_however_many_are_trained() -> None:
+    trained = TrainedGroups()
+    order = [*range(0, 500), *range(501, 1000), 500]  # 500 arrives last, out of order
+    for index in order:
+        trained.add(group_id("job-a", index))
+    trained.add("free-form")
+    trained.add(group_id("job-a", 3))  # again: no change
+
+    assert len(trained) == 1001
+    assert trained.to_json() == {"runs": {"job-a-g": [[0, 1000]]}, "others": ["free-form"]}
+    assert group_id("job-a", 999) in trained and group_id("job-a", 1000) not in trained
+    assert "job-a-g0000003" not in trained  # another spelling is another id
+    assert "free-form" in trained and "other" not in trained
+
+
+def test_trained_groups_survive_a_checkpoint_in_either_format() -> None:
+    trained = TrainedGroups()
+    for index in (7, 3, 4, 9):
+        trained.add(group_id("j", index))
+    stored = json.loads(json.dumps(trained.to_json()))
+
+    for restored in (
+        TrainedGroups.from_json(stored),
+        TrainedGroups.from_json(["j-g000003", "j-g000004", "j-g000007", "j-g000009"]),
+    ):
+        assert restored.to_json() == {"runs": {"j-g": [[3, 5], [7, 8], [9, 10]]}, "others": []}
+        assert len(restored) == 4
+
+
+def test_a_restored_intake_still_refuses_what_was_trained() -> None:
+    intake = Intake("j", max_staleness=1)
+    for i in range(2):
+        intake.offer(traj("j-g000001", i))
+    batch, _ = intake.take_batch(0, 1)
+    intake.mark_trained(batch)
+    restored = Intake("j", max_staleness=1)
+    restored.trained_groups = TrainedGroups.from_json(
+        json.loads(json.dumps(intake.trained_groups.to_json()))
+    )
+
+    assert restored.offer(traj("j-g000001", 0)) == ("committed", "already trained")
+    assert restored.offer(traj("j-g000002", 0)) == ("received", "")
+
+
+def test_a_group_made_with_lost_weights_is_refused_and_asked_for_again_once() -> None:
+    intake = Intake("j", max_staleness=2)
+    intake.restored_step = 8
+    for i in range(2):
+        verdict, why = intake.offer(traj("j-g000005", i, version=9))
+        assert verdict == "rejected" and "lost when the trainer was restored" in why
+    assert intake.offer(traj("j-g000006", 0, version=8)) == ("received", "")
+
+    assert list(intake.take_regenerate()) == ["j-g000005"]
+    assert intake.take_regenerate() == {}

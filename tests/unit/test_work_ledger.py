@@ -87,3 +87,21 @@ def test_groups_given_back_unfinished_are_leased_again_at_once() -> None:
     assert work.give_back(led, "r1", {mine[1]: "not mine"}) == [mine[1]]
     assert lease(led, "r1", 1) == [mine[0]]
     assert led.released[mine[0]] == ["r0 gave it back: non-finite logprobs"]
+
+
+def test_groups_the_restored_trainer_refused_are_leased_again_and_free_the_budget() -> None:
+    led = ledger()
+    delivered = lease(led, "r0", 4, budget=4)
+    work.complete(led, "r0", delivered)
+    work.record_progress(led, [delivered[0]], {})  # trained by a step the restore took back
+    assert lease(led, "r1", 1, budget=4) == ["j-g000004"]  # still open below
+    work.record_progress(led, [], {delivered[3]: "stale"})  # dropped for good
+    lost = "made with weight version 9, lost"
+
+    again = work.regenerate(led, {g: lost for g in (*delivered, "j-g000004")})
+
+    # Delivered or trained-then-lost groups come back; dropped and still-open ones do not.
+    assert again == delivered[:3]
+    assert led.delivered == [] and led.requeued == delivered[:3]
+    assert lease(led, "r1", 8, budget=4) == delivered[:3]
+    assert led.released[delivered[1]] == [f"the trainer needs it generated again: {lost}"]
