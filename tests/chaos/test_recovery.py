@@ -23,7 +23,9 @@ from tests.e2e.test_rl_job import etcd_json
 from tests.support import eventually_sync
 
 STEPS = 80
-EXTERNAL_STEPS = 400
+# Jobs that must outlast a rollout's replacement (a cold process start, 6-8 s on two cores):
+# at 80 steps the surviving rollout finished the job first, so the recovery never completed.
+LONG_STEPS = 400
 
 pytestmark = [pytest.mark.chaos, pytest.mark.slow, pytest.mark.timeout(420)]
 
@@ -98,7 +100,7 @@ def step_seconds(run: Path) -> list[tuple[float, float]]:
 def test_a_killed_rollout_is_replaced_and_the_trainer_never_pauses(
     stack: Cli, model_dir: Path, tmp_path: Path
 ) -> None:
-    submit(stack, model_dir, "rc")
+    submit(stack, model_dir, "rc", f"trainer.steps={LONG_STEPS}")
     eventually_sync(lambda: step_of(stack, "rc") >= 5, timeout=180)
     os.kill(int(member(stack, "rollout-1")["pid"]), signal.SIGKILL)
     killed_at = time.time()
@@ -109,7 +111,7 @@ def test_a_killed_rollout_is_replaced_and_the_trainer_never_pauses(
     assert rec["done_at"] and rec["replacements"][0].startswith("rollout-p")
     assert member(stack, "trainer-0")  # the trainer was never replaced
     run = tmp_path / "runs" / "rc"
-    assert_nothing_lost_or_trained_twice(stack, "rc", run)
+    assert_nothing_lost_or_trained_twice(stack, "rc", run, steps_run=LONG_STEPS)
     # The trainer kept stepping through the recovery, at its normal pace or near it.
     timings = step_seconds(run)
     before = [s for t, s in timings if t < killed_at]
@@ -121,7 +123,7 @@ def test_a_killed_rollout_is_replaced_and_the_trainer_never_pauses(
 def test_a_hung_rollout_is_replaced_and_its_zombie_changes_nothing(
     stack: Cli, model_dir: Path, tmp_path: Path
 ) -> None:
-    submit(stack, model_dir, "rh", "rollout.max_new_tokens=16")
+    submit(stack, model_dir, "rh", "rollout.max_new_tokens=16", f"trainer.steps={LONG_STEPS}")
     eventually_sync(lambda: step_of(stack, "rh") >= 3, timeout=180)
     pid = int(member(stack, "rollout-0")["pid"])
     os.kill(pid, signal.SIGSTOP)
@@ -136,7 +138,9 @@ def test_a_hung_rollout_is_replaced_and_its_zombie_changes_nothing(
     finish(stack, "rh")
     status = stack.json("status", "rh")
     assert isinstance(status, dict)
-    assert_nothing_lost_or_trained_twice(stack, "rh", tmp_path / "runs" / "rh")
+    assert_nothing_lost_or_trained_twice(
+        stack, "rh", tmp_path / "runs" / "rh", steps_run=LONG_STEPS
+    )
 
 
 def test_a_killed_trainer_is_restored_from_its_checkpoint_on_a_new_one(
@@ -203,7 +207,7 @@ def test_an_external_scheduler_supplies_the_replacement_rollout(
         try:
             # Long enough that the one rollout left cannot finish the job before the provider
             # and the member it starts are up (cold starts, a few seconds each).
-            submit(cli, model_dir, "ex", f"trainer.steps={EXTERNAL_STEPS}")
+            submit(cli, model_dir, "ex", f"trainer.steps={LONG_STEPS}")
             eventually_sync(lambda: step_of(cli, "ex") >= 5, timeout=180)
             os.kill(int(member(cli, "rollout-1")["pid"]), signal.SIGKILL)
             wait_for_incident(cli, "MEMBER_LOST", "rollout-1", timeout=15)
@@ -230,7 +234,7 @@ def test_an_external_scheduler_supplies_the_replacement_rollout(
             pid = int((started / f"{replacement}.pid").read_text())
             assert member(cli, replacement)["pid"] == pid
             assert_nothing_lost_or_trained_twice(
-                cli, "ex", tmp_path / "runs" / "ex", steps_run=EXTERNAL_STEPS
+                cli, "ex", tmp_path / "runs" / "ex", steps_run=LONG_STEPS
             )
         finally:
             if provider is not None:
