@@ -180,12 +180,14 @@ class RoleControl:
         self._fencing = asyncio.get_running_loop().create_task(self._stop_fenced())
 
     async def _stop_fenced(self) -> None:
-        await self.stop_worker()
-        # Off the job in the registry too: it no longer serves it, whatever it believed.
+        # Off the job in the registry first: it no longer serves it, whatever it believed, and
+        # the leader must not wait on it while its work unwinds (which a frozen peer can stall).
         self.runtime.progress.job_id = ""
         assert self.runtime.member is not None
         labels = {**self.runtime.member.labels, "fenced": "true"}
         await self.runtime.update_member(job_id="", labels=labels)
+        log.info(f"{self.runtime.role}.left_job", job=self.binding.job_id)
+        await self.stop_worker()
 
     async def stop_worker(self) -> None:
         if self.worker is not None:

@@ -1148,6 +1148,10 @@ class UcxTransport(WeightTransport):
             finally:
                 for _, received in receives:
                     received.cancel()
+                if receives:
+                    # Abort first: receives still posted into our buffer end with the endpoint,
+                    # so waiting for them cannot outlast a frozen or dead source.
+                    await conn.close()
                 await asyncio.gather(*(r for _, r in receives), return_exceptions=True)
             completed = True
         finally:

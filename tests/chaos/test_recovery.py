@@ -135,6 +135,8 @@ def test_a_hung_rollout_is_replaced_and_its_zombie_changes_nothing(
     # It learns from its next beat that it was fenced, and stops its work.
     zombie_log = stack.home / "logs" / "rollout-0.log"
     eventually_sync(lambda: "rollout.fenced" in zombie_log.read_text(), timeout=30)
+    # And it leaves the job in the registry at once, so the leader never waits on it.
+    eventually_sync(lambda: member(stack, "rollout-0")["job_id"] == "", timeout=15)
     finish(stack, "rh")
     status = stack.json("status", "rh")
     assert isinstance(status, dict)
