@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import statistics
 import subprocess
 import tempfile
@@ -26,7 +27,9 @@ from typing import Any
 from local_stack import EXAMPLE, REPO, Stack, ensure_model
 
 
-def run_mode(mode: str, model: Path, steps: int, seed: int, *, faults: bool) -> dict[str, Any]:
+def run_mode(
+    mode: str, model: Path, steps: int, seed: int, *, faults: bool, keep: Path | None = None
+) -> dict[str, Any]:
     name = mode if faults else "fault_free"
     with tempfile.TemporaryDirectory(prefix=f"robustrl-ettr-{name}-") as tmp:
         stack = Stack(Path(tmp) / "home", Path(tmp) / "runs")
@@ -77,6 +80,9 @@ def run_mode(mode: str, model: Path, steps: int, seed: int, *, faults: bool) -> 
             status = json.loads(stack.cli("status", job, "--json"))
         finally:
             stack.cli("down")
+            if keep is not None:
+                shutil.copytree(Path(tmp) / "home" / "logs", keep / name / "logs")
+                shutil.copytree(Path(tmp) / "runs", keep / name / "runs")
     recoveries = [r["recovery_s"] for r in status["recoveries"] if r.get("recovery_s")]
     ettr = status["ettr"] or {}
     return {
@@ -101,6 +107,9 @@ def main() -> None:
     parser.add_argument("--model", default=str(REPO / ".robustrl" / "models" / "tiny-qwen"))
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--seed", type=int, default=11)
+    parser.add_argument(
+        "--keep", type=Path, default=None, help="copy each run's logs and run folder here"
+    )
     args = parser.parse_args()
     model = Path(args.model)
     ensure_model(model)
@@ -108,7 +117,7 @@ def main() -> None:
     for mode, faults in (("role_based", False), ("role_based", True), ("full_restart", True)):
         what = "under the fault schedule" if faults else "without faults"
         print(f"[{mode}] running {args.steps} steps {what}", flush=True)
-        rows.append(run_mode(mode, model, args.steps, args.seed, faults=faults))
+        rows.append(run_mode(mode, model, args.steps, args.seed, faults=faults, keep=args.keep))
         print(f"[{rows[-1]['mode']}] {rows[-1]}", flush=True)
 
     def fmt(value: float | None, spec: str) -> str:
