@@ -48,6 +48,15 @@ def group_index(group: str) -> int:
     return int(group.rsplit("-g", 1)[1])
 
 
+def parse_group_id(group: str) -> tuple[str, int] | None:
+    """(job id, index) of an id that group_id made, else None (another spelling of the same
+    number is another id)."""
+    job_id, _, digits = group.rpartition("-g")
+    if not job_id or not digits.isdigit() or group_id(job_id, int(digits)) != group:
+        return None
+    return job_id, int(digits)
+
+
 def lease(
     ledger: WorkLedger,
     *,

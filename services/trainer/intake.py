@@ -11,11 +11,11 @@ Pure bookkeeping (no torch, no gRPC), so the rules are tested on their own:
 from __future__ import annotations
 
 import bisect
-import re
 from dataclasses import dataclass, field
 from typing import Any
 
 from robustrl.v1 import trainer_pb2
+from services.coordinator.work import parse_group_id
 
 
 @dataclass
@@ -34,50 +34,45 @@ class Group:
         return min(t.weight_version for t in self.trajectories.values())
 
 
-# How the coordinator numbers a job's groups (coordinator/work.py: "<job_id>-g<index:06d>").
-_NUMBERED = re.compile(r"^(?P<prefix>.+-g)(?P<index>\d{6,})$")
-
-
 class TrainedGroups:
     """The ids of every group trained so far, in space that grows with the gaps, not the job.
 
     It goes into every per-step checkpoint, so it must stay small: listing the ids made the
     checkpoint's metadata 3.4 MB after 1000 steps of the tiny model (every trajectory id,
     rewritten each step). Groups are numbered by the coordinator and trained nearly in order,
-    so numbered ids are kept as runs [start, end) per prefix; the runs break only where a group
-    was dropped or trained out of order. Ids not numbered that way are listed as they are.
+    so numbered ids (work.group_id) are kept as runs [start, end) per job; the runs break only
+    where a group was dropped or trained out of order. Other ids are listed as they are.
     """
 
     def __init__(self) -> None:
         self._runs: dict[str, list[list[int]]] = {}
         self._others: set[str] = set()
-        self._count = 0
 
     def __len__(self) -> int:
-        return self._count
+        return len(self._others) + sum(
+            end - start for runs in self._runs.values() for start, end in runs
+        )
 
     def __contains__(self, group_id: object) -> bool:
         if not isinstance(group_id, str):
             return False
-        numbered = _numbered(group_id)
+        numbered = _run_key(group_id)
         if numbered is None:
             return group_id in self._others
-        prefix, index = numbered
-        runs = self._runs.get(prefix, [])
-        at = bisect.bisect_right(runs, index, key=lambda run: run[0]) - 1
-        return at >= 0 and runs[at][0] <= index < runs[at][1]
+        runs = self._runs.get(numbered[0], [])
+        at = bisect.bisect_right(runs, numbered[1], key=lambda run: run[0]) - 1
+        return at >= 0 and numbered[1] < runs[at][1]
 
     def add(self, group_id: str) -> None:
-        if group_id in self:
-            return
-        self._count += 1
-        numbered = _numbered(group_id)
+        numbered = _run_key(group_id)
         if numbered is None:
             self._others.add(group_id)
             return
         prefix, index = numbered
         runs = self._runs.setdefault(prefix, [])
         at = bisect.bisect_right(runs, index, key=lambda run: run[0])
+        if at > 0 and index < runs[at - 1][1]:
+            return  # trained already
         joins_left = at > 0 and runs[at - 1][1] == index
         joins_right = at < len(runs) and runs[at][0] == index + 1
         if joins_left and joins_right:
@@ -105,23 +100,16 @@ class TrainedGroups:
                 out.add(str(group_id))
             return out
         for prefix, runs in dict(data.get("runs", {})).items():
-            for start, end in runs:
-                out._runs.setdefault(str(prefix), []).append([int(start), int(end)])
-                out._count += int(end) - int(start)
-        for group_id in data.get("others", []):
-            out.add(str(group_id))
+            out._runs[str(prefix)] = [[int(start), int(end)] for start, end in runs]
+        out._others = {str(group_id) for group_id in data.get("others", [])}
         return out
 
 
-def _numbered(group_id: str) -> tuple[str, int] | None:
-    found = _NUMBERED.match(group_id)
-    if found is None:
-        return None
-    digits = found["index"]
-    index = int(digits)
-    if f"{index:06d}" != digits:  # a different spelling of the same number is another id
-        return None
-    return found["prefix"], index
+def _run_key(group_id: str) -> tuple[str, int] | None:
+    """Where a numbered group's runs are kept ("<job_id>-g", as checkpoints store it) and its
+    number; None for any other id."""
+    numbered = parse_group_id(group_id)
+    return None if numbered is None else (f"{numbered[0]}-g", numbered[1])
 
 
 @dataclass
