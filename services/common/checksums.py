@@ -20,9 +20,11 @@ changes pass only by an accidental 128-bit match.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import threading
 from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 import torch
@@ -54,12 +56,7 @@ def bucket_checksum(view: torch.Tensor, algorithm: str = XXH3_128) -> str:
             view = view.cpu()
         return xxhash.xxh3_128_hexdigest(view.numpy().data)
     if algorithm == WSUM128:
-        if view.device.type != "cuda":
-            return _wsum128_digest(_wsum128_sums(_as_words(view)))
-        # A stream of this thread's own, not the legacy default stream, so the kernels neither
-        # wait for nor hold up the copies UCX runs on its streams (the bucket arrived whole
-        # before the caller asked: a UCX receive completes only after its copy).
-        with torch.cuda.stream(_side_stream(view.device)):
+        with _own_stream(view.device):
             return _wsum128_digest(_wsum128_sums(_as_words(view)))
     raise ValueError(f"unknown checksum algorithm {algorithm!r}; known: {CHECKSUM_ALGORITHMS}")
 
@@ -72,11 +69,14 @@ def start_bucket_checksum(view: torch.Tensor, algorithm: str) -> Callable[[], st
     them: the thread pool then never holds the GIL to launch kernels while the event loop
     needs it to take in the next bucket. Anything else is computed by the returned call.
     """
-    ready = _coefficients.ready((view.numel() + 3) // 4, view.device)
-    if algorithm != WSUM128 or view.device.type != "cuda" or not ready:
+    if (
+        algorithm != WSUM128
+        or view.device.type != "cuda"
         # Coefficients take ~0.1 s of host time to make, once per process: not on the caller.
+        or not _coefficients.ready((view.numel() + 3) // 4, view.device)
+    ):
         return functools.partial(bucket_checksum, view, algorithm)
-    with torch.cuda.stream(_side_stream(view.device)):  # see bucket_checksum
+    with _own_stream(view.device):
         sums = _wsum128_sums(_as_words(view))
         done = torch.cuda.Event()
         done.record()
@@ -165,8 +165,13 @@ _coefficients = _CoefficientCache()
 _streams = threading.local()
 
 
-def _side_stream(device: torch.device) -> torch.cuda.Stream:
+def _own_stream(device: torch.device) -> contextlib.AbstractContextManager[Any]:
+    """On a GPU, a stream of this thread's own, not the legacy default stream, so the kernels
+    neither wait for nor hold up the copies UCX runs on its streams (a bucket arrived whole
+    before anyone checksums it: a UCX receive completes only after its copy). Nothing on CPU."""
+    if device.type != "cuda":
+        return contextlib.nullcontext()
     by_device: dict[torch.device, torch.cuda.Stream] = _streams.__dict__.setdefault("by_device", {})
     if device not in by_device:
         by_device[device] = torch.cuda.Stream(device)
-    return by_device[device]
+    return torch.cuda.stream(by_device[device])

@@ -65,6 +65,7 @@ import torch
 
 from services.common.checksums import (
     CHECKSUM_ALGORITHMS,
+    XXH3_128,
     algorithm_for,
     bucket_checksum,
     start_bucket_checksum,
@@ -193,7 +194,7 @@ class BucketManifest:
     tensors: tuple[TensorEntry, ...]
     buckets: tuple[BucketEntry, ...]
     published_at: float = 0.0
-    checksum_algorithm: str = CHECKSUM_ALGORITHMS[0]
+    checksum_algorithm: str = XXH3_128
 
     @property
     def digest(self) -> str:

@@ -171,7 +171,7 @@ async def test_pulled_tensors_are_bitwise_identical(
     assert _only_from(result["counters"], "trainer")
     # The manifest is in etcd with the trainer's epoch; both processes are holders now.
     wkeys = WeightKeys(KeySpace(etcd_settings.prefix))
-    manifest = BucketManifest.from_json((await etcd_client.get(wkeys.manifest(JOB, 1))).value)
+    manifest = await _manifest(etcd_client, etcd_settings, 1)
     assert manifest.trainer_epoch == 3 and len(manifest.buckets) == N_BUCKETS
     holders = {
         HolderRecord.from_json(kv.value).instance_id: HolderRecord.from_json(kv.value)
