@@ -373,10 +373,12 @@ class Chaos:
         )
 
     async def _nan(self, victim: MemberRecord, injection: Injection, job_step: int) -> int:
-        """INJECT_NAN; the trainer answers with the step it poisons."""
+        """INJECT_NAN; the trainer answers with the step it poisons. Never a step an earlier
+        injection of this run poisoned: a late fault would merge into it and be lost."""
         args: dict[str, str] = {}
-        if injection.step:
-            args["step"] = str(max(injection.step, job_step + 1))
+        poisoned = max((i.step for i in self.injected if i.fault == "nan"), default=0)
+        if injection.step or poisoned:
+            args["step"] = str(max(injection.step, job_step + 1, poisoned + 1))
         request = trainer_pb2.ControlRequest(
             action=trainer_pb2.ControlRequest.ACTION_INJECT_NAN,
             job_id=self.options.job,
