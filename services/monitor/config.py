@@ -17,6 +17,12 @@ class MonitorSettings(ServiceSettings):
     before it is declared lost (a network blip is not a crash; a kill -9 is caught sooner
     than its lease expiry)."""
 
+    listen_check_window: float = Field(default=0.5, ge=0)
+    """Seconds the monitor keeps trying to connect to a member whose heartbeat stream broke
+    without a goodbye. A refusal (nothing listens at its address) reports it lost at once;
+    connections accepted throughout, timeouts or an unreachable host leave it to the
+    reconnect grace. 0 turns the check off."""
+
     evaluate_interval: float = Field(default=0.2, gt=0)
     """Seconds between detector evaluations."""
 

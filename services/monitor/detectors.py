@@ -3,6 +3,10 @@
 A member is lost when its heartbeat stream ended without a goodbye and it did not come back
 within the reconnect grace, or when its registry key vanished (lease expired) without a
 goodbye. A member that said goodbye is gone, never lost.
+
+A stream that ended without a goodbye is also checked at once: when the member's own address
+refuses connections, nothing listens there any more (the process died; a stopped or merely
+cut-off process still has its listening socket), so it is lost without waiting out the grace.
 """
 
 from __future__ import annotations
@@ -118,6 +122,20 @@ def on_stream_end(views: Views, instance_id: str, now: float) -> None:
     if not view.goodbye:
         view.state = State.SUSPECT
         view.stream_ended_at = now
+
+
+def on_refused(views: Views, instance_id: str, ended_at: float, address: str) -> bool:
+    """The member's address refused a connection after its stream ended at `ended_at`: lost
+    now, unless it reconnected (or ended again) since. True when this marked it lost."""
+    view = views.get(instance_id)
+    if view is None or view.state is not State.SUSPECT or view.stream_ended_at != ended_at:
+        return False
+    view.state = State.LOST
+    view.evidence = (
+        f"heartbeat stream ended without a goodbye and its address {address} refuses "
+        "connections (nothing listens there: the process is gone)"
+    )
+    return True
 
 
 def on_registered(views: Views, role: str, instance_id: str, epoch: int, now: float) -> None:

@@ -35,6 +35,10 @@ log = get_logger(__name__)
 SERVICE_NAME = monitor_pb2.DESCRIPTOR.services_by_name["Monitor"].full_name
 
 
+LISTEN_CHECK_RETRY = 0.05
+"""Seconds between connection attempts to a member whose stream broke (_check_listening)."""
+
+
 class MonitorServicer(monitor_pb2_grpc.MonitorServicer):
     def __init__(self, runtime: ServiceRuntime, settings: MonitorSettings) -> None:
         self.runtime = runtime
@@ -45,6 +49,7 @@ class MonitorServicer(monitor_pb2_grpc.MonitorServicer):
         self.incidents_total = 0
         self._tasks: list[asyncio.Task[None]] = []
         self._probes: dict[str, asyncio.Task[None]] = {}
+        self._checks: set[asyncio.Task[None]] = set()
         self._wake = asyncio.Event()
         self.fences: FenceSet | None = None
 
@@ -63,7 +68,7 @@ class MonitorServicer(monitor_pb2_grpc.MonitorServicer):
         ]
 
     async def stop(self) -> None:
-        await cancel_and_wait(*self._tasks, *self._probes.values())
+        await cancel_and_wait(*self._tasks, *self._probes.values(), *self._checks)
         if self.fences is not None:
             await self.fences.stop()
 
@@ -116,7 +121,53 @@ class MonitorServicer(monitor_pb2_grpc.MonitorServicer):
         finally:
             # Reached on a clean end, on a broken stream and on cancellation alike.
             if instance_id:
-                detectors.on_stream_end(self.views, instance_id, time.time())
+                self._stream_ended(instance_id, time.time())
+
+    def _stream_ended(self, instance_id: str, now: float) -> None:
+        detectors.on_stream_end(self.views, instance_id, now)
+        view = self.views.get(instance_id)
+        if view is None or view.state is not detectors.State.SUSPECT:
+            return
+        task = asyncio.create_task(
+            self._check_listening(view.role, instance_id, now), name="check-listening"
+        )
+        self._checks.add(task)
+        task.add_done_callback(self._checks.discard)
+
+    async def _check_listening(self, role: str, instance_id: str, ended_at: float) -> None:
+        """Connect, for a short while, to the address of a member whose stream just broke: a
+        refusal means the process is gone, and it is reported now instead of after the
+        reconnect grace. A dying process may still hold its listening socket for a moment
+        after its streams closed, so an accepted connection is tried again."""
+        assert self.runtime.registry is not None
+        try:
+            member = await self.runtime.registry.get(role, instance_id)
+            if member is None or ":" not in member.address:
+                return  # not registered (or no server): the grace decides
+            host, _, port = member.address.rpartition(":")
+            deadline = time.monotonic() + self.settings.listen_check_window
+            while time.monotonic() < deadline:
+                view = self.views.get(instance_id)
+                if view is None or view.stream_ended_at != ended_at:
+                    return  # reconnected, ended again or reported: this check is over
+                try:
+                    _, writer = await asyncio.wait_for(
+                        asyncio.open_connection(host.strip("[]"), int(port)),
+                        max(0.01, deadline - time.monotonic()),
+                    )
+                except ConnectionRefusedError:
+                    if detectors.on_refused(self.views, instance_id, ended_at, member.address):
+                        log.info("monitor.refused", member=instance_id, address=member.address)
+                        self._wake.set()
+                    return
+                writer.close()
+                with contextlib.suppress(OSError):
+                    await writer.wait_closed()
+                await asyncio.sleep(LISTEN_CHECK_RETRY)
+        except Exception as exc:
+            # Unreachable or slow is no proof of death (a cut link, a stopped process), and
+            # etcd being away proves nothing either: the reconnect grace and the lease decide.
+            log.debug("monitor.listen_check_inconclusive", member=instance_id, error=repr(exc))
 
     async def GetHealth(
         self, request: monitor_pb2.GetHealthRequest, context: grpc.aio.ServicerContext

@@ -3,14 +3,20 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import socket
 
 import grpc
 
 from robustrl.v1 import common_pb2, monitor_pb2, monitor_pb2_grpc
+from services.common.config import EtcdSettings
 from services.common.heartbeat import HeartbeatSender, Progress
-from services.common.registry import Registry
+from services.common.registry import MemberRecord, Registry
 from services.common.runtime import ServiceRuntime
+from services.common.session import Session
+from services.monitor.config import MonitorSettings
 from services.monitor.incidents import IncidentLog
+from services.monitor.server import serve as serve_monitor
 from tests.support import eventually
 
 
@@ -87,6 +93,70 @@ async def test_a_stream_that_dies_without_goodbye_raises_one_incident(
         assert monitor.client is not None
         recorded, _ = await IncidentLog(monitor.client, monitor.keys).list("job-x")
         assert [r.instance_id for r in recorded] == ["trainer-z"]
+
+
+async def beat_once_and_die(address: str, instance_id: str, job_id: str) -> None:
+    """One beat on a heartbeat stream, then the stream ends without a goodbye."""
+    channel = grpc.aio.insecure_channel(address)
+    call = monitor_pb2_grpc.MonitorStub(channel).Heartbeat()
+    await call.write(
+        monitor_pb2.Beat(
+            role=common_pb2.ROLE_TRAINER, instance_id=instance_id, epoch=1, job_id=job_id, seq=1
+        )
+    )
+    await call.read()
+    await channel.close()
+
+
+async def test_a_broken_stream_whose_address_refuses_is_lost_before_the_grace(
+    etcd_settings: EtcdSettings,
+) -> None:
+    monitor = await serve_monitor(
+        MonitorSettings(instance_id="monitor-0", reconnect_grace=30.0), etcd_settings
+    )
+    listening = await asyncio.start_server(lambda r, w: w.close(), "127.0.0.1", 0)
+    closed = socket.socket()
+    closed.bind(("127.0.0.1", 0))
+    dead_port = closed.getsockname()[1]
+    closed.close()  # nothing listens on dead_port any more
+    assert monitor.client is not None
+    session = await Session.open(monitor.client, ttl=30)
+    try:
+        registry = Registry(monitor.client, monitor.keys)
+        for name, port in (
+            ("trainer-dead", dead_port),
+            ("trainer-away", listening.sockets[0].getsockname()[1]),
+        ):
+            address = f"127.0.0.1:{port}"
+            record = MemberRecord(
+                role="trainer", instance_id=name, address=address, pid=1, host="h"
+            )
+            await registry.register(session, record)
+        async with grpc.aio.insecure_channel(monitor.address) as channel:
+            api = monitor_pb2_grpc.MonitorStub(channel)
+            incidents = api.WatchIncidents(
+                monitor_pb2.WatchIncidentsRequest(job_id="job-r"), timeout=15
+            )
+            await asyncio.sleep(0.2)  # the watch is established
+            started = asyncio.get_running_loop().time()
+            await beat_once_and_die(monitor.address, "trainer-dead", "job-r")
+            await beat_once_and_die(monitor.address, "trainer-away", "job-r")
+            incident = await asyncio.wait_for(incidents.read(), 5)
+            took = asyncio.get_running_loop().time() - started
+            assert incident.instance_id == "trainer-dead"
+            assert f"127.0.0.1:{dead_port} refuses connections" in incident.evidence
+            assert took < 5  # the grace is 30 s: only the refusal can have reported it
+            # The member whose address still accepts (a stopped process, a cut stream) waits
+            # out the grace: nothing about it within the next seconds.
+            with contextlib.suppress(TimeoutError):
+                more = await asyncio.wait_for(incidents.read(), 2.0)
+                raise AssertionError(f"unexpected incident {more}")
+            incidents.cancel()
+            assert await health_state(api, "trainer-away") == "SUSPECT"
+    finally:
+        await session.close()
+        listening.close()
+        await monitor.shutdown()
 
 
 async def test_malformed_beats_are_invalid_argument(monitor: ServiceRuntime) -> None:

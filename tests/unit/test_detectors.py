@@ -39,6 +39,31 @@ def test_stream_loss_is_lost_only_after_the_reconnect_grace() -> None:
     assert findings[0].view.job_id == "j"
 
 
+def test_a_refused_address_makes_a_broken_stream_lost_before_the_grace() -> None:
+    views: d.Views = {}
+    beat(views, 0.0)
+    d.on_stream_end(views, "r0", 1.0)
+    assert d.on_refused(views, "r0", 1.0, "127.0.0.1:9")
+    findings = reported(views, 1.01)
+    assert [f.kind for f in findings] == ["MEMBER_LOST"]
+    assert "127.0.0.1:9 refuses connections" in findings[0].evidence
+    assert reported(views, 5.0) == []  # one failure, one incident
+
+
+def test_a_refusal_counts_only_for_the_stream_end_it_answers() -> None:
+    views: d.Views = {}
+    beat(views, 0.0)
+    d.on_stream_end(views, "r0", 1.0)
+    beat(views, 1.1)  # reconnected before the check came back
+    assert not d.on_refused(views, "r0", 1.0, "127.0.0.1:9")
+    d.on_stream_end(views, "r0", 2.0)
+    assert not d.on_refused(views, "r0", 1.0, "127.0.0.1:9")  # an older stream's check
+    assert views["r0"].state is d.State.SUSPECT
+    beat(views, 2.2, goodbye=True)
+    assert not d.on_refused(views, "r0", 2.0, "127.0.0.1:9")  # it left properly
+    assert d.evaluate(views, 100.0, CFG) == []
+
+
 def test_reconnect_within_the_grace_is_not_a_failure() -> None:
     views: d.Views = {}
     beat(views, 0.0)
