@@ -120,6 +120,12 @@ class ControlRequest(_message.Message):
         yet started), as one corrupt sample would; the reply's status.metrics["nan_step"] names
         the step. Trainers only; the binding does not change.
         """
+        ACTION_PREPARE: ControlRequest._Action.ValueType  # 5
+        """A free warm standby builds ahead what job_id needs (args["spec_json"], as for BIND):
+        the model and the optimizer, so that a later BIND of the same job only restores the
+        latest checkpoint. The binding does not change; the instance stays free and labels its
+        registry record prepared=<job_id>. A PREPARE for another job replaces the earlier one.
+        """
 
     class Action(_Action, metaclass=_ActionEnumTypeWrapper): ...
     ACTION_UNSPECIFIED: ControlRequest.Action.ValueType  # 0
@@ -133,6 +139,12 @@ class ControlRequest(_message.Message):
     """Chaos: make the loss of trainer step args["step"] non-finite (default: the next step not
     yet started), as one corrupt sample would; the reply's status.metrics["nan_step"] names
     the step. Trainers only; the binding does not change.
+    """
+    ACTION_PREPARE: ControlRequest.Action.ValueType  # 5
+    """A free warm standby builds ahead what job_id needs (args["spec_json"], as for BIND):
+    the model and the optimizer, so that a later BIND of the same job only restores the
+    latest checkpoint. The binding does not change; the instance stays free and labels its
+    registry record prepared=<job_id>. A PREPARE for another job replaces the earlier one.
     """
 
     @_typing.final

@@ -3,7 +3,8 @@
 The coordinator binds an instance to a job with an epoch. A request carrying a lower epoch
 than the instance has seen is from a stale coordinator decision and is refused; once fenced,
 an instance refuses everything, so a zombie that comes back changes nothing. INJECT_NAN
-(chaos) is checked like the others but leaves the binding as it is.
+(chaos) and PREPARE (a free standby builds a job's model ahead) are checked like the others
+but leave the binding as it is.
 """
 
 from __future__ import annotations
@@ -48,5 +49,13 @@ def apply_control(binding: Binding, action: int, job_id: str, epoch: int) -> Bin
             raise FailedPrecondition("not bound to a job; there is no step to inject a NaN into")
         if job_id and job_id != binding.job_id:
             raise FailedPrecondition(f"bound to job {binding.job_id}, not {job_id}")
+        return binding
+    if action == Action.ACTION_PREPARE:
+        if not job_id:
+            raise InvalidArgument("PREPARE needs a job_id")
+        if binding.job_id:
+            raise FailedPrecondition(
+                f"bound to job {binding.job_id}; only a free instance prepares for a job"
+            )
         return binding
     raise InvalidArgument(f"unknown control action {action}")

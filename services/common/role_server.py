@@ -4,13 +4,18 @@ BIND carries the job's spec; the role builds a worker for it (loading the model 
 and only then accepts the binding, so a bad spec or a missing model is refused with a clear
 error instead of failing later. RELEASE and FENCE stop the worker. INJECT_NAN (chaos) asks a
 trainer's worker to make one step's loss non-finite.
+
+PREPARE (sent to free warm standbys) builds the worker's job-independent part ahead, the model
+above all, and keeps it; a BIND of the same job and spec then takes it and only finishes the
+load (a trainer restores the latest checkpoint). The instance stays free meanwhile and labels
+its registry record prepared=<job>, so the leader knows whom it prepared.
 """
 
 from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Protocol, runtime_checkable
 
 import grpc
@@ -31,9 +36,15 @@ Action = trainer_pb2.ControlRequest
 
 class Worker(Protocol):
     job_id: str
+    epoch: int
+    spec: JobSpec
+
+    def prepare(self) -> None:
+        """Blocking set-up that does not depend on the job's progress (model, reward
+        plug-in); raises InvalidArgument on bad input. A second call does nothing."""
 
     def load(self) -> None:
-        """Blocking set-up (model, reward plug-in); raises InvalidArgument on bad input."""
+        """`prepare` if not done, then what depends on the job's progress (a checkpoint)."""
 
     def start(self) -> None: ...
 
@@ -57,6 +68,9 @@ class NanTarget(Protocol):
 
 STEP_PHASES = frozenset({"forward_backward", "optimizer", "collective"})
 """Trainer phases inside a step: step `worker.step + 1` has its batch (and any NaN) already."""
+
+PREPARED_LABEL = "prepared"
+"""Registry label of a free standby that holds a prepared worker: the job it prepared for."""
 
 NAN_STEP_KEY = "nan_step"
 """INJECT_NAN asks for a step in args["step"]; the reply's status.metrics[NAN_STEP_KEY] names
@@ -94,6 +108,20 @@ def spec_from_args(args: dict[str, str]) -> JobSpec:
         ) from exc
 
 
+@dataclass(frozen=True)
+class Prepared:
+    """A worker PREPARE is building or has built."""
+
+    job_id: str
+    spec: JobSpec
+    task: asyncio.Task[Worker]
+
+    def serves(self, job_id: str, spec: JobSpec) -> bool:
+        """For this job and spec, and not failed (a failed build is tried again)."""
+        failed = self.task.done() and (self.task.cancelled() or self.task.exception() is not None)
+        return (self.job_id, self.spec) == (job_id, spec) and not failed
+
+
 class RoleControl:
     """GetStatus / Control handlers, mixed into the servicers of both roles."""
 
@@ -102,6 +130,7 @@ class RoleControl:
         self.make_worker = make_worker
         self.binding = Binding(epoch=runtime.settings.epoch)
         self.worker: Worker | None = None
+        self.prepared: Prepared | None = None
         self._fencing: asyncio.Task[None] | None = None
 
     def status(self) -> trainer_pb2.RoleStatus:
@@ -130,13 +159,18 @@ class RoleControl:
         after = apply_control(before, request.action, request.job_id, request.epoch)
         if request.action == Action.ACTION_INJECT_NAN:
             return self.inject_nan(request.args.get("step"))
+        if request.action == Action.ACTION_PREPARE:
+            await self.prepare(request.job_id, spec_from_args(dict(request.args)))
+            return trainer_pb2.ControlResponse(status=self.status())
         worker: Worker | None = None
         if request.action == Action.ACTION_BIND:
             if self.worker is not None:
                 raise FailedPrecondition(f"already working on job {self.worker.job_id}")
-            worker = self.make_worker(
-                request.job_id, request.epoch, spec_from_args(dict(request.args))
-            )
+            spec = spec_from_args(dict(request.args))
+            worker = await self._take_prepared(request.job_id, spec)
+            if worker is None:
+                worker = self.make_worker(request.job_id, request.epoch, spec)
+            worker.epoch = request.epoch
             await asyncio.to_thread(worker.load)
         self.binding = after
         if after != before:
@@ -155,6 +189,51 @@ class RoleControl:
         elif request.action in (Action.ACTION_RELEASE, Action.ACTION_FENCE):
             await self.stop_worker()
         return trainer_pb2.ControlResponse(status=self.status())
+
+    async def prepare(self, job_id: str, spec: JobSpec) -> None:
+        """Build `job_id`'s worker ahead of a BIND (see the module doc); idempotent."""
+        if self.worker is not None:
+            raise FailedPrecondition(f"already working on job {self.worker.job_id}")
+        prepared = self.prepared
+        if prepared is None or not prepared.serves(job_id, spec):
+            task = asyncio.get_running_loop().create_task(
+                self._build(job_id, spec), name=f"prepare-{job_id}"
+            )
+            self.prepared = prepared = Prepared(job_id, spec, task)
+        await asyncio.shield(prepared.task)  # a bad spec is the caller's error
+        assert self.runtime.member is not None
+        labelled = self.runtime.member.labels.get(PREPARED_LABEL) == job_id
+        if self.prepared is prepared and self.worker is None and not labelled:
+            labels = {**self.runtime.member.labels, PREPARED_LABEL: job_id}
+            await self.runtime.update_member(labels=labels)
+            log.info(f"{self.runtime.role}.prepared", job=job_id)
+
+    async def _build(self, job_id: str, spec: JobSpec) -> Worker:
+        worker = self.make_worker(job_id, self.binding.epoch, spec)
+        await asyncio.to_thread(worker.prepare)
+        return worker
+
+    async def _take_prepared(self, job_id: str, spec: JobSpec) -> Worker | None:
+        """The prepared worker, if it was prepared for this job and spec (waiting for it if it
+        is still being built); None otherwise. Either way nothing stays prepared."""
+        prepared, self.prepared = self.prepared, None
+        if prepared is None:
+            return None
+        assert self.runtime.member is not None
+        if PREPARED_LABEL in self.runtime.member.labels:
+            labels = dict(self.runtime.member.labels)
+            del labels[PREPARED_LABEL]
+            await self.runtime.update_member(labels=labels)
+        if not prepared.serves(job_id, spec):
+            prepared.task.cancel()  # a thread already building finishes; its result is dropped
+            return None
+        try:
+            worker = await prepared.task
+        except Exception as exc:  # the BIND loads afresh and reports its own error
+            log.info(f"{self.runtime.role}.prepared_unusable", job=job_id, error=repr(exc))
+            return None
+        log.info(f"{self.runtime.role}.took_prepared", job=job_id)
+        return worker
 
     def inject_nan(self, asked: str | None) -> trainer_pb2.ControlResponse:
         worker = self.worker

@@ -469,6 +469,14 @@ def _ucx_env_defaults() -> None:
         os.environ.setdefault("UCX_RNDV_FRAG_MEM_TYPE", "host")
 
 
+def warm_up_ucxx() -> None:
+    """Import ucxx ahead (about half a second), from any thread, so that the transport's start
+    does not pay for it. Initialising stays with `load_ucxx`, on the event loop."""
+    _ucx_env_defaults()
+    with contextlib.suppress(Exception):  # no ucxx here: make_transport reports it
+        import ucxx  # noqa: F401
+
+
 def load_ucxx(progress_mode: str | None = None) -> ModuleType:
     """Import and initialise ucxx once per process; UcxUnavailable if it cannot start.
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import json
 import time
 from collections import Counter
@@ -25,6 +26,7 @@ from services.common.errors import Aborted, FailedPrecondition, InvalidArgument
 from services.common.jobspec import JobSpec
 from services.common.logs import get_logger
 from services.common.registry import MemberRecord, Registry
+from services.common.role_server import PREPARED_LABEL
 from services.common.runtime import ServiceRuntime
 from services.common.tasks import TaskItem, UnknownTaskError, get_task, load_dataset
 from services.coordinator import jobs, work
@@ -41,6 +43,9 @@ Action: TypeAlias = trainer_pb2.ControlRequest.Action.ValueType
 
 CONTROL_DEADLINE = 30.0
 """Seconds a member gets to accept a BIND (it loads the model before answering)."""
+
+PREPARE_DEADLINE = 600.0
+"""Seconds a standby gets to build a job's model ahead of need (PREPARE)."""
 
 FIRST_EPOCH = 1
 
@@ -88,12 +93,15 @@ class JobDriver:
         self.specs: dict[str, JobSpec] = {}
         self._locks: dict[str, asyncio.Lock] = {}
         self._task: asyncio.Task[None] | None = None
+        self._wake = asyncio.Event()
         self.provisioner: Provisioner = NoProvisioner()
         self.executor = RecoveryExecutor(self)
         self.accounts: dict[str, EttrAccount] = {}
         """ETTR per job, saved at <prefix>/ettr/<job> on every step."""
         self.generated: dict[str, dict[str, tuple[float, float]]] = {}
         """job -> delivered group -> when it was generated, until it trains (then it counts)."""
+        self._preparing: dict[str, tuple[str, asyncio.Task[None]]] = {}
+        """Standby trainer -> the job a PREPARE sent to it is building (until it answers)."""
         self._provisioning: dict[tuple[str, str], list[float]] = {}
         """(job, role) -> when replacements were asked for and have not registered yet."""
 
@@ -116,7 +124,7 @@ class JobDriver:
         self._task = asyncio.create_task(self._run(), name="job-driver")
 
     async def stop(self) -> None:
-        await cancel_and_wait(self._task)
+        await cancel_and_wait(self._task, *(task for _, task in self._preparing.values()))
         await self.executor.stop()
 
     async def on_elected(self) -> None:
@@ -135,9 +143,15 @@ class JobDriver:
         log.info("coordinator.ledgers_reloaded", jobs=len(self.ledgers))
         self.executor.start()
 
+    def wake(self) -> None:
+        """Supervise now instead of at the next tick (a recovery left a role to fill)."""
+        self._wake.set()
+
     async def _run(self) -> None:
         while True:
-            await asyncio.sleep(self.tick_interval)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._wake.wait(), self.tick_interval)
+            self._wake.clear()
             if not self.leadership.is_leader:
                 continue
             try:
@@ -216,6 +230,39 @@ class JobDriver:
                     await self._supervise(record, members)
                 else:
                     await self._release(record.job_id, members)
+        self._prepare_standbys([r for r, _ in records], members)
+
+    def _prepare_standbys(self, records: list[JobRecord], members: list[MemberRecord]) -> None:
+        """Have each free warm standby trainer build the model of a running job ahead (PREPARE),
+        so that taking over after a trainer failure only restores a checkpoint. A standby
+        prepared for a running job is left alone; the others go to the running job with the
+        fewest prepared standbys. Sent in the background: a model load takes a while."""
+        running = {r.job_id: r for r in records if r.phase in (Phase.RUNNING, Phase.RECOVERING)}
+        if not running:
+            return
+        preparing = {name: job for name, (job, _) in self._preparing.items()}
+        for member, job_id in standbys_to_prepare(list(running), members, preparing):
+            task = asyncio.create_task(self._prepare(member, running[job_id]))
+            self._preparing[member.instance_id] = (job_id, task)
+            task.add_done_callback(functools.partial(self._prepared, member.instance_id))
+
+    def _prepared(self, instance_id: str, _: asyncio.Task[None]) -> None:
+        self._preparing.pop(instance_id, None)
+
+    async def _prepare(self, member: MemberRecord, record: JobRecord) -> None:
+        request = trainer_pb2.ControlRequest(
+            action=trainer_pb2.ControlRequest.ACTION_PREPARE,
+            job_id=record.job_id,
+            epoch=member.epoch,
+            args={"spec_json": json.dumps(record.spec)},
+        )
+        try:
+            async with open_channel(member.address) as channel:
+                await trainer_pb2_grpc.TrainerStub(channel).Control(
+                    request, timeout=PREPARE_DEADLINE
+                )
+        except grpc.aio.AioRpcError as exc:  # busy, bound meanwhile or gone: the next tick sees
+            log.info("coordinator.prepare_failed", member=member.instance_id, error=exc.details())
 
     async def _try_start(self, record: JobRecord, members: list[MemberRecord]) -> None:
         spec = self.spec(record)
@@ -309,9 +356,13 @@ class JobDriver:
         if not missing:
             return
         epoch = record.epoch + 1 if "trainer" in missing else record.epoch
-        free = {  # warm standbys first
+        free = {  # warm standbys first, those prepared for this job before them
             role: sorted(
-                free_members(members, role), key=lambda m: m.labels.get("standby") != "true"
+                free_members(members, role),
+                key=lambda m: (
+                    m.labels.get("standby") != "true",
+                    m.labels.get(PREPARED_LABEL) != record.job_id,
+                ),
             )
             for role in ("trainer", "rollout")
         }
@@ -612,6 +663,28 @@ class JobDriver:
         checkpointed = request.step - self.spec(record).trainer.checkpoint_every
         with contextlib.suppress(ValueError):
             account.compact(now - 600.0, checkpoint_step=max(0, checkpointed))
+
+
+def standbys_to_prepare(
+    running: list[str], members: list[MemberRecord], preparing: dict[str, str]
+) -> list[tuple[MemberRecord, str]]:
+    """(free standby trainer, running job) pairs to send PREPARE to. A standby prepared for a
+    running job (label), or with a PREPARE under way (`preparing`: instance -> job), is left
+    alone; each of the others goes to the running job with the fewest standbys so far."""
+    if not running:
+        return []
+    standbys = [m for m in free_members(members, "trainer") if m.labels.get("standby") == "true"]
+    served = Counter({job: 0 for job in running})
+    served.update(m.labels.get(PREPARED_LABEL, "") for m in standbys)
+    served.update(preparing.values())
+    chosen = []
+    for member in standbys:
+        if member.labels.get(PREPARED_LABEL) in running or member.instance_id in preparing:
+            continue
+        job_id = min(running, key=lambda j: served[j])
+        served[job_id] += 1
+        chosen.append((member, job_id))
+    return chosen
 
 
 def free_members(members: list[MemberRecord], role: str) -> list[MemberRecord]:

@@ -173,6 +173,8 @@ class RecoveryExecutor:
             await self._execute(record, decided, entry)
             await self._save(entry)
             await self._account(entry)
+        if entry.waiting_for:
+            self.driver.wake()  # bind the replacement now, not at the next tick
 
     async def _execute(
         self, record: JobRecord, actions: list[recovery.Action], entry: RecoveryRecord

@@ -230,6 +230,13 @@ class RolloutWorker:
         self.coordinator = CoordinatorClient(runtime.client, runtime.keys)
 
     def load(self) -> None:
+        """Build the engine and the reward, unless `prepare` did already."""
+        if self.engine is None:
+            self.prepare()
+
+    def prepare(self) -> None:
+        """Everything a rollout needs is independent of the job's progress (weights are
+        pulled after it starts): a prepared rollout's BIND loads nothing more."""
         torch.set_num_threads(self.settings.torch_threads)
         path = Path(self.spec.model.path)
         if not (path / "config.json").exists():

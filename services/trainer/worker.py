@@ -30,7 +30,7 @@ from services.common.jobspec import JobSpec
 from services.common.logs import get_logger
 from services.common.runtime import ServiceRuntime
 from services.common.tasks import TaskItem, UnknownTaskError, get_task
-from services.common.ucx_transport import make_transport
+from services.common.ucx_transport import make_transport, warm_up_ucxx
 from services.common.weights import WeightTransport
 from services.rollout.engine import SamplingParams, TorchEngine
 from services.rollout.rewards import RewardError, RewardFn, load_reward, score
@@ -92,8 +92,12 @@ class TrainerWorker:
 
     # ------------------------------------------------------------------ set-up
 
-    def load(self) -> None:
-        """Build everything the job needs; InvalidArgument naming the spec field on bad input."""
+    def prepare(self) -> None:
+        """Build what does not depend on the job's progress (model, tokenizer, optimizer,
+        reward); a warm standby does this ahead of its BIND. InvalidArgument naming the spec
+        field on bad input. Done once: a second call returns at once."""
+        if self.trainer is not None:
+            return
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         torch.set_num_threads(self.settings.torch_threads)
@@ -121,6 +125,16 @@ class TrainerWorker:
         self.trainer = grpo.GRPOTrainer(
             self.model, grpo.grpo_config(spec), pad_id=int(self.tokenizer.pad_token_id)
         )
+        if spec.trainer.weight_transport == "ucx":
+            warm_up_ucxx()
+
+    def load(self) -> None:
+        """Everything the job needs: `prepare` (if not done ahead), the checkpoint writer and
+        the restore from the job's latest checkpoint, read now. The writer is not made ahead:
+        it clears the unfinished writes it finds, and a standby's must not clear those of
+        the trainer still running."""
+        self.prepare()
+        assert self.trainer is not None
         self.checkpoints = checkpoint.CheckpointWriter(
             self.run_dir / "checkpoints",
             keep=self.settings.keep_checkpoints,

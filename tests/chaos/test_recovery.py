@@ -162,6 +162,30 @@ def test_a_killed_trainer_is_restored_from_its_checkpoint_on_a_new_one(
     assert_nothing_lost_or_trained_twice(stack, "tc", tmp_path / "runs" / "tc")
 
 
+def test_a_killed_trainer_is_taken_over_by_a_standby_that_built_the_model_ahead(
+    tmp_path: Path, model_dir: Path
+) -> None:
+    with detection_stack(tmp_path, "--standby-trainers", "1") as cli:
+        submit(cli, model_dir, "tw", f"trainer.steps={LONG_STEPS}")
+        # The leader has the free standby build this job's model while the job runs.
+        eventually_sync(
+            lambda: member(cli, "standby-0")["labels"].get("prepared") == "tw", timeout=120
+        )
+        eventually_sync(lambda: step_of(cli, "tw") >= 8, timeout=180)
+        os.kill(int(member(cli, "trainer-0")["pid"]), signal.SIGKILL)
+        incident = wait_for_incident(cli, "MEMBER_LOST", "trainer-0", timeout=15)
+        # Its address refused connections: reported without waiting out the reconnect grace.
+        assert "refuses connections" in incident["evidence"], incident
+        finish(cli, "tw")
+        [rec] = recoveries(cli, "tw")
+        assert rec["actions"] == ["FENCE trainer-0", "RESTORE_TRAINER trainer-0"]
+        assert rec["replacements"] == ["standby-0"]
+        log = (tmp_path / "home" / "logs" / "standby-0.log").read_text()
+        assert "trainer.prepared" in log and "trainer.took_prepared" in log
+        assert "trainer.restored" in log
+        assert_nothing_lost_or_trained_twice(cli, "tw", tmp_path / "runs" / "tw", LONG_STEPS)
+
+
 def test_a_nan_loss_is_rolled_back_without_replacing_anything(
     stack: Cli, model_dir: Path, tmp_path: Path
 ) -> None:

@@ -148,6 +148,7 @@ def test_the_nan_step_is_the_next_one_not_yet_taken() -> None:
 
 class FakeTrainerWorker:
     job_id = "j"
+    epoch = 0
 
     def __init__(self, step: int) -> None:
         self.step = step
@@ -156,6 +157,8 @@ class FakeTrainerWorker:
 
     def inject_nan(self, step: int) -> None:
         self.nan_steps.add(step)
+
+    def prepare(self) -> None: ...
 
     def load(self) -> None: ...
 

@@ -31,3 +31,14 @@ def test_fenced_instance_accepts_nothing() -> None:
 def test_bind_needs_a_job() -> None:
     with pytest.raises(InvalidArgument):
         apply_control(Binding(), Action.ACTION_BIND, "", 0)
+
+
+def test_prepare_leaves_the_binding_and_is_for_free_instances_only() -> None:
+    free = Binding(epoch=2)
+    assert apply_control(free, Action.ACTION_PREPARE, "j", 2) == free
+    with pytest.raises(InvalidArgument, match="PREPARE needs a job_id"):
+        apply_control(free, Action.ACTION_PREPARE, "", 2)
+    with pytest.raises(FailedPrecondition, match="only a free instance prepares"):
+        apply_control(Binding(job_id="j", epoch=1), Action.ACTION_PREPARE, "j", 1)
+    with pytest.raises(Fenced):
+        apply_control(Binding(fenced=True), Action.ACTION_PREPARE, "j", 0)

@@ -1,0 +1,47 @@
+"""Which free standby trainers the leader asks to PREPARE, and for which running job."""
+
+from __future__ import annotations
+
+from services.common.registry import MemberRecord
+from services.coordinator.driver import standbys_to_prepare
+
+
+def trainer(name: str, *, job: str = "", **labels: str) -> MemberRecord:
+    return MemberRecord(
+        role="trainer", instance_id=name, address="h:1", pid=1, host="h", job_id=job, labels=labels
+    )
+
+
+def chosen(
+    running: list[str], members: list[MemberRecord], preparing: dict[str, str]
+) -> dict[str, str]:
+    return {m.instance_id: job for m, job in standbys_to_prepare(running, members, preparing)}
+
+
+def test_nothing_runs_nothing_is_prepared() -> None:
+    assert chosen([], [trainer("s0", standby="true")], {}) == {}
+
+
+def test_only_free_unprepared_standbys_are_asked() -> None:
+    members = [
+        trainer("t0", job="a"),  # the job's trainer
+        trainer("t1"),  # free, but no standby: it may take a new job of its own
+        trainer("s0", standby="true", prepared="a"),  # done already
+        trainer("s1", standby="true"),  # a PREPARE is under way
+        trainer("s2", standby="true", fenced="true"),
+        trainer("s3", standby="true"),
+        MemberRecord(role="rollout", instance_id="r0", address="h:2", pid=2, host="h"),
+    ]
+    assert chosen(["a"], members, {"s1": "a"}) == {"s3": "a"}
+
+
+def test_standbys_spread_over_running_jobs_and_a_finished_jobs_standby_is_reused() -> None:
+    members = [
+        trainer("s0", standby="true", prepared="a"),
+        trainer("s1", standby="true", prepared="gone"),  # its job ended
+        trainer("s2", standby="true"),
+        trainer("s3", standby="true"),
+    ]
+    # b has none and a has s0, so b first; then the fewest-served job each time (ties: the
+    # first running job).
+    assert chosen(["a", "b"], members, {}) == {"s1": "b", "s2": "a", "s3": "b"}
