@@ -3,8 +3,10 @@
 Each mode runs the same job on a fresh local stack (real etcd, coordinators, monitor, 1 trainer
 + 1 warm standby trainer, 2 rollouts; replacements come from the local provisioner) while
 `robustrl chaos` injects, on seeded schedules, one trainer kill per 10% of the steps and one
-rollout kill per 25%. A third run of the same job without faults is the reference: its ETTR
-is the ceiling that start-up and pipeline bubbles leave on this machine. It prints, side by
+rollout kill per 25%. Full restart stops every role's process and binds new ones (a warm
+standby trainer, provisioned rollouts), as a restart from the last checkpoint does. A third
+run of the same job without faults is the reference: its ETTR is the ceiling that start-up
+and pipeline bubbles leave on this machine. It prints, side by
 side, each run's ETTR (kept progress / wall time, from the coordinator's account), the
 end-to-end time, the recovery times, and the ratios.
 

@@ -5,6 +5,9 @@ and only then accepts the binding, so a bad spec or a missing model is refused w
 error instead of failing later. RELEASE and FENCE stop the worker. INJECT_NAN (chaos) asks a
 trainer's worker to make one step's loss non-finite.
 
+RELEASE or FENCE with args["exit"] == "true" also ends the process once it has answered, as
+SIGTERM would (the full-restart baseline restarts every role as a new process).
+
 PREPARE (sent to free warm standbys) builds the worker's job-independent part ahead, the model
 above all, and keeps it; a BIND of the same job and spec then takes it and only finishes the
 load (a trainer restores the latest checkpoint). The instance stays free meanwhile and labels
@@ -14,6 +17,8 @@ its registry record prepared=<job>, so the leader knows whom it prepared.
 from __future__ import annotations
 
 import asyncio
+import os
+import signal
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Protocol, runtime_checkable
@@ -71,6 +76,12 @@ STEP_PHASES = frozenset({"forward_backward", "optimizer", "collective"})
 
 PREPARED_LABEL = "prepared"
 """Registry label of a free standby that holds a prepared worker: the job it prepared for."""
+
+EXIT_ARG = "exit"
+"""RELEASE or FENCE with args[EXIT_ARG] == "true" also ends the process (full restart)."""
+
+LEAVING_LABEL = "leaving"
+"""Registry label of a member that is about to exit: never bound."""
 
 NAN_STEP_KEY = "nan_step"
 """INJECT_NAN asks for a step in args["step"]; the reply's status.metrics[NAN_STEP_KEY] names
@@ -188,6 +199,8 @@ class RoleControl:
             worker.start()
         elif request.action in (Action.ACTION_RELEASE, Action.ACTION_FENCE):
             await self.stop_worker()
+            if request.args.get(EXIT_ARG) == "true":
+                await self._exit_soon()
         return trainer_pb2.ControlResponse(status=self.status())
 
     async def prepare(self, job_id: str, spec: JobSpec) -> None:
@@ -234,6 +247,17 @@ class RoleControl:
             return None
         log.info(f"{self.runtime.role}.took_prepared", job=job_id)
         return worker
+
+    async def _exit_soon(self) -> None:
+        """RELEASE/FENCE with args["exit"]: this process stops, as on SIGTERM (goodbye, then
+        deregistration), right after the reply. Labelled leaving=true first, so that nobody
+        binds it in the moment it still looks free."""
+        assert self.runtime.member is not None
+        await self.runtime.update_member(
+            labels={**self.runtime.member.labels, LEAVING_LABEL: "true"}
+        )
+        log.warning(f"{self.runtime.role}.exiting", reason="asked to restart as a new process")
+        asyncio.get_running_loop().call_later(0.1, os.kill, os.getpid(), signal.SIGTERM)
 
     def inject_nan(self, asked: str | None) -> trainer_pb2.ControlResponse:
         worker = self.worker

@@ -26,7 +26,7 @@ from services.common.errors import Aborted, FailedPrecondition, InvalidArgument
 from services.common.jobspec import JobSpec
 from services.common.logs import get_logger
 from services.common.registry import MemberRecord, Registry
-from services.common.role_server import PREPARED_LABEL
+from services.common.role_server import LEAVING_LABEL, PREPARED_LABEL
 from services.common.runtime import ServiceRuntime
 from services.common.tasks import TaskItem, UnknownTaskError, get_task, load_dataset
 from services.coordinator import jobs, work
@@ -242,25 +242,27 @@ class JobDriver:
             return
         preparing = {name: job for name, (job, _) in self._preparing.items()}
         for member, job_id in standbys_to_prepare(list(running), members, preparing):
-            task = asyncio.create_task(self._prepare(member, running[job_id]))
-            self._preparing[member.instance_id] = (job_id, task)
-            task.add_done_callback(functools.partial(self._prepared, member.instance_id))
+            self._start_prepare(member, running[job_id])
+
+    def _start_prepare(self, member: MemberRecord, record: JobRecord) -> None:
+        task = asyncio.create_task(self._prepare(member, record))
+        self._preparing[member.instance_id] = (record.job_id, task)
+        task.add_done_callback(functools.partial(self._prepared, member.instance_id))
 
     def _prepared(self, instance_id: str, _: asyncio.Task[None]) -> None:
         self._preparing.pop(instance_id, None)
+        self.wake()  # a replacement waiting for it is bound now, not at the next tick
 
     async def _prepare(self, member: MemberRecord, record: JobRecord) -> None:
-        request = trainer_pb2.ControlRequest(
-            action=trainer_pb2.ControlRequest.ACTION_PREPARE,
-            job_id=record.job_id,
-            epoch=member.epoch,
-            args={"spec_json": json.dumps(record.spec)},
-        )
         try:
-            async with open_channel(member.address) as channel:
-                await trainer_pb2_grpc.TrainerStub(channel).Control(
-                    request, timeout=PREPARE_DEADLINE
-                )
+            await self.control(
+                member,
+                trainer_pb2.ControlRequest.ACTION_PREPARE,
+                record.job_id,
+                member.epoch,
+                {"spec_json": json.dumps(record.spec)},
+                timeout=PREPARE_DEADLINE,
+            )
         except grpc.aio.AioRpcError as exc:  # busy, bound meanwhile or gone: the next tick sees
             log.info("coordinator.prepare_failed", member=member.instance_id, error=exc.details())
 
@@ -345,7 +347,12 @@ class JobDriver:
 
     async def _fill(self, record: JobRecord, members: list[MemberRecord]) -> None:
         """Bind replacements for roles the job lost (recovery fenced them): a free member if
-        there is one, else ask the provisioner. A new trainer comes with a new epoch."""
+        there is one, else ask the provisioner. A new trainer comes with a new epoch.
+
+        Only a member prepared for this job (label prepared=<job>) is bound. Any other is sent
+        PREPARE first, in the background, and bound once it answers (the answer wakes the
+        next round): a BIND that builds a model would hold this job's lock for seconds, and
+        with it every lease, delivery and progress report of the job's living members."""
         if record.members and not record.member_roles:
             return  # a record from before roles were kept: nothing to compare with
         spec = self.spec(record)
@@ -356,12 +363,12 @@ class JobDriver:
         if not missing:
             return
         epoch = record.epoch + 1 if "trainer" in missing else record.epoch
-        free = {  # warm standbys first, those prepared for this job before them
+        free = {  # those prepared for this job first, then warm standbys
             role: sorted(
                 free_members(members, role),
                 key=lambda m: (
-                    m.labels.get("standby") != "true",
                     m.labels.get(PREPARED_LABEL) != record.job_id,
+                    m.labels.get("standby") != "true",
                 ),
             )
             for role in ("trainer", "rollout")
@@ -371,6 +378,14 @@ class JobDriver:
         for role in list(shortfall):
             while shortfall[role] and free[role]:
                 member = free[role].pop(0)
+                if member.labels.get(PREPARED_LABEL) != record.job_id:
+                    preparing = self._preparing.get(member.instance_id)
+                    if preparing is None:
+                        self._start_prepare(member, record)
+                    elif preparing[0] != record.job_id:
+                        continue  # busy building another job's model
+                    shortfall[role] -= 1  # it will be bound when prepared
+                    continue
                 try:
                     await self.control(
                         member,
@@ -476,6 +491,8 @@ class JobDriver:
         job_id: str,
         epoch: int,
         args: dict[str, str] | None = None,
+        *,
+        timeout: float = CONTROL_DEADLINE,
     ) -> None:
         request = trainer_pb2.ControlRequest(
             action=action,
@@ -485,19 +502,20 @@ class JobDriver:
         )
         async with open_channel(member.address) as channel:
             if member.role == "trainer":
-                await trainer_pb2_grpc.TrainerStub(channel).Control(
-                    request, timeout=CONTROL_DEADLINE
-                )
+                await trainer_pb2_grpc.TrainerStub(channel).Control(request, timeout=timeout)
             else:
-                await rollout_pb2_grpc.RolloutStub(channel).Control(
-                    request, timeout=CONTROL_DEADLINE
-                )
+                await rollout_pb2_grpc.RolloutStub(channel).Control(request, timeout=timeout)
 
     async def control_quietly(
-        self, member: MemberRecord, action: Action, job_id: str, epoch: int
+        self,
+        member: MemberRecord,
+        action: Action,
+        job_id: str,
+        epoch: int,
+        args: dict[str, str] | None = None,
     ) -> None:
         try:
-            await self.control(member, action, job_id, epoch)
+            await self.control(member, action, job_id, epoch, args)
         except grpc.aio.AioRpcError as exc:
             log.info("coordinator.control_failed", member=member.instance_id, error=exc.details())
 
@@ -689,7 +707,7 @@ def standbys_to_prepare(
 
 def free_members(members: list[MemberRecord], role: str) -> list[MemberRecord]:
     """Members of `role` that a job may bind: in no job, not a trainer's follower rank, not
-    fenced."""
+    fenced, not about to exit."""
     return [
         m
         for m in members
@@ -697,4 +715,5 @@ def free_members(members: list[MemberRecord], role: str) -> list[MemberRecord]:
         and not m.job_id
         and m.labels.get("follower") != "true"
         and m.labels.get("fenced") != "true"
+        and m.labels.get(LEAVING_LABEL) != "true"
     ]

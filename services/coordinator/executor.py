@@ -24,6 +24,7 @@ from services.common.fences import FenceRecord, write_fence
 from services.common.keys import KeySpace
 from services.common.logs import get_logger
 from services.common.registry import MemberRecord
+from services.common.role_server import EXIT_ARG
 from services.coordinator import recovery, work
 from services.coordinator.ettr import IncidentTiming
 from services.coordinator.jobs import TERMINAL, JobRecord, Phase
@@ -217,7 +218,11 @@ class RecoveryExecutor:
         )
 
     async def _full_restart(self, record: JobRecord, reason: str, entry: RecoveryRecord) -> None:
-        """The baseline: every role stops and is bound again from the last checkpoint."""
+        """The baseline: every role restarts as a new process and the job resumes from the last
+        checkpoint. The failed member is fenced; every other member of the job is released and
+        exits, so its replacement pays a process start-up and a model load, as a restart does.
+        Replacements are bound as after any failure: a prepared warm standby trainer if there
+        is one, else members the provisioner starts."""
         driver = self.driver
         await self._fence(record, entry.instance_id, reason)
         members, _ = await driver.registry.list()
@@ -227,7 +232,11 @@ class RecoveryExecutor:
                 and member.instance_id != entry.instance_id
             ):
                 await driver.control_quietly(
-                    member, trainer_pb2.ControlRequest.ACTION_RELEASE, record.job_id, record.epoch
+                    member,
+                    trainer_pb2.ControlRequest.ACTION_RELEASE,
+                    record.job_id,
+                    record.epoch,
+                    {EXIT_ARG: "true"},
                 )
         ledger = driver.ledgers.get(record.job_id)
         if ledger is not None:

@@ -5,6 +5,7 @@ is trained or accounted for."""
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import os
 import signal
@@ -112,12 +113,14 @@ def test_a_killed_rollout_is_replaced_and_the_trainer_never_pauses(
     assert member(stack, "trainer-0")  # the trainer was never replaced
     run = tmp_path / "runs" / "rc"
     assert_nothing_lost_or_trained_twice(stack, "rc", run, steps_run=LONG_STEPS)
-    # The trainer kept stepping through the recovery, at its normal pace or near it.
+    # The trainer kept stepping through the recovery, at its normal pace or near it, also
+    # while the replacement was bound (the step ending just after it included): a BIND that
+    # loaded the model under the job's lock once stalled every lease for ~2 s.
     timings = step_seconds(run)
     before = [s for t, s in timings if t < killed_at]
-    during = [s for t, s in timings if killed_at <= t <= rec["done_at"]]
+    during = [s for t, s in timings if killed_at <= t <= rec["done_at"] + 1.0]
     assert during, "the trainer made no step while the rollout was being replaced"
-    assert max(during) <= 3 * statistics.median(before) + 2.0, (before, during)
+    assert max(during) <= 3 * statistics.median(before) + 1.0, (before, during)
 
 
 def test_a_hung_rollout_is_replaced_and_its_zombie_changes_nothing(
@@ -136,7 +139,12 @@ def test_a_hung_rollout_is_replaced_and_its_zombie_changes_nothing(
     zombie_log = stack.home / "logs" / "rollout-0.log"
     eventually_sync(lambda: "rollout.fenced" in zombie_log.read_text(), timeout=30)
     # And it leaves the job in the registry at once, so the leader never waits on it.
-    eventually_sync(lambda: member(stack, "rollout-0")["job_id"] == "", timeout=15)
+    # (Its record may be missing for a moment: its lease expired while it was stopped, and
+    # it registers again after SIGCONT.)
+    eventually_sync(
+        lambda: any(m["instance_id"] == "rollout-0" and not m["job_id"] for m in stack.members()),
+        timeout=15,
+    )
     finish(stack, "rh")
     status = stack.json("status", "rh")
     assert isinstance(status, dict)
@@ -184,6 +192,40 @@ def test_a_killed_trainer_is_taken_over_by_a_standby_that_built_the_model_ahead(
         assert "trainer.prepared" in log and "trainer.took_prepared" in log
         assert "trainer.restored" in log
         assert_nothing_lost_or_trained_twice(cli, "tw", tmp_path / "runs" / "tw", LONG_STEPS)
+
+
+def test_a_full_restart_replaces_every_role_with_a_new_process(
+    stack: Cli, model_dir: Path, tmp_path: Path
+) -> None:
+    submit(stack, model_dir, "fr", "recovery.mode=full_restart")
+    eventually_sync(lambda: step_of(stack, "fr") >= 8, timeout=180)
+    survivors = {name: int(member(stack, name)["pid"]) for name in ("trainer-0", "rollout-0")}
+    os.kill(int(member(stack, "rollout-1")["pid"]), signal.SIGKILL)
+    wait_for_incident(stack, "MEMBER_LOST", "rollout-1", timeout=15)
+    finish(stack, "fr")
+    [rec] = recoveries(stack, "fr")
+    assert rec["actions"] == ["FULL_RESTART"]
+    # The members that did not fail were not rebound: their processes exited, and new ones
+    # (started by the provisioner) took every role.
+    assert sorted(r[: len("rollout-p")] for r in rec["replacements"]) == [
+        "rollout-p",
+        "rollout-p",
+        "trainer-p",
+    ]
+    for name, pid in survivors.items():
+        eventually_sync(functools.partial(exited, pid), timeout=15)
+        assert name not in [m["instance_id"] for m in stack.members()]
+        assert "exiting" in (stack.home / "logs" / f"{name}.log").read_text()
+    assert_nothing_lost_or_trained_twice(stack, "fr", tmp_path / "runs" / "fr")
+
+
+def exited(pid: int) -> bool:
+    """Gone, or exited and not reaped yet (a zombie)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except FileNotFoundError:
+        return True
+    return stat.rsplit(")", 1)[1].split()[0] == "Z"
 
 
 def test_a_nan_loss_is_rolled_back_without_replacing_anything(
