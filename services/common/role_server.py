@@ -214,11 +214,9 @@ class RoleControl:
             )
             self.prepared = prepared = Prepared(job_id, spec, task)
         await asyncio.shield(prepared.task)  # a bad spec is the caller's error
-        assert self.runtime.member is not None
-        labelled = self.runtime.member.labels.get(PREPARED_LABEL) == job_id
+        labelled = self._label(PREPARED_LABEL) == job_id
         if self.prepared is prepared and self.worker is None and not labelled:
-            labels = {**self.runtime.member.labels, PREPARED_LABEL: job_id}
-            await self.runtime.update_member(labels=labels)
+            await self._relabel({PREPARED_LABEL: job_id})
             log.info(f"{self.runtime.role}.prepared", job=job_id)
 
     async def _build(self, job_id: str, spec: JobSpec) -> Worker:
@@ -232,11 +230,8 @@ class RoleControl:
         prepared, self.prepared = self.prepared, None
         if prepared is None:
             return None
-        assert self.runtime.member is not None
-        if PREPARED_LABEL in self.runtime.member.labels:
-            labels = dict(self.runtime.member.labels)
-            del labels[PREPARED_LABEL]
-            await self.runtime.update_member(labels=labels)
+        if self._label(PREPARED_LABEL) is not None:
+            await self._relabel({PREPARED_LABEL: None})
         if not prepared.serves(job_id, spec):
             prepared.task.cancel()  # a thread already building finishes; its result is dropped
             return None
@@ -252,12 +247,21 @@ class RoleControl:
         """RELEASE/FENCE with args["exit"]: this process stops, as on SIGTERM (goodbye, then
         deregistration), right after the reply. Labelled leaving=true first, so that nobody
         binds it in the moment it still looks free."""
-        assert self.runtime.member is not None
-        await self.runtime.update_member(
-            labels={**self.runtime.member.labels, LEAVING_LABEL: "true"}
-        )
+        await self._relabel({LEAVING_LABEL: "true"})
         log.warning(f"{self.runtime.role}.exiting", reason="asked to restart as a new process")
         asyncio.get_running_loop().call_later(0.1, os.kill, os.getpid(), signal.SIGTERM)
+
+    def _label(self, name: str) -> str | None:
+        assert self.runtime.member is not None
+        return self.runtime.member.labels.get(name)
+
+    async def _relabel(self, labels: dict[str, str | None], **changes: object) -> None:
+        """Rewrite this member's registry record with `labels` set (None: removed), and any
+        other field in `changes` (job_id)."""
+        assert self.runtime.member is not None
+        merged = {**self.runtime.member.labels, **labels}
+        kept = {name: value for name, value in merged.items() if value is not None}
+        await self.runtime.update_member(labels=kept, **changes)
 
     def inject_nan(self, asked: str | None) -> trainer_pb2.ControlResponse:
         worker = self.worker
@@ -286,9 +290,7 @@ class RoleControl:
         # Off the job in the registry first: it no longer serves it, whatever it believed, and
         # the leader must not wait on it while its work unwinds (which a frozen peer can stall).
         self.runtime.progress.job_id = ""
-        assert self.runtime.member is not None
-        labels = {**self.runtime.member.labels, "fenced": "true"}
-        await self.runtime.update_member(job_id="", labels=labels)
+        await self._relabel({"fenced": "true"}, job_id="")
         log.info(f"{self.runtime.role}.left_job", job=self.binding.job_id)
         await self.stop_worker()
 

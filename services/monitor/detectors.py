@@ -37,6 +37,8 @@ class MemberView:
     counters: dict[str, float] = field(default_factory=dict)
     stream_open: bool = False
     registered: bool = False
+    address: str = ""
+    """host:port from its registry record (for the listening check), "" until it is seen."""
     goodbye: bool = False
     stream_ended_at: float | None = None
     evidence: str = ""
@@ -138,12 +140,15 @@ def on_refused(views: Views, instance_id: str, ended_at: float, address: str) ->
     return True
 
 
-def on_registered(views: Views, role: str, instance_id: str, epoch: int, now: float) -> None:
+def on_registered(
+    views: Views, role: str, instance_id: str, epoch: int, now: float, address: str = ""
+) -> None:
     view = views.get(instance_id)
     if view is not None and view.state is State.LOST and epoch <= view.epoch:
         return
     view = _view(views, role, instance_id)
     view.registered = True
+    view.address = address or view.address
     view.epoch = max(view.epoch, epoch)
     if not view.last_seen:
         view.last_seen = now

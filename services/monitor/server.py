@@ -129,22 +129,21 @@ class MonitorServicer(monitor_pb2_grpc.MonitorServicer):
         if view is None or view.state is not detectors.State.SUSPECT:
             return
         task = asyncio.create_task(
-            self._check_listening(view.role, instance_id, now), name="check-listening"
+            self._check_listening(instance_id, view.address, now), name="check-listening"
         )
         self._checks.add(task)
         task.add_done_callback(self._checks.discard)
 
-    async def _check_listening(self, role: str, instance_id: str, ended_at: float) -> None:
-        """Connect, for a short while, to the address of a member whose stream just broke: a
-        refusal means the process is gone, and it is reported now instead of after the
-        reconnect grace. A dying process may still hold its listening socket for a moment
-        after its streams closed, so an accepted connection is tried again."""
-        assert self.runtime.registry is not None
+    async def _check_listening(self, instance_id: str, address: str, ended_at: float) -> None:
+        """Connect, for a short while, to the address (from the registry records the monitor
+        follows) of a member whose stream just broke: a refusal means the process is gone, and
+        it is reported now instead of after the reconnect grace. A dying process may still
+        hold its listening socket for a moment after its streams closed, so an accepted
+        connection is tried again."""
+        if ":" not in address:
+            return  # never seen in the registry (or no server): the grace decides
+        host, _, port = address.rpartition(":")
         try:
-            member = await self.runtime.registry.get(role, instance_id)
-            if member is None or ":" not in member.address:
-                return  # not registered (or no server): the grace decides
-            host, _, port = member.address.rpartition(":")
             deadline = time.monotonic() + self.settings.listen_check_window
             while time.monotonic() < deadline:
                 view = self.views.get(instance_id)
@@ -156,8 +155,8 @@ class MonitorServicer(monitor_pb2_grpc.MonitorServicer):
                         max(0.01, deadline - time.monotonic()),
                     )
                 except ConnectionRefusedError:
-                    if detectors.on_refused(self.views, instance_id, ended_at, member.address):
-                        log.info("monitor.refused", member=instance_id, address=member.address)
+                    if detectors.on_refused(self.views, instance_id, ended_at, address):
+                        log.info("monitor.refused", member=instance_id, address=address)
                         self._wake.set()
                     return
                 writer.close()
@@ -165,8 +164,8 @@ class MonitorServicer(monitor_pb2_grpc.MonitorServicer):
                     await writer.wait_closed()
                 await asyncio.sleep(LISTEN_CHECK_RETRY)
         except Exception as exc:
-            # Unreachable or slow is no proof of death (a cut link, a stopped process), and
-            # etcd being away proves nothing either: the reconnect grace and the lease decide.
+            # Unreachable or slow is no proof of death (a cut link, a stopped process): the
+            # reconnect grace and the lease decide.
             log.debug("monitor.listen_check_inconclusive", member=instance_id, error=repr(exc))
 
     async def GetHealth(
@@ -202,7 +201,9 @@ class MonitorServicer(monitor_pb2_grpc.MonitorServicer):
         registry = Registry(self.runtime.client, self.runtime.keys)
         members, revision = await registry.list()
         for m in members:
-            detectors.on_registered(self.views, m.role, m.instance_id, m.epoch, time.time())
+            detectors.on_registered(
+                self.views, m.role, m.instance_id, m.epoch, time.time(), m.address
+            )
         known = {m.instance_id for m in members}
         async for event in registry.watch(revision + 1):
             now = time.time()
@@ -210,7 +211,7 @@ class MonitorServicer(monitor_pb2_grpc.MonitorServicer):
                 member = parse_member(event.entry)
                 known.add(member.instance_id)
                 detectors.on_registered(
-                    self.views, member.role, member.instance_id, member.epoch, now
+                    self.views, member.role, member.instance_id, member.epoch, now, member.address
                 )
             elif isinstance(event, Delete):
                 _, instance_id = registry.role_and_instance(event.key)

@@ -230,13 +230,13 @@ class RolloutWorker:
         self.coordinator = CoordinatorClient(runtime.client, runtime.keys)
 
     def load(self) -> None:
-        """Build the engine and the reward, unless `prepare` did already."""
-        if self.engine is None:
-            self.prepare()
+        """All of a rollout's set-up is `prepare`: weights are pulled after it starts."""
+        self.prepare()
 
     def prepare(self) -> None:
-        """Everything a rollout needs is independent of the job's progress (weights are
-        pulled after it starts): a prepared rollout's BIND loads nothing more."""
+        """Build the engine and the reward; done once, a second call returns at once."""
+        if self.engine is not None:
+            return
         torch.set_num_threads(self.settings.torch_threads)
         path = Path(self.spec.model.path)
         if not (path / "config.json").exists():

@@ -18,6 +18,7 @@ from typing import Any
 
 import pytest
 
+from tests.e2e.test_chaos_cli import process_state
 from tests.e2e.test_cli_stack import EXAMPLE, REPO, Cli
 from tests.e2e.test_detection import detection_stack, incidents, member, step_of, wait_for_incident
 from tests.e2e.test_rl_job import etcd_json
@@ -222,10 +223,9 @@ def test_a_full_restart_replaces_every_role_with_a_new_process(
 def exited(pid: int) -> bool:
     """Gone, or exited and not reaped yet (a zombie)."""
     try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
+        return process_state(pid) == "Z"
     except FileNotFoundError:
         return True
-    return stat.rsplit(")", 1)[1].split()[0] == "Z"
 
 
 def test_a_nan_loss_is_rolled_back_without_replacing_anything(

@@ -84,6 +84,15 @@ def test_goodbye_then_deregistration_is_never_an_incident() -> None:
     assert views["r0"].state is d.State.GONE
 
 
+def test_the_address_comes_from_the_registry_and_outlives_beats() -> None:
+    views: d.Views = {}
+    d.on_registered(views, "rollout", "r0", 0, 0.0, "127.0.0.1:7")
+    beat(views, 0.1)
+    d.on_registered(views, "rollout", "r0", 0, 0.2)  # a record seen without an address
+    d.on_stream_end(views, "r0", 0.3)
+    assert views["r0"].address == "127.0.0.1:7"
+
+
 def test_lease_expiry_without_goodbye_is_lost_at_once() -> None:
     views: d.Views = {}
     d.on_registered(views, "trainer", "t0", 0, 0.0)
