@@ -3,10 +3,11 @@
 The leader writes `<prefix>/fences/<instance_id>` (no lease: a fence outlives the process)
 before it starts a replacement, and removes the instance from the job's members, which is
 how the coordinator refuses its LeaseWork / CompleteWork / ReportProgress. Every other
-receiver checks the fence: the trainer refuses its trajectories,
-the monitor answers its beats with `fenced`, and rollouts ignore weight manifests of older
-trainer epochs. A process stopped with SIGSTOP and continued after its replacement therefore
-changes nothing; on its next beat it learns it was fenced and stops its work.
+receiver checks the fence: the trainer refuses its trajectories, the monitor answers its
+beats with `fenced`, and rollouts ignore weight manifests of older trainer epochs. The leader
+also deletes the instance's weight-holder records, so no rollout goes on pulling weights from
+it. A process stopped with SIGSTOP and continued after its replacement therefore changes
+nothing; on its next beat it learns it was fenced and stops its work.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import aetcd
 from pydantic import BaseModel, Field
 
 from services.common.aio import cancel_and_wait
-from services.common.keys import KeySpace
+from services.common.keys import KeySpace, WeightKeys
 from services.common.logs import get_logger
 from services.common.watch import Delete, Put, Resync, list_prefix, watch_prefix
 
@@ -36,6 +37,26 @@ class FenceRecord(BaseModel):
 
 async def write_fence(client: aetcd.Client, keys: KeySpace, record: FenceRecord) -> None:
     await client.put(keys.fence(record.instance_id), record.model_dump_json().encode())
+
+
+async def withdraw_holder_records(
+    client: aetcd.Client, keys: KeySpace, job_id: str, instance_id: str
+) -> int:
+    """Delete the fenced instance's records as a holder of the job's weight versions; returns
+    how many there were.
+
+    A stopped holder keeps its records until its lease expires, and a puller receiving from it
+    waits until then; pullers watch the records and move to another holder once they go.
+    """
+    wkeys = WeightKeys(keys)
+    entries, _ = await list_prefix(client, wkeys.versions(job_id))
+    withdrawn = 0
+    for entry in entries:
+        parsed = wkeys.parse(job_id, entry.key)
+        if parsed is not None and parsed[1] == f"holders/{instance_id}":
+            await client.delete(entry.key)
+            withdrawn += 1
+    return withdrawn
 
 
 class FenceSet:

@@ -67,3 +67,36 @@ class KeySpace:
 
     def provisioned(self, instance_id: str = "") -> bytes:
         return f"{self.prefix}/provisioned/{instance_id}".encode()
+
+
+@dataclass(frozen=True)
+class WeightKeys:
+    """Where versions, manifests and holders live, under the shared KeySpace prefix."""
+
+    keys: KeySpace
+
+    def announcement(self, job_id: str) -> bytes:
+        return self.keys.weights(job_id)
+
+    def versions(self, job_id: str) -> bytes:
+        return self.keys.weights(job_id) + b"/v/"
+
+    def version(self, job_id: str, version: int) -> bytes:
+        return self.versions(job_id) + f"{version:012d}/".encode()
+
+    def manifest(self, job_id: str, version: int) -> bytes:
+        return self.version(job_id, version) + b"manifest"
+
+    def holders(self, job_id: str, version: int) -> bytes:
+        return self.version(job_id, version) + b"holders/"
+
+    def holder(self, job_id: str, version: int, instance_id: str) -> bytes:
+        return self.holders(job_id, version) + instance_id.encode()
+
+    def parse(self, job_id: str, key: bytes) -> tuple[int, str] | None:
+        """(version, rest) for a key under versions(job_id), e.g. (7, 'manifest')."""
+        prefix = self.versions(job_id)
+        if not key.startswith(prefix):
+            return None
+        head, _, rest = key[len(prefix) :].decode().partition("/")
+        return (int(head), rest) if head.isdigit() else None

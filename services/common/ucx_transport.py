@@ -71,7 +71,7 @@ from services.common.checksums import (
     start_bucket_checksum,
 )
 from services.common.errors import Aborted, Fenced
-from services.common.keys import KeySpace
+from services.common.keys import KeySpace, WeightKeys
 from services.common.logs import get_logger
 from services.common.session import Session
 from services.common.watch import Delete, Put, Resync, list_prefix, watch_prefix
@@ -122,44 +122,14 @@ class HolderRefused(Exception):
         self.held = list(held)
 
 
+class SourceLeft(Exception):
+    """The holder a pull was receiving from deleted its record: its lease expired, it closed,
+    or the coordinator fenced it. A stopped (SIGSTOP) holder would otherwise be waited on
+    until the stall timeout."""
+
+
 class UcxUnavailable(RuntimeError):
     """UCX cannot start in this process (ucxx missing, no usable transport, listener failed)."""
-
-
-# --------------------------------------------------------------------------- keys
-
-
-@dataclass(frozen=True)
-class WeightKeys:
-    """Where versions, manifests and holders live, under the shared KeySpace prefix."""
-
-    keys: KeySpace
-
-    def announcement(self, job_id: str) -> bytes:
-        return self.keys.weights(job_id)
-
-    def versions(self, job_id: str) -> bytes:
-        return self.keys.weights(job_id) + b"/v/"
-
-    def version(self, job_id: str, version: int) -> bytes:
-        return self.versions(job_id) + f"{version:012d}/".encode()
-
-    def manifest(self, job_id: str, version: int) -> bytes:
-        return self.version(job_id, version) + b"manifest"
-
-    def holders(self, job_id: str, version: int) -> bytes:
-        return self.version(job_id, version) + b"holders/"
-
-    def holder(self, job_id: str, version: int, instance_id: str) -> bytes:
-        return self.holders(job_id, version) + instance_id.encode()
-
-    def parse(self, job_id: str, key: bytes) -> tuple[int, str] | None:
-        """(version, rest) for a key under versions(job_id), e.g. (7, 'manifest')."""
-        prefix = self.versions(job_id)
-        if not key.startswith(prefix):
-            return None
-        head, _, rest = key[len(prefix) :].decode().partition("/")
-        return (int(head), rest) if head.isdigit() else None
 
 
 # --------------------------------------------------------------------------- manifest
@@ -549,6 +519,33 @@ def _bucket_view(manifest: BucketManifest, buffer: torch.Tensor, index: int) -> 
 # --------------------------------------------------------------------------- client side
 
 
+class _Departures:
+    """Holder records deleted while pulls receive from them, as the transport's watch of the
+    job's versions sees them: each pull waits on the event of the holder it receives from."""
+
+    def __init__(self) -> None:
+        # (version, holder) -> (revision the holder was listed at, event)
+        self._events: dict[tuple[int, str], tuple[int, asyncio.Event]] = {}
+
+    def watch(self, version: int, instance_id: str, listed_at: int) -> asyncio.Event:
+        event = asyncio.Event()
+        self._events[(version, instance_id)] = (listed_at, event)
+        return event
+
+    def unwatch(self, version: int, instance_id: str) -> None:
+        self._events.pop((version, instance_id), None)
+
+    def watched(self) -> list[tuple[int, str]]:
+        return list(self._events)
+
+    def left(self, version: int, instance_id: str, revision: int) -> None:
+        """The record was deleted at `revision`. A deletion from before the listing the pull
+        chose the holder from does not count: the holder had registered again since."""
+        watched = self._events.get((version, instance_id))
+        if watched is not None and revision > watched[0]:
+            watched[1].set()
+
+
 class HolderConnection:
     """One puller's endpoint to one holder: request buckets, receive them into place."""
 
@@ -697,8 +694,9 @@ class UcxTransport(WeightTransport):
             thread_name_prefix="ucx-weights-hash",
         )
         self._ucxx: ModuleType | None = None
-        # What a failing source raises: timeouts, socket errors, ucxx errors (set by start).
-        self._transfer_errors: tuple[type[BaseException], ...] = (TimeoutError, OSError)
+        # What a failing source raises: timeouts, socket errors, leaving the holders, ucxx
+        # errors (set by start).
+        self._transfer_errors: tuple[type[BaseException], ...] = (TimeoutError, OSError, SourceLeft)
         self._listener: Any = None
         self._session: Session | None = None
         self._held: dict[int, _Held] = {}
@@ -711,6 +709,7 @@ class UcxTransport(WeightTransport):
         # A relay holds keep_versions pulled buffers and fills one more; a non-relay only one.
         self._buffers = ReceiveBuffers(keep_versions + 1 if relay else 1)
         self._idle: dict[str, HolderConnection] = {}  # holder address -> endpoint, between pulls
+        self._departures = _Departures()
         self._closed = False
 
     # ------------------------------------------------------------------ lifecycle
@@ -723,7 +722,7 @@ class UcxTransport(WeightTransport):
     async def start(self) -> None:
         """Start the UCX listener and the etcd session holders register under."""
         self._ucxx = load_ucxx(self.progress_mode)
-        self._transfer_errors = (TimeoutError, OSError, *_ucx_errors(self._ucxx))
+        self._transfer_errors = (TimeoutError, OSError, SourceLeft, *_ucx_errors(self._ucxx))
         try:
             self._listener = self._ucxx.create_listener(self._serve, port=self.port or None)
         except Exception as exc:
@@ -1065,7 +1064,8 @@ class UcxTransport(WeightTransport):
                         f"can serve them (excluded: {sorted(excluded)})"
                         + (f"; given up because {why}" if why else "")
                     )
-                # Holders are busy or not there yet (a relay still pulling, a trainer restarting).
+                # Holders are busy or not there yet (a relay still pulling, a trainer
+                # restarting).
                 await self._wait_for_holders(
                     manifest, revision, min(left_s, 1.0), any_version=stranded
                 )
@@ -1082,7 +1082,12 @@ class UcxTransport(WeightTransport):
             wanted = sorted(b for b in pending if choice.instance_id not in bad_from.get(b, ()))
             left = len(pending)
             try:
-                await self._pull_from(choice, manifest, buffer, wanted, pending, bad_from, timings)
+                await self._pull_while_listed(
+                    choice,
+                    manifest.version,
+                    revision,
+                    self._pull_from(choice, manifest, buffer, wanted, pending, bad_from, timings),
+                )
             except HolderRefused as exc:
                 self.counters.refusals += 1
                 if exc.code == "busy":
@@ -1109,6 +1114,28 @@ class UcxTransport(WeightTransport):
                 )
             if len(pending) < left:
                 source = choice.instance_id
+
+    async def _pull_while_listed(
+        self, holder: HolderRecord, version: int, listed_at: int, pull: Any
+    ) -> None:
+        """Await the `pull` coroutine from `holder`; cancel it with SourceLeft as soon as the
+        holder's record of `version` is deleted after revision `listed_at` (_watch_versions
+        tells). A stopped holder keeps its endpoint open, so only this or the stall timeout
+        ends a receive from it."""
+        attempt = asyncio.ensure_future(pull)
+        gone = self._departures.watch(version, holder.instance_id, listed_at)
+        waiter = asyncio.ensure_future(gone.wait())
+        try:
+            await asyncio.wait({attempt, waiter}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            waiter.cancel()
+            self._departures.unwatch(version, holder.instance_id)
+            if not attempt.done():
+                attempt.cancel()  # its cleanup aborts the endpoint and keeps verified buckets
+                await asyncio.wait({attempt})
+        if attempt.cancelled():
+            raise SourceLeft(f"holder {holder.instance_id} left the holders of this version")
+        attempt.result()
 
     async def _pull_from(
         self,
@@ -1429,11 +1456,16 @@ class UcxTransport(WeightTransport):
                 log.info("weights.gc", job=self.job_id, version=version)
 
     async def _watch_versions(self) -> None:
-        """Drop held versions whose manifest was deleted (GC) or replaced (newer epoch)."""
+        """Drop held versions whose manifest was deleted (GC) or replaced (newer epoch); tell
+        pulls of holder records that go."""
         prefix = self.wkeys.versions(self.job_id)
         _, revision = await list_prefix(self.client, prefix)
         async for event in watch_prefix(self.client, prefix, revision + 1):
             if isinstance(event, Resync):
+                present = {self.wkeys.parse(self.job_id, e.key) for e in event.entries}
+                for version, instance_id in self._departures.watched():
+                    if (version, f"holders/{instance_id}") not in present:
+                        self._departures.left(version, instance_id, event.revision)
                 alive = {
                     (parsed[0], e.mod_revision)
                     for e in event.entries
@@ -1445,6 +1477,11 @@ class UcxTransport(WeightTransport):
                 continue
             key = event.entry.key if isinstance(event, Put) else event.key
             parsed = self.wkeys.parse(self.job_id, key)
+            if parsed is not None and isinstance(event, Delete):
+                holder = parsed[1].removeprefix("holders/")
+                if holder != parsed[1]:
+                    self._departures.left(parsed[0], holder, event.revision)
+                    continue
             if parsed is None or parsed[1] != "manifest" or parsed[0] not in self._held:
                 continue
             version = parsed[0]

@@ -20,7 +20,7 @@ from pydantic import BaseModel, Field
 from robustrl.v1 import trainer_pb2
 from services.common.aio import cancel_and_wait
 from services.common.errors import NotFound
-from services.common.fences import FenceRecord, write_fence
+from services.common.fences import FenceRecord, withdraw_holder_records, write_fence
 from services.common.keys import KeySpace
 from services.common.logs import get_logger
 from services.common.registry import MemberRecord
@@ -263,7 +263,16 @@ class RecoveryExecutor:
                 instance_id=instance_id, job_id=record.job_id, epoch=record.epoch, reason=reason
             ),
         )
-        log.warning("recovery.fenced", job=record.job_id, member=instance_id, reason=reason)
+        withdrawn = await withdraw_holder_records(
+            runtime.client, runtime.keys, record.job_id, instance_id
+        )
+        log.warning(
+            "recovery.fenced",
+            job=record.job_id,
+            member=instance_id,
+            reason=reason,
+            holder_records=withdrawn,
+        )
         role = record.member_roles.get(instance_id, "trainer")  # follower ranks are trainers
         member = await self.driver.registry.get(role, instance_id)
         if member is not None:

@@ -12,6 +12,7 @@ import contextlib
 import json
 import os
 import random
+import signal
 import sys
 import time
 from collections.abc import AsyncIterator
@@ -23,7 +24,8 @@ import torch
 
 from services.common.checksums import CHECKSUM_ALGORITHMS, WSUM128
 from services.common.config import EtcdSettings
-from services.common.keys import KeySpace
+from services.common.fences import withdraw_holder_records
+from services.common.keys import KeySpace, WeightKeys
 from services.common.ucx_transport import (
     ROLE_RELAY,
     ROLE_TRAINER,
@@ -31,7 +33,6 @@ from services.common.ucx_transport import (
     BucketManifest,
     HolderRecord,
     ReceiveBuffers,
-    WeightKeys,
     choose_holder,
     make_transport,
     plan_layout,
@@ -262,6 +263,71 @@ async def test_a_hung_source_is_abandoned_after_the_stall_timeout(peers: Any) ->
     counters = result["counters"]
     assert counters["buckets_by_source"] == {"relay": 2, "trainer": N_BUCKETS - 2}
     assert counters["source_failures"] == 1
+
+
+async def test_a_stopped_source_is_left_once_its_holder_record_goes(peers: Any) -> None:
+    # The stall timeout is a minute: only the record's deletion can end this pull sooner.
+    trainer, relay, puller = await peers(
+        ("trainer",), ("relay", "--stall-after", "2"), ("puller", "--stall-timeout", "60")
+    )
+    await trainer.call("publish", version=1, seed=9)
+    await relay.call("pull", version=1)
+
+    pulling = puller.send("pull", version=1)  # prefers the relay; it stalls after 2 buckets
+    await relay.call("wait_served", buckets=2)
+    os.kill(relay.proc.pid, signal.SIGSTOP)  # frozen: its socket and endpoint stay open
+    try:
+        began = time.monotonic()
+        result = await puller.reply(pulling, timeout=60)
+        waited = time.monotonic() - began
+    finally:
+        relay.kill()  # SIGKILL ends a stopped process too
+
+    assert result["ok"] and result["digest"] == tensors_digest(make_tensors(9))
+    counters = result["counters"]
+    assert counters["buckets_by_source"] == {"relay": 2, "trainer": N_BUCKETS - 2}
+    assert counters["source_failures"] == 1
+    # The relay's lease (2 s TTL) expires, etcd deletes its record, the puller moves on.
+    assert waited < 10, f"the pull waited {waited:.1f}s on a stopped source"
+
+
+async def test_fencing_withdraws_only_the_fenced_instances_holder_records(
+    peers: Any, etcd_client: Any, etcd_settings: EtcdSettings
+) -> None:
+    trainer, relay, puller = await peers(
+        ("trainer",), ("relay", "--stall-after", "2"), ("puller", "--stall-timeout", "60")
+    )
+    await trainer.call("publish", version=1, seed=10)
+    await trainer.call("publish", version=2, seed=11)
+    await relay.call("pull", version=1)
+    await relay.call("pull", version=2)
+    keys = KeySpace(etcd_settings.prefix)
+
+    pulling = puller.send("pull", version=2)
+    await relay.call("wait_served", buckets=2)
+    os.kill(relay.proc.pid, signal.SIGSTOP)
+    try:
+        began = time.monotonic()
+        withdrawn = await withdraw_holder_records(etcd_client, keys, JOB, "relay")
+        result = await puller.reply(pulling, timeout=60)
+        waited = time.monotonic() - began
+    finally:
+        relay.kill()
+
+    assert withdrawn == 2  # versions 1 and 2
+    assert result["ok"] and result["digest"] == tensors_digest(make_tensors(11))
+    assert result["counters"]["buckets_by_source"] == {"relay": 2, "trainer": N_BUCKETS - 2}
+    # Well inside the relay's own 2 s lease: the withdrawal, not the expiry, moved the pull.
+    assert waited < 1.5, f"the pull took {waited:.1f}s to leave a withdrawn source"
+    wkeys = WeightKeys(keys)
+    holders = {
+        version: sorted(
+            kv.key.rsplit(b"/", 1)[1].decode()
+            for kv in await etcd_client.get_prefix(wkeys.holders(JOB, version))
+        )
+        for version in (1, 2)
+    }
+    assert holders == {1: ["trainer"], 2: ["puller", "trainer"]}
 
 
 @pytest.mark.parametrize("algorithm", CHECKSUM_ALGORITHMS)
