@@ -30,12 +30,19 @@ from local_stack import EXAMPLE, REPO, Stack, ensure_model
 
 
 def run_mode(
-    mode: str, model: Path, steps: int, seed: int, *, faults: bool, keep: Path | None = None
+    mode: str,
+    model: Path,
+    steps: int,
+    seed: int,
+    *,
+    faults: bool,
+    standbys: int,
+    keep: Path | None = None,
 ) -> dict[str, Any]:
     name = mode if faults else "fault_free"
     with tempfile.TemporaryDirectory(prefix=f"robustrl-ettr-{name}-") as tmp:
         stack = Stack(Path(tmp) / "home", Path(tmp) / "runs")
-        stack.cli("up", "--trainers", "1", "--standby-trainers", "1", "--rollouts", "2")
+        stack.cli("up", "--trainers", "1", "--standby-trainers", str(standbys), "--rollouts", "2")
         try:
             job = f"ettr-{name.replace('_', '-')}"
             stack.cli(
@@ -110,6 +117,12 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--seed", type=int, default=11)
     parser.add_argument(
+        "--standby-trainers",
+        type=int,
+        default=1,
+        help="warm standby trainers the stack starts with (each mode gets the same)",
+    )
+    parser.add_argument(
         "--keep", type=Path, default=None, help="copy each run's logs and run folder here"
     )
     args = parser.parse_args()
@@ -119,7 +132,17 @@ def main() -> None:
     for mode, faults in (("role_based", False), ("role_based", True), ("full_restart", True)):
         what = "under the fault schedule" if faults else "without faults"
         print(f"[{mode}] running {args.steps} steps {what}", flush=True)
-        rows.append(run_mode(mode, model, args.steps, args.seed, faults=faults, keep=args.keep))
+        rows.append(
+            run_mode(
+                mode,
+                model,
+                args.steps,
+                args.seed,
+                faults=faults,
+                standbys=args.standby_trainers,
+                keep=args.keep,
+            )
+        )
         print(f"[{rows[-1]['mode']}] {rows[-1]}", flush=True)
 
     def fmt(value: float | None, spec: str) -> str:

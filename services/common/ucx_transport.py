@@ -74,7 +74,7 @@ from services.common.errors import Aborted, Fenced
 from services.common.keys import KeySpace, WeightKeys
 from services.common.logs import get_logger
 from services.common.session import Session
-from services.common.watch import Delete, Put, Resync, list_prefix, watch_prefix
+from services.common.watch import Delete, Put, Resync, list_prefix, next_change, watch_prefix
 from services.common.weights import (
     Announcement,
     GrpcStreamTransport,
@@ -1025,12 +1025,7 @@ class UcxTransport(WeightTransport):
             prefix = self.wkeys.versions(manifest.job_id)
         else:
             prefix = self.wkeys.holders(manifest.job_id, manifest.version)
-        # A compacted revision only means something changed: list again either way.
-        quiet = (aetcd.exceptions.WatchTimeoutError, aetcd.exceptions.RevisionCompactedError)
-        with contextlib.suppress(*quiet):
-            await self.client.watch_prefix_once(
-                prefix, timeout=max(timeout, 0.01), start_revision=revision + 1
-            )
+        await next_change(self.client, prefix, revision + 1, max(timeout, 0.01))
 
     async def _pull_buckets(
         self,

@@ -13,7 +13,7 @@ from services.common.keys import KeySpace
 from services.common.registry import MemberRecord, Registry
 from services.common.runtime import ServiceRuntime
 from services.common.session import Session
-from services.common.watch import Delete, Put, Resync, watch_prefix
+from services.common.watch import Delete, Put, Resync, list_prefix, next_change, watch_prefix
 from tests.support import eventually
 
 
@@ -91,6 +91,36 @@ async def test_watch_from_a_compacted_revision_resyncs_with_the_full_state(
     await stream.aclose()  # type: ignore[attr-defined]
     assert isinstance(event, Resync)
     assert {e.key: e.value for e in event.entries} == {prefix + b"x": b"2", prefix + b"y": b"3"}
+
+
+async def test_a_watch_cancelled_while_being_created_leaves_later_watches_their_own_events(
+    etcd_client: aetcd.Client, etcd_settings: EtcdSettings
+) -> None:
+    base = f"{etcd_settings.prefix}/cw".encode()
+    _, revision = await list_prefix(etcd_client, base)
+    missed = []
+    for i in range(10):
+        doomed = asyncio.ensure_future(anext(watch_prefix(etcd_client, base + b"/gone/", 1)))
+        await asyncio.sleep(0)  # it has sent its create request; etcd has not answered yet
+        await asyncio.sleep(0)
+        doomed.cancel()
+        await asyncio.gather(doomed, return_exceptions=True)
+        mine = base + f"/mine-{i}/".encode()
+        waiting = asyncio.create_task(next_change(etcd_client, mine, revision + 1, 5.0))
+        stream = watch_prefix(etcd_client, mine, revision + 1)
+        put = await etcd_client.put(mine + b"k", b"v")
+        revision = put.header.revision
+        try:
+            event = await asyncio.wait_for(anext(stream), 5)
+            assert isinstance(event, Put) and event.entry.key == mine + b"k"
+        except TimeoutError:
+            missed.append(i)
+        finally:
+            await stream.aclose()  # type: ignore[attr-defined]
+        began = asyncio.get_running_loop().time()
+        await waiting
+        assert asyncio.get_running_loop().time() - began < 4, "next_change missed its key"
+    assert not missed, f"watches {missed} never saw their own key"
 
 
 async def test_election_hands_over_when_the_leader_resigns_or_dies(
