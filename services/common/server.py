@@ -29,7 +29,17 @@ HOOK_TIMEOUT = 5.0
 
 class GrpcHost:
     def __init__(self, *, bind_host: str, port: int, service_names: list[str]) -> None:
-        self.server = grpc.aio.server(interceptors=[ErrorMappingInterceptor()])
+        self.server = grpc.aio.server(
+            interceptors=[ErrorMappingInterceptor()],
+            options=[
+                # Our clients ping every 10 s (channels.open_channel) to notice a dead peer on a
+                # quiet stream. The default server policy allows one ping per 5 min without
+                # data and answers more with GOAWAY "too_many_pings", which broke rollouts'
+                # idle streams to the trainer while it was away.
+                ("grpc.http2.min_ping_interval_without_data_ms", 5_000),
+                ("grpc.keepalive_permit_without_calls", 1),
+            ],
+        )
         self.health = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         self._service_names = service_names

@@ -74,7 +74,15 @@ from services.common.errors import Aborted, Fenced
 from services.common.keys import KeySpace, WeightKeys
 from services.common.logs import get_logger
 from services.common.session import Session
-from services.common.watch import Delete, Put, Resync, list_prefix, next_change, watch_prefix
+from services.common.watch import (
+    Delete,
+    Entry,
+    Put,
+    Resync,
+    list_prefix,
+    next_change,
+    watch_prefix,
+)
 from services.common.weights import (
     Announcement,
     GrpcStreamTransport,
@@ -945,16 +953,17 @@ class UcxTransport(WeightTransport):
         if held is not None:
             return unpack_views(held.manifest, held.buffer)
         started = time.perf_counter()
-        manifest, revision = await self._read_manifest(job_id, version)
+        # One read gives the manifest and the holders listed with it.
+        manifest, revision, holders = await self._read_version(job_id, version)
         buffer = self._buffers.take(manifest.total_bytes, device)
         timings = PullTimings()
-        await self._pull_buckets(manifest, revision, buffer, timings)
+        await self._pull_buckets(manifest, revision, buffer, timings, holders)
         self.counters.pulls_completed += 1
         if self.relay and not self._closed:
             self._held[version] = _Held(manifest, buffer, ROLE_RELAY, revision)
-            # The pull itself succeeded; if etcd is away now, the session keeper registers us
-            # once it is back.
-            await self._register_quietly(version)
+            # Registered in the background: the caller has its tensors without waiting for an
+            # etcd write, and a failed write is retried when the session keeper re-registers.
+            self._schedule_record(version)
             self._prune_local()
         log.info(
             "weights.pulled",
@@ -970,7 +979,18 @@ class UcxTransport(WeightTransport):
         return unpack_views(manifest, buffer)
 
     async def _read_manifest(self, job_id: str, version: int) -> tuple[BucketManifest, int]:
-        found = await self.client.get(self.wkeys.manifest(job_id, version))
+        manifest, revision, _ = await self._read_version(job_id, version)
+        return manifest, revision
+
+    async def _read_version(
+        self, job_id: str, version: int
+    ) -> tuple[BucketManifest, int, tuple[list[HolderRecord], int]]:
+        """The manifest of version, its mod revision, and its holders with the etcd revision
+        they were listed at: one range read, since the holders' keys sit under the version's.
+        """
+        entries, listed_at = await list_prefix(self.client, self.wkeys.version(job_id, version))
+        key = self.wkeys.manifest(job_id, version)
+        found = next((e for e in entries if e.key == key), None)
         if found is None:
             raise WeightUnavailable(f"no manifest for version {version} of job {job_id}")
         manifest = BucketManifest.from_json(found.value)
@@ -980,19 +1000,23 @@ class UcxTransport(WeightTransport):
                 f"{manifest.trainer_epoch}, older than epoch {self._highest_epoch}: ignored"
             )
         self._highest_epoch = manifest.trainer_epoch
-        return manifest, int(found.mod_revision)
+        holders = self._holders_of(manifest, [e for e in entries if e.key != key])
+        return manifest, found.mod_revision, (holders, listed_at)
 
     async def _list_holders(self, manifest: BucketManifest) -> tuple[list[HolderRecord], int]:
         """Holders of exactly this manifest's contents, and the etcd revision of the list."""
         entries, revision = await list_prefix(
             self.client, self.wkeys.holders(manifest.job_id, manifest.version)
         )
+        return self._holders_of(manifest, entries), revision
+
+    def _holders_of(self, manifest: BucketManifest, entries: list[Entry]) -> list[HolderRecord]:
         holders = []
         for entry in entries:
             record = HolderRecord.from_json(entry.value)
             if record.digest == manifest.digest and record.instance_id != self.instance_id:
                 holders.append(record)
-        return holders, revision
+        return holders
 
     async def _superseded(self, manifest: BucketManifest, manifest_revision: int) -> str | None:
         """Why pulling `manifest` no longer makes sense, or None: its manifest was deleted or
@@ -1033,6 +1057,7 @@ class UcxTransport(WeightTransport):
         manifest_revision: int,
         buffer: torch.Tensor,
         timings: PullTimings,
+        first_listing: tuple[list[HolderRecord], int] | None = None,
     ) -> None:
         pending = set(range(len(manifest.buckets)))
         bad_from: dict[int, set[str]] = {}  # bucket -> holders that sent it corrupt
@@ -1040,7 +1065,10 @@ class UcxTransport(WeightTransport):
         deadline = time.monotonic() + self.pull_timeout
         source: str | None = None  # the last holder that delivered buckets
         while pending:
-            listed, revision = await self._list_holders(manifest)
+            if first_listing is not None:
+                (listed, revision), first_listing = first_listing, None
+            else:
+                listed, revision = await self._list_holders(manifest)
             usable = [
                 h
                 for h in listed

@@ -34,7 +34,7 @@ import torch
 from services.common.config import EtcdSettings
 from services.common.errors import RobustrlError
 from services.common.etcd_client import connect_etcd
-from services.common.keys import KeySpace
+from services.common.keys import KeySpace, WeightKeys
 from services.common.logs import configure_logging
 from services.common.ucx_transport import (
     HolderFaults,
@@ -132,6 +132,15 @@ async def _handle(
                 tensors = await transport.fetch(announcement)
         except (WeightIntegrityError, RobustrlError) as exc:
             return {"ok": False, "error": f"{type(exc).__name__}: {exc}"}
+        if op == "pull" and not args.no_relay:
+            # A relay registers in the background after the pull; tests that pull from it next
+            # need the record.
+            key = WeightKeys(keys).holder(job, int(cmd["version"]), args.instance)
+
+            async def registered() -> bool:
+                return await client.get(key) is not None
+
+            await eventually(registered, timeout=10, interval=0.005)
         if cmd.get("save"):
             torch.save([(n, t.clone()) for n, t in tensors], cmd["save"])
         if cmd.get("keep"):
