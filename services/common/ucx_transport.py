@@ -1105,12 +1105,13 @@ class UcxTransport(WeightTransport):
             wanted = sorted(b for b in pending if choice.instance_id not in bad_from.get(b, ()))
             left = len(pending)
             try:
-                await self._pull_while_listed(
-                    choice,
-                    manifest.version,
-                    revision,
-                    self._pull_from(choice, manifest, buffer, wanted, pending, bad_from, timings),
-                )
+                gone = self._departures.watch(manifest.version, choice.instance_id, revision)
+                try:
+                    await self._pull_from(
+                        choice, manifest, buffer, wanted, pending, bad_from, timings, gone
+                    )
+                finally:
+                    self._departures.unwatch(manifest.version, choice.instance_id)
             except HolderRefused as exc:
                 self.counters.refusals += 1
                 if exc.code == "busy":
@@ -1138,28 +1139,6 @@ class UcxTransport(WeightTransport):
             if len(pending) < left:
                 source = choice.instance_id
 
-    async def _pull_while_listed(
-        self, holder: HolderRecord, version: int, listed_at: int, pull: Any
-    ) -> None:
-        """Await the `pull` coroutine from `holder`; cancel it with SourceLeft as soon as the
-        holder's record of `version` is deleted after revision `listed_at` (_watch_versions
-        tells). A stopped holder keeps its endpoint open, so only this or the stall timeout
-        ends a receive from it."""
-        attempt = asyncio.ensure_future(pull)
-        gone = self._departures.watch(version, holder.instance_id, listed_at)
-        waiter = asyncio.ensure_future(gone.wait())
-        try:
-            await asyncio.wait({attempt, waiter}, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            waiter.cancel()
-            self._departures.unwatch(version, holder.instance_id)
-            if not attempt.done():
-                attempt.cancel()  # its cleanup aborts the endpoint and keeps verified buckets
-                await asyncio.wait({attempt})
-        if attempt.cancelled():
-            raise SourceLeft(f"holder {holder.instance_id} left the holders of this version")
-        attempt.result()
-
     async def _pull_from(
         self,
         holder: HolderRecord,
@@ -1169,13 +1148,21 @@ class UcxTransport(WeightTransport):
         pending: set[int],
         bad_from: dict[int, set[str]],
         timings: PullTimings,
+        gone: asyncio.Event,
     ) -> None:
         """Stream `wanted` from one holder; verify each bucket in a thread while the next one
-        arrives. Verified buckets leave `pending` even if the holder fails later."""
+        arrives. Verified buckets leave `pending` even if the holder fails later.
+
+        Once `gone` is set (the holder's record was deleted; a stopped holder keeps its
+        endpoint open, so otherwise only the stall timeout ends a receive from it) the endpoint
+        is aborted. Its pending operations then end with UCX errors, as with a dead holder,
+        and the pull fails with SourceLeft. Cancelling them from Python instead would free
+        buffers UCX may still write into."""
         loop = asyncio.get_running_loop()
         checks: list[tuple[int, asyncio.Future[str]]] = []
         started = time.perf_counter()
         conn = await self._connect(holder.address)
+        aborter = asyncio.ensure_future(self._abort_when(gone, conn))
         completed = False
         try:
             seq, sizes = await conn.request(
@@ -1213,10 +1200,15 @@ class UcxTransport(WeightTransport):
                     await conn.close()
                 await asyncio.gather(*(r for _, r in receives), return_exceptions=True)
             completed = True
+        except self._transfer_errors as exc:
+            if gone.is_set():
+                raise SourceLeft(f"holder {holder.instance_id} left the holders") from exc
+            raise
         finally:
+            aborter.cancel()
             timings.receive_s += time.perf_counter() - started
             started = time.perf_counter()
-            if completed:
+            if completed and not gone.is_set():
                 await self._park(conn)
             else:
                 await conn.close()
@@ -1238,6 +1230,11 @@ class UcxTransport(WeightTransport):
                         holder=holder.instance_id,
                     )
             timings.verify_wait_s += time.perf_counter() - started
+
+    @staticmethod
+    async def _abort_when(gone: asyncio.Event, conn: HolderConnection) -> None:
+        await gone.wait()
+        await conn.close()
 
     async def _connect(self, address: str) -> HolderConnection:
         """The endpoint kept from an earlier pull from address, else a new one.
