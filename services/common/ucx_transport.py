@@ -571,9 +571,11 @@ class HolderConnection:
         return cls(endpoint, address)
 
     async def request(
-        self, job_id: str, version: int, digest: str, buckets: Sequence[int], timeout: float
+        self, job_id: str, version: int, digest: str, buckets: Sequence[int]
     ) -> tuple[int, list[tuple[int, int]]]:
-        """Ask for buckets; (seq, [(index, nbytes)]) or HolderRefused with the holder's reason."""
+        """Ask for buckets; (seq, [(index, nbytes)]) or HolderRefused with the holder's reason.
+
+        No timeout here or in receive: a _SourceGuard bounds both by aborting the endpoint."""
         self._seq += 1
         body = {
             "op": "pull",
@@ -584,8 +586,8 @@ class HolderConnection:
             "digest": digest,
             "buckets": list(buckets),
         }
-        await asyncio.wait_for(self._ep.send_obj(json.dumps(body).encode()), timeout)
-        raw = await asyncio.wait_for(self._ep.recv_obj(allocator=_bounded_bytearray), timeout)
+        await self._ep.send_obj(json.dumps(body).encode())
+        raw = await self._ep.recv_obj(allocator=_bounded_bytearray)
         try:
             reply = json.loads(bytes(raw))
             if reply.get("status") != "ok":
@@ -599,8 +601,8 @@ class HolderConnection:
             detail = f"unreadable reply from {self.address}: {exc!r}"
             raise HolderRefused("bad_reply", detail) from exc
 
-    async def receive(self, into: torch.Tensor, seq: int, index: int, timeout: float) -> None:
-        await asyncio.wait_for(self._ep.recv(ucx_buffer(into), tag=_data_tag(seq, index)), timeout)
+    async def receive(self, into: torch.Tensor, seq: int, index: int) -> None:
+        await self._ep.recv(ucx_buffer(into), tag=_data_tag(seq, index))
 
     async def close(self) -> None:
         # abort() also cancels receives still posted into our buffer, so a late byte from a
@@ -608,6 +610,54 @@ class HolderConnection:
         with contextlib.suppress(Exception):
             # A bounded wait: a frozen peer must not hold the event loop for long.
             self._ep.abort(period=ABORT_NS)
+
+
+class _SourceGuard:
+    """Ends an exchange with one holder by aborting its endpoint: once the holder's record is
+    gone (`gone` is set), or once nothing has come from it for `stall` seconds.
+
+    Aborting lets UCX fail the pending operations itself. Cancelling them from Python instead
+    (a timeout around a receive) would release buffers UCX may still write into: a rollout
+    died of a fault in libpython 1 s after such a cancel. A stopped holder keeps its endpoint
+    open, so without this guard a receive from it would never end.
+    """
+
+    def __init__(self, conn: HolderConnection, gone: asyncio.Event, stall: float) -> None:
+        self._conn = conn
+        self._gone = gone
+        self._stall = stall
+        self._last = time.monotonic()
+        self._task = asyncio.ensure_future(self._run())
+
+    def progressed(self) -> None:
+        self._last = time.monotonic()
+
+    def why(self) -> str | None:
+        """'left' or 'stalled' once the guard has aborted the endpoint, else None."""
+        if not self._task.done() or self._task.cancelled():
+            return None
+        return "left" if self._gone.is_set() else "stalled"
+
+    def error(self, holder: str) -> Exception | None:
+        """What the exchange failed of, in place of the UCX error the abort caused."""
+        why = self.why()
+        if why == "left":
+            return SourceLeft(f"holder {holder} left the holders")
+        if why == "stalled":
+            return TimeoutError(f"nothing came from holder {holder} for {self._stall}s")
+        return None
+
+    def stop(self) -> None:
+        self._task.cancel()
+
+    async def _run(self) -> None:
+        while not self._gone.is_set():
+            left = self._last + self._stall - time.monotonic()
+            if left <= 0:
+                break
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._gone.wait(), left)
+        await self._conn.close()
 
 
 async def ask_holder(
@@ -626,12 +676,20 @@ async def ask_holder(
     """
     ucxx = load_ucxx()
     conn = await HolderConnection.open(ucxx, address, timeout)
+    guard = _SourceGuard(conn, asyncio.Event(), timeout)
     try:
-        seq, sizes = await conn.request(job_id, version, digest, buckets, timeout)
+        seq, sizes = await conn.request(job_id, version, digest, buckets)
         for index, nbytes in sizes:
-            await conn.receive(torch.zeros(nbytes, dtype=torch.uint8), seq, index, timeout)
+            guard.progressed()
+            await conn.receive(torch.zeros(nbytes, dtype=torch.uint8), seq, index)
         return sizes
+    except Exception as exc:
+        error = guard.error(address)
+        if error is None:
+            raise
+        raise error from exc
     finally:
+        guard.stop()
         await conn.close()
 
 
@@ -850,7 +908,7 @@ class UcxTransport(WeightTransport):
         """
         if version in self._held:
             return
-        manifest, revision = await self._read_manifest(self.job_id, version)
+        manifest, revision, _ = await self._read_version(self.job_id, version)
         entries, total, _ = plan_layout(tensors, manifest.bucket_bytes)
         if entries != manifest.tensors or total != manifest.total_bytes:
             raise WeightIntegrityError(f"version {version}: tensors do not match the manifest")
@@ -977,10 +1035,6 @@ class UcxTransport(WeightTransport):
             sources=dict(self.counters.buckets_by_source),
         )
         return unpack_views(manifest, buffer)
-
-    async def _read_manifest(self, job_id: str, version: int) -> tuple[BucketManifest, int]:
-        manifest, revision, _ = await self._read_version(job_id, version)
-        return manifest, revision
 
     async def _read_version(
         self, job_id: str, version: int
@@ -1153,21 +1207,20 @@ class UcxTransport(WeightTransport):
         """Stream `wanted` from one holder; verify each bucket in a thread while the next one
         arrives. Verified buckets leave `pending` even if the holder fails later.
 
-        Once `gone` is set (the holder's record was deleted; a stopped holder keeps its
-        endpoint open, so otherwise only the stall timeout ends a receive from it) the endpoint
-        is aborted. Its pending operations then end with UCX errors, as with a dead holder,
-        and the pull fails with SourceLeft. Cancelling them from Python instead would free
-        buffers UCX may still write into."""
+        A _SourceGuard aborts the endpoint once `gone` is set (the holder's record was deleted)
+        or after stall_timeout without a bucket; the pull then fails with SourceLeft or
+        TimeoutError."""
         loop = asyncio.get_running_loop()
         checks: list[tuple[int, asyncio.Future[str]]] = []
         started = time.perf_counter()
         conn = await self._connect(holder.address)
-        aborter = asyncio.ensure_future(self._abort_when(gone, conn))
+        guard = _SourceGuard(conn, gone, self.stall_timeout)
         completed = False
         try:
             seq, sizes = await conn.request(
-                manifest.job_id, manifest.version, manifest.digest, wanted, self.stall_timeout
+                manifest.job_id, manifest.version, manifest.digest, wanted
             )
+            guard.progressed()
             timings.request_s += time.perf_counter() - started
             started = time.perf_counter()
             expected = [(i, manifest.buckets[i].nbytes) for i in wanted]
@@ -1178,6 +1231,7 @@ class UcxTransport(WeightTransport):
             async def verify_next() -> None:
                 index, received = receives.popleft()
                 await received
+                guard.progressed()
                 view = _bucket_view(manifest, buffer, index)
                 finish = start_bucket_checksum(view, manifest.checksum_algorithm)
                 checks.append((index, loop.run_in_executor(self._pool, finish)))
@@ -1185,30 +1239,29 @@ class UcxTransport(WeightTransport):
             try:
                 for index, _ in sizes:
                     view = _bucket_view(manifest, buffer, index)
-                    receive = conn.receive(view, seq, index, self.stall_timeout)
+                    receive = conn.receive(view, seq, index)
                     receives.append((index, asyncio.ensure_future(receive)))
                     if len(receives) >= IN_FLIGHT_BUCKETS:
                         await verify_next()
                 while receives:
                     await verify_next()
             finally:
-                for _, received in receives:
-                    received.cancel()
                 if receives:
-                    # Abort first: receives still posted into our buffer end with the endpoint,
-                    # so waiting for them cannot outlast a frozen or dead source.
+                    # Receives still posted into our buffer end with the endpoint (UCX fails
+                    # them), so waiting for them cannot outlast a frozen or dead source.
                     await conn.close()
-                await asyncio.gather(*(r for _, r in receives), return_exceptions=True)
+                    await asyncio.gather(*(r for _, r in receives), return_exceptions=True)
             completed = True
         except self._transfer_errors as exc:
-            if gone.is_set():
-                raise SourceLeft(f"holder {holder.instance_id} left the holders") from exc
-            raise
+            error = guard.error(holder.instance_id)
+            if error is None:
+                raise
+            raise error from exc
         finally:
-            aborter.cancel()
+            guard.stop()
             timings.receive_s += time.perf_counter() - started
             started = time.perf_counter()
-            if completed and not gone.is_set():
+            if completed and guard.why() is None:
                 await self._park(conn)
             else:
                 await conn.close()
@@ -1230,11 +1283,6 @@ class UcxTransport(WeightTransport):
                         holder=holder.instance_id,
                     )
             timings.verify_wait_s += time.perf_counter() - started
-
-    @staticmethod
-    async def _abort_when(gone: asyncio.Event, conn: HolderConnection) -> None:
-        await gone.wait()
-        await conn.close()
 
     async def _connect(self, address: str) -> HolderConnection:
         """The endpoint kept from an earlier pull from address, else a new one.
