@@ -4,6 +4,9 @@ One run measures, per payload size, side by side:
   memcpy        an in-process tensor copy (the memory ceiling of this host)
   plain ucxx    ucxx tagged send/recv of the same bytes in the same bucket size, between two
                 processes, on an open endpoint into a ready buffer (the transport's ceiling)
+  + verify      the same plain ucxx, hashing each bucket as it lands in the transport's
+                thread pool with the transport's algorithm: the ceiling once every byte is
+                verified (ours/+verify is what our bookkeeping costs on top)
   ours          UcxTransport.pull of a freshly published version, as a running rollout does
                 it: etcd manifest and holders, pull the buckets over the endpoint kept from
                 the last pull into the receive buffer the last pull's tensors left free,
@@ -28,7 +31,14 @@ GPU trainer.
 
 BENCH_LOG_LEVEL=info makes the workers log every transfer, with where a pull's time went
 (`weights.pulled`: request_s, receive_s, verify_wait_s); --keep-logs DIR keeps their logs
-(otherwise only a dead worker's log tail is printed).
+(otherwise only a dead worker's log tail is printed); --json FILE writes every point with its
+raw samples.
+
+On a 2-core host, verification is what separates ours from plain ucxx: UCX moves host memory
+between processes there as a two-copy pipeline through SysV shared memory (it never picks
+CMA's single copy for endpoints with peer error handling), which keeps both cores busy, so
+the hash (xxh3: ~1.2 ms of a core per 32 MiB bucket) runs beside the copies instead of on a
+free core. Compare ours with "+verify" to see our own overhead.
 """
 
 from __future__ import annotations
@@ -158,31 +168,12 @@ class Worker:
     async def _start_grpc(self) -> None:
         """A gRPC server with only Trainer.PullWeights, delegated to GrpcStreamTransport.serve
         exactly as the trainer's servicer does."""
-        import grpc
+        from services.common.weights import start_weight_server
 
-        from robustrl.v1 import trainer_pb2
+        def serve(request: Any) -> AsyncIterator[Any]:
+            return self.grpc_transport.serve(request)
 
-        worker = self
-
-        async def pull_weights(request: Any, context: Any) -> AsyncIterator[Any]:
-            async for chunk in worker.grpc_transport.serve(request):
-                yield chunk
-
-        handler = grpc.method_handlers_generic_handler(
-            "robustrl.v1.Trainer",
-            {
-                "PullWeights": grpc.unary_stream_rpc_method_handler(
-                    pull_weights,
-                    request_deserializer=trainer_pb2.PullWeightsRequest.FromString,
-                    response_serializer=trainer_pb2.WeightChunk.SerializeToString,
-                )
-            },
-        )
-        self.grpc_server = grpc.aio.server()
-        self.grpc_server.add_generic_rpc_handlers((handler,))
-        port = self.grpc_server.add_insecure_port("127.0.0.1:0")
-        await self.grpc_server.start()
-        self.grpc_address = f"127.0.0.1:{port}"
+        self.grpc_server, self.grpc_address = await start_weight_server(serve)
 
     async def _plain_serve(self, ep: Any) -> None:
         """Plain ucxx: on each request, send the buffer in bucket-sized tagged messages."""
@@ -222,6 +213,7 @@ class Worker:
         return {"seconds": seconds}
 
     async def do_plain(self, cmd: dict[str, Any]) -> dict[str, Any]:
+        from services.common.checksums import algorithm_for, start_bucket_checksum
         from services.common.ucx_transport import allocate_buffer, load_ucxx, ucx_buffer
 
         ucxx = load_ucxx()
@@ -231,10 +223,21 @@ class Worker:
             self.plain_ep = await ucxx.create_endpoint(host, int(port))
         if self.plain_recv is None or self.plain_recv.numel() != nbytes:
             self.plain_recv = allocate_buffer(nbytes, self.device)
+        # With verify, each bucket is hashed as it lands, in the transport's own thread pool:
+        # the same verification work as ours, with none of its bookkeeping.
+        verify = bool(cmd.get("verify"))
+        algorithm = algorithm_for(self.device)
+        loop = asyncio.get_running_loop()
+        checks = []
         started = time.perf_counter()
         await self.plain_ep.send_obj(json.dumps({"bytes": nbytes, "bucket": bucket}).encode())
         for i, start in enumerate(range(0, nbytes, bucket)):
-            await self.plain_ep.recv(ucx_buffer(self.plain_recv[start : start + bucket]), tag=i)
+            view = self.plain_recv[start : start + bucket]
+            await self.plain_ep.recv(ucx_buffer(view), tag=i)
+            if verify:
+                finish = start_bucket_checksum(view, algorithm)
+                checks.append(loop.run_in_executor(self.ucx._pool, finish))
+        await asyncio.gather(*checks)
         return {"seconds": time.perf_counter() - started}
 
     async def do_plain_reset(self, cmd: dict[str, Any]) -> dict[str, Any]:
@@ -444,7 +447,9 @@ async def point_to_point(driver: Driver, sizes_mib: list[int]) -> list[dict[str,
     try:
         for size_mib in sizes_mib:
             nbytes = size_mib * MIB
-            times: dict[str, list[float]] = {"plain": [], "ucx": [], "ucx_again": [], "grpc": []}
+            times: dict[str, list[float]] = {
+                key: [] for key in ("plain", "plain_verified", "ucx", "ucx_again", "grpc")
+            }
             publish_s: list[float] = []
             await receiver.call("plain_reset")
             version += 1
@@ -457,10 +462,11 @@ async def point_to_point(driver: Driver, sizes_mib: list[int]) -> list[dict[str,
                 version += 1
                 published = await sender.call("publish", bytes=nbytes, version=version, plain=False)
                 publish_s.append(published["publish_s"])
-                plain = await receiver.call(
-                    "plain", address=plain_address, bytes=nbytes, bucket=bucket
-                )
-                times["plain"].append(plain["seconds"])
+                for key, verify in (("plain", False), ("plain_verified", True)):
+                    plain = await receiver.call(
+                        "plain", address=plain_address, bytes=nbytes, bucket=bucket, verify=verify
+                    )
+                    times[key].append(plain["seconds"])
                 for key in ("ucx", "ucx_again"):
                     pulled = await receiver.call("ucx_pull", version=version)
                     times[key].append(pulled["seconds"])
@@ -473,6 +479,7 @@ async def point_to_point(driver: Driver, sizes_mib: list[int]) -> list[dict[str,
             }
             pick = min if args.stat == "best" else statistics.median
             row.update({k: nbytes / pick(v) / 1e9 for k, v in times.items()})
+            row["samples_s"] = times
             row["ucx_cold"] = nbytes / cold / 1e9
             row["publish"] = nbytes / pick(publish_s) / 1e9
             rows.append(row)
@@ -513,6 +520,8 @@ def print_report(
     args: argparse.Namespace,
     checksum: float,
 ) -> None:
+    from services.common.checksums import algorithm_for
+
     env = {k: v for k, v in os.environ.items() if k.startswith(("UCX_", "UCXPY_"))}
     load = ", ".join(f"{x:.1f}" for x in os.getloadavg())
     stat = f"{args.stat} of {args.repeat}"
@@ -522,27 +531,30 @@ def print_report(
         print(f"GPU: {torch.cuda.get_device_name()}; grpc moves host copies")
     print(f"host: {os.cpu_count()} cpus, load average {load} (other work skews every column)")
     print(f"UCX env: {env or 'transport defaults'}")
+    algorithm = algorithm_for(args.device)
     header = (
-        f"{'payload':>9} {'memcpy':>8} {'plain ucxx':>11} {'ours':>8} {'ours again':>11}"
-        f" {'ours cold':>10} {'grpc':>8} {'ours/plain':>11} {'ours/grpc':>10}"
+        f"{'payload':>9} {'memcpy':>8} {'plain ucxx':>11} {'+verify':>8} {'ours':>8}"
+        f" {'ours again':>11} {'ours cold':>10} {'grpc':>8} {'ours/plain':>11}"
+        f" {'ours/+verify':>13} {'ours/grpc':>10}"
     )
     print(header)
     print("-" * len(header))
     for r in rows:
         print(
-            f"{r['size_mib']:>5} MiB {r['memcpy']:>8.2f} {r['plain']:>11.2f} {r['ucx']:>8.2f}"
-            f" {r['ucx_again']:>11.2f} {r['ucx_cold']:>10.2f} {r['grpc']:>8.2f}"
-            f" {r['ucx'] / r['plain']:>11.2f} {r['ucx'] / r['grpc']:>10.2f}"
+            f"{r['size_mib']:>5} MiB {r['memcpy']:>8.2f} {r['plain']:>11.2f}"
+            f" {r['plain_verified']:>8.2f} {r['ucx']:>8.2f} {r['ucx_again']:>11.2f}"
+            f" {r['ucx_cold']:>10.2f} {r['grpc']:>8.2f} {r['ucx'] / r['plain']:>11.2f}"
+            f" {r['ucx'] / r['plain_verified']:>13.2f} {r['ucx'] / r['grpc']:>10.2f}"
         )
     print(
+        f"+verify: plain ucxx that also {algorithm}s each bucket as it lands, in the transport's"
+        " thread pool (the ceiling\nonce every byte is verified: what ours/+verify leaves is"
+        " our bookkeeping: etcd, request, holder choice)\n"
         "ours: first pull of a freshly published version; ours again: a second pull of it"
         " from the same holder;\nours cold: one pull, the first at this size (a new receive"
         " buffer; at the first size a new endpoint)"
     )
     publish = ", ".join(f"{r['size_mib']} MiB {r['publish']:.2f}" for r in rows)
-    from services.common.checksums import algorithm_for
-
-    algorithm = algorithm_for(args.device)
     print(f"UcxTransport.publish (pack, {algorithm}, etcd), GB/s: {publish}")
     print(f"({algorithm} of buckets in the transport's thread pool alone: {checksum:.2f} GB/s)")
     if fan:
@@ -554,6 +566,10 @@ def print_report(
                 f" {f['trainer_share']:>12.0%}"
             )
         print(f"relays / trainer-only time: {fan[1]['seconds'] / fan[0]['seconds']:.2f}")
+
+
+def write_json(path: Path, report: dict[str, Any]) -> None:
+    path.write_text(json.dumps(report, indent=1))
 
 
 def keep_logs(workdir: Path, dest: Path) -> None:
@@ -579,6 +595,8 @@ async def driver_main(args: argparse.Namespace) -> None:
                 keep_logs(Path(tmp), Path(args.keep_logs))
     checksum = checksum_gbps(max(sizes) * MIB, args.bucket_mib * MIB, torch.device(args.device))
     print_report(rows, fan, args, checksum)
+    if args.json:
+        write_json(Path(args.json), {"rows": rows, "fan_out": fan, "checksum_gbps": checksum})
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -596,6 +614,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--fanout-mib", type=int, default=256)
     parser.add_argument(
         "--device", choices=("cpu", "cuda"), default="cpu", help="where every buffer lives"
+    )
+    parser.add_argument(
+        "--json", default="", help="also write every point and its raw samples to this file"
     )
     parser.add_argument("--keep-logs", default="", help="copy the workers' logs into this folder")
     # Worker-side flags (the driver passes them).

@@ -17,10 +17,13 @@ import asyncio
 import hashlib
 import json
 from abc import ABC, abstractmethod
-from collections.abc import AsyncIterator, Iterable
+from collections.abc import AsyncIterator, Callable, Iterable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import aetcd
+import grpc
+import numpy as np
 import torch
 
 from robustrl.v1 import trainer_pb2, trainer_pb2_grpc
@@ -90,15 +93,91 @@ def unpack(manifest: trainer_pb2.WeightManifest, blob: bytes) -> NamedTensors:
         )
     if hashlib.sha256(blob).hexdigest() != manifest.sha256:
         raise WeightIntegrityError(f"version {manifest.version}: checksum mismatch")
+    return _tensors_in(manifest, torch.frombuffer(bytearray(blob), dtype=torch.uint8))
+
+
+def _tensors_in(manifest: trainer_pb2.WeightManifest, buffer: torch.Tensor) -> NamedTensors:
+    """The manifest's tensors in a verified buffer: views where a tensor's offset suits its
+    dtype, copies where it does not (the gRPC layout packs tensors back to back, unaligned)."""
     out: NamedTensors = []
-    buffer = bytearray(blob)
     for info in manifest.tensors:
         dtype = getattr(torch, info.dtype, None)
         if not isinstance(dtype, torch.dtype):
             raise WeightIntegrityError(f"{info.name}: unknown dtype {info.dtype!r}")
-        raw = torch.frombuffer(buffer, dtype=torch.uint8, count=info.nbytes, offset=info.offset)
-        out.append((info.name, raw.view(dtype).reshape(tuple(info.shape)).clone()))
+        numel = 1
+        for dim in info.shape:
+            numel *= dim
+        end = info.offset + info.nbytes
+        if info.nbytes != numel * dtype.itemsize or end > buffer.numel():
+            raise WeightIntegrityError(
+                f"{info.name}: {info.nbytes} bytes at offset {info.offset} do not hold a "
+                f"{info.dtype} tensor of shape {list(info.shape)} inside "
+                f"{buffer.numel()} bytes"
+            )
+        raw = buffer[info.offset : end]
+        if info.offset % dtype.itemsize:
+            raw = raw.clone()
+        out.append((info.name, raw.view(dtype).reshape(tuple(info.shape))))
     return out
+
+
+_hash_thread: ThreadPoolExecutor | None = None
+
+
+def _hashing() -> ThreadPoolExecutor:
+    """One thread that hashes arriving chunks: in order (a FIFO with one worker), off the event
+    loop (sha256 runs at ~1.7 GB/s: a GiB would stall the loop, and the session keepalives on
+    it, for over half a second)."""
+    global _hash_thread
+    if _hash_thread is None:
+        _hash_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="weights-sha256")
+    return _hash_thread
+
+
+class _Arrival:
+    """One version arriving over a stream: each chunk is copied once into a buffer of the
+    manifest's size and hashed in order on a thread while the next one arrives. Memory: one
+    model copy (the returned tensors are views of it where they can be)."""
+
+    def __init__(self, manifest: trainer_pb2.WeightManifest) -> None:
+        self.manifest = manifest
+        try:
+            self._pages = np.empty(manifest.total_bytes, dtype=np.uint8)
+        except (MemoryError, ValueError) as exc:
+            raise WeightIntegrityError(
+                f"version {manifest.version}: cannot hold {manifest.total_bytes} bytes: {exc}"
+            ) from exc
+        self.received = 0
+        self._hasher = hashlib.sha256()
+        self._hashed: asyncio.Future[None] | None = None
+
+    def add(self, offset: int, data: bytes) -> None:
+        if offset != self.received:
+            raise WeightIntegrityError(f"chunk at offset {offset}, expected {self.received}")
+        end = offset + len(data)
+        if end > self.manifest.total_bytes:
+            raise WeightIntegrityError(
+                f"version {self.manifest.version}: a chunk ends at byte {end}, "
+                f"past the manifest's {self.manifest.total_bytes}"
+            )
+        region = self._pages[offset:end]
+        region[:] = np.frombuffer(data, dtype=np.uint8)
+        self.received = end
+        self._hashed = asyncio.get_running_loop().run_in_executor(
+            _hashing(), self._hasher.update, region.data
+        )
+
+    async def finish(self) -> NamedTensors:
+        if self._hashed is not None:
+            await self._hashed  # the last update: the one thread ran the earlier ones before it
+        if self.received != self.manifest.total_bytes:
+            raise WeightIntegrityError(
+                f"version {self.manifest.version}: got {self.received} bytes, "
+                f"the manifest says {self.manifest.total_bytes}"
+            )
+        if self._hasher.hexdigest() != self.manifest.sha256:
+            raise WeightIntegrityError(f"version {self.manifest.version}: checksum mismatch")
+        return _tensors_in(self.manifest, torch.from_numpy(self._pages))
 
 
 class WeightTransport(ABC):
@@ -170,32 +249,57 @@ class GrpcStreamTransport(WeightTransport):
         request = trainer_pb2.PullWeightsRequest(
             job_id=announcement.job_id, version=announcement.version
         )
-        manifest: trainer_pb2.WeightManifest | None = None
-        parts: list[bytes] = []
-        received = 0
+        arrival: _Arrival | None = None
         async with open_channel(announcement.address) as channel:
             stream = trainer_pb2_grpc.TrainerStub(channel).PullWeights(
                 request, timeout=PULL_DEADLINE
             )
             async for chunk in stream:
-                if manifest is None:
+                if arrival is None:
                     if not chunk.HasField("manifest"):
                         raise WeightIntegrityError("the first chunk carries no manifest")
                     manifest = chunk.manifest
-                if chunk.offset != received:
-                    raise WeightIntegrityError(
-                        f"chunk at offset {chunk.offset}, expected {received}"
-                    )
-                parts.append(chunk.data)
-                received += len(chunk.data)
-        if manifest is None:
+                    if (
+                        manifest.version != announcement.version
+                        or manifest.trainer_epoch != announcement.trainer_epoch
+                    ):
+                        raise WeightIntegrityError("the manifest does not match the announcement")
+                    arrival = _Arrival(manifest)
+                arrival.add(chunk.offset, chunk.data)
+        if arrival is None:
             raise WeightIntegrityError("the stream ended before the manifest")
-        if (
-            manifest.version != announcement.version
-            or manifest.trainer_epoch != announcement.trainer_epoch
-        ):
-            raise WeightIntegrityError("the manifest does not match the announcement")
-        return unpack(manifest, b"".join(parts))
+        return await arrival.finish()
+
+
+WeightStream = Callable[[trainer_pb2.PullWeightsRequest], AsyncIterator[trainer_pb2.WeightChunk]]
+
+
+async def start_weight_server(serve: WeightStream) -> tuple[grpc.aio.Server, str]:
+    """A gRPC server on a free loopback port with only Trainer.PullWeights, answered by
+    `serve` (a GrpcStreamTransport's, as in the trainer): weights without a trainer, for the
+    benchmark and tests. Returns the started server and its address."""
+
+    async def pull_weights(
+        request: trainer_pb2.PullWeightsRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[trainer_pb2.WeightChunk]:
+        async for chunk in serve(request):
+            yield chunk
+
+    handler = grpc.method_handlers_generic_handler(
+        "robustrl.v1.Trainer",
+        {
+            "PullWeights": grpc.unary_stream_rpc_method_handler(
+                pull_weights,
+                request_deserializer=trainer_pb2.PullWeightsRequest.FromString,
+                response_serializer=trainer_pb2.WeightChunk.SerializeToString,
+            )
+        },
+    )
+    server = grpc.aio.server()
+    server.add_generic_rpc_handlers((handler,))
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    return server, f"127.0.0.1:{port}"
 
 
 async def latest_announcement(
