@@ -258,10 +258,7 @@ class RoleControl:
     async def _relabel(self, labels: dict[str, str | None], **changes: object) -> None:
         """Rewrite this member's registry record with `labels` set (None: removed), and any
         other field in `changes` (job_id)."""
-        assert self.runtime.member is not None
-        merged = {**self.runtime.member.labels, **labels}
-        kept = {name: value for name, value in merged.items() if value is not None}
-        await self.runtime.update_member(labels=kept, **changes)
+        await self.runtime.update_member(labels=labels, **changes)
 
     def inject_nan(self, asked: str | None) -> trainer_pb2.ControlResponse:
         worker = self.worker

@@ -58,6 +58,7 @@ class ServiceRuntime:
         self.member: MemberRecord | None = None
         self.heartbeat: HeartbeatSender | None = None
         self._session_changed = asyncio.Condition()
+        self._writes = asyncio.Lock()  # registry writes of this member, one at a time
         self._keeper: asyncio.Task[None] | None = None
         self._stopped = asyncio.Event()
         configure_logging(
@@ -106,7 +107,8 @@ class ServiceRuntime:
     async def _open_session(self) -> None:
         assert self.client is not None and self.registry is not None and self.member is not None
         session = await Session.open(self.client, self.etcd_settings.session_ttl)
-        self.member = await self.registry.register(session, self.member)
+        async with self._writes:  # the record as it is now, with every change made so far
+            self.member = await self.registry.register(session, self.member)
         async with self._session_changed:
             self.session = session
             self._session_changed.notify_all()
@@ -138,19 +140,31 @@ class ServiceRuntime:
                     await asyncio.sleep(delay)
                     delay = min(delay * 2, 2.0)
 
-    async def update_member(self, **changes: object) -> None:
-        """Rewrite this member's record (e.g. job binding) under the current session. If that
-        session's lease has expired (a process frozen past its TTL), the change is written
-        under the next one: it must not be lost to a re-registration of the old record."""
+    async def update_member(
+        self, *, labels: dict[str, str | None] | None = None, **changes: object
+    ) -> None:
+        """Rewrite this member's record: `changes` replace fields (job_id, epoch), `labels` are
+        merged into its labels (None removes one). If the session's lease has expired (a
+        process frozen past its TTL), the change is written under the next one: it must not be
+        lost to a re-registration of the old record."""
         assert self.registry is not None and self.member is not None and self.session is not None
-        self.member = self.member.model_copy(update=changes)  # what a re-registration writes
         session = self.session
         while True:
-            try:
-                self.member = await self.registry.register(session, self.member)
-                return
-            except LeaseGone:
-                session = await self.next_session(after=session)
+            # One write at a time, each made from the latest record: a write that finished late
+            # must not hand back a record without a change made while it was in flight (the
+            # change would be lost to the next re-registration, as a fenced rollout's leaving
+            # its job once was).
+            async with self._writes:
+                if labels:
+                    merged = {**self.member.labels, **labels}
+                    changes["labels"] = {k: v for k, v in merged.items() if v is not None}
+                self.member = self.member.model_copy(update=changes)  # re-registrations too
+                try:
+                    self.member = await self.registry.register(session, self.member)
+                    return
+                except LeaseGone:
+                    pass
+            session = await self.next_session(after=session)
 
     async def _leave(self) -> None:
         self._stopped.set()

@@ -241,3 +241,35 @@ async def test_a_member_change_made_after_its_lease_expired_is_not_lost(
         assert record.job_id == "" and record.labels["fenced"] == "true"
     finally:
         await runtime.shutdown()
+
+
+async def test_member_changes_made_at_once_all_land(
+    etcd_settings: EtcdSettings, etcd_client: aetcd.Client
+) -> None:
+    """Changes made concurrently (a prepared label, a fence leaving the job, a new epoch) each
+    land: none is overwritten by another's view of the record, in etcd or in memory (which
+    the next re-registration writes)."""
+    runtime = ServiceRuntime(
+        "trainer",
+        ServiceSettings(instance_id="standby-z"),
+        etcd_settings,
+        service_names=[],
+        heartbeats=False,
+        labels={"standby": "true"},
+    )
+    await runtime.start()
+    try:
+        await runtime.update_member(job_id="job-1")
+        await asyncio.gather(
+            runtime.update_member(labels={"prepared": "job-2"}),
+            runtime.update_member(labels={"fenced": "true", "standby": None}, job_id=""),
+            runtime.update_member(epoch=4),
+        )
+        raw = await etcd_client.get(KeySpace(etcd_settings.prefix).member("trainer", "standby-z"))
+        assert raw is not None
+        record = MemberRecord.model_validate_json(raw.value)
+        assert record.labels == {"prepared": "job-2", "fenced": "true"}
+        assert (record.job_id, record.epoch) == ("", 4)
+        assert runtime.member == record
+    finally:
+        await runtime.shutdown()

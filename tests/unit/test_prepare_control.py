@@ -53,7 +53,11 @@ class Runtime:
             labels={"standby": "true"},
         )
 
-    async def update_member(self, **changes: Any) -> None:
+    async def update_member(
+        self, *, labels: dict[str, str | None] | None = None, **changes: Any
+    ) -> None:
+        merged = {**self.member.labels, **(labels or {})}
+        changes["labels"] = {k: v for k, v in merged.items() if v is not None}
         self.member = self.member.model_copy(update=changes)
 
 
