@@ -618,9 +618,12 @@ class JobDriver:
                 return False
             ledger = self.ledgers.get(request.job_id)
             if ledger is not None:
-                work.record_progress(
+                ignored = work.record_progress(
                     ledger, list(request.trained_group_ids), dict(request.discarded_groups)
                 )
+                if ignored:
+                    # Already settled (a report sent again) or never leased: counted once.
+                    log.info("coordinator.progress_ignored", job=request.job_id, groups=ignored)
                 again = work.regenerate(ledger, dict(request.regenerate_groups))
                 if again:
                     log.info("coordinator.groups_requeued", job=request.job_id, groups=again)

@@ -138,28 +138,58 @@ def expire(ledger: WorkLedger, now: float) -> list[str]:
     return late
 
 
-def record_progress(ledger: WorkLedger, trained: list[str], discarded: dict[str, str]) -> None:
-    """The trainer trained or dropped these groups: they are settled for good. Mutates."""
-    ledger.trained += len(trained)
-    for group, why in discarded.items():
-        ledger.discarded[group] = why
-    for group in [*trained, *discarded]:
+def _outstanding(ledger: WorkLedger, group: str) -> bool:
+    """Leased and not settled yet: out to a holder, delivered, or waiting to be leased again."""
+    return group in ledger.open or group in ledger.delivered or group in ledger.requeued
+
+
+def _was_trained(ledger: WorkLedger, group: str) -> bool:
+    """Leased once (below the cursor, this job's id) and settled as trained."""
+    parsed = parse_group_id(group)
+    return (
+        parsed is not None
+        and parsed[0] == ledger.job_id
+        and parsed[1] < ledger.next_index
+        and not _outstanding(ledger, group)
+        and group not in ledger.discarded
+    )
+
+
+def record_progress(ledger: WorkLedger, trained: list[str], discarded: dict[str, str]) -> list[str]:
+    """The trainer trained or dropped these groups: they are settled for good. Mutates.
+
+    Only outstanding groups settle, so `trained` counts each training once: a report sent
+    again, or a group listed twice, changes nothing the second time. Returns the ids ignored.
+    """
+    ignored = []
+    for group, why in [*((g, None) for g in trained), *discarded.items()]:
+        if not _outstanding(ledger, group):
+            ignored.append(group)
+            continue
         ledger.open.pop(group, None)
         if group in ledger.delivered:
             ledger.delivered.remove(group)
         if group in ledger.requeued:
             ledger.requeued.remove(group)
+        if why is None:
+            ledger.trained += 1
+        else:
+            ledger.discarded[group] = why
+    return ignored
 
 
 def regenerate(ledger: WorkLedger, groups: dict[str, str]) -> list[str]:
     """The trainer refused these groups (made with weights lost when it was restored): lease
     them again, whatever the ledger says of them (delivered, or trained by a step the restore
-    took back). Groups dropped for good, or already waiting or out to be generated again, are
-    left. Returns the groups requeued. Mutates."""
+    took back: that training no longer counts). Groups dropped for good, already waiting or
+    out to be generated again, or never leased, are left. Returns the groups requeued.
+    Mutates."""
     requeued = []
     for group, why in groups.items():
-        if group in ledger.discarded or group in ledger.requeued or group in ledger.open:
-            continue
+        if _was_trained(ledger, group):
+            ledger.trained -= 1
+        elif group not in ledger.delivered:
+            continue  # dropped, waiting, out, or an id this ledger never leased
         take_back(ledger, group, f"the trainer needs it generated again: {why}")
         requeued.append(group)
     return requeued

@@ -105,3 +105,37 @@ def test_groups_the_restored_trainer_refused_are_leased_again_and_free_the_budge
     assert led.delivered == [] and led.requeued == delivered[:3]
     assert lease(led, "r1", 8, budget=4) == delivered[:3]
     assert led.released[delivered[1]] == [f"the trainer needs it generated again: {lost}"]
+
+
+def test_each_group_is_counted_trained_once_however_often_it_is_reported() -> None:
+    led = ledger()
+    a, b = lease(led, "r0", 2)
+    work.complete(led, "r0", [a, b])
+    assert work.record_progress(led, [a, a], {}) == [a]  # listed twice in one report
+    assert work.record_progress(led, [a, b], {}) == [a]  # the report sent again
+    assert work.record_progress(led, ["j-g000099", "other-g000000"], {"j-g000098": "x"}) == [
+        "j-g000099",
+        "other-g000000",
+        "j-g000098",
+    ]  # never leased: nothing settles
+    assert work.record_progress(led, [], {a: "stale"}) == [a]  # trained stays trained
+    assert led.trained == 2 and led.discarded == {}
+
+
+def test_a_training_the_restore_took_back_stops_counting_until_the_group_trains_again() -> None:
+    led = ledger()
+    a, b, c = lease(led, "r0", 3)
+    work.complete(led, "r0", [a, b, c])
+    work.record_progress(led, [a, b], {c: "stale"})
+    lost = "made with weight version 3, lost"
+
+    again = work.regenerate(led, {a: lost, c: lost, "j-g000007": lost, "x-g000000": lost})
+
+    assert again == [a]  # c was dropped for good; the other two were never leased
+    assert led.trained == 1 and led.requeued == [a]
+    assert lease(led, "r1", 1) == [a]
+    work.complete(led, "r1", [a])
+    work.record_progress(led, [a], {})
+    assert led.trained == 2
+    work.settle_leftovers(led, "job succeeded first")
+    assert led.next_index == led.trained + len(led.discarded)
