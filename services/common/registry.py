@@ -47,6 +47,16 @@ class MemberRecord(BaseModel):
     registered_at: float = Field(default_factory=time.time)
     labels: dict[str, str] = Field(default_factory=dict)
 
+    def changed(
+        self, labels: dict[str, str | None] | None = None, **fields: object
+    ) -> MemberRecord:
+        """A copy with `fields` replaced (job_id, epoch) and `labels` merged into the labels
+        (a label set to None is removed)."""
+        if labels:
+            merged = {**self.labels, **labels}
+            fields["labels"] = {name: value for name, value in merged.items() if value is not None}
+        return self.model_copy(update=fields)
+
 
 def member_to_proto(member: MemberRecord, *, leader: bool = False) -> common_pb2.Member:
     out = common_pb2.Member(

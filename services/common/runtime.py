@@ -155,10 +155,7 @@ class ServiceRuntime:
             # change would be lost to the next re-registration, as a fenced rollout's leaving
             # its job once was).
             async with self._writes:
-                if labels:
-                    merged = {**self.member.labels, **labels}
-                    changes["labels"] = {k: v for k, v in merged.items() if v is not None}
-                self.member = self.member.model_copy(update=changes)  # re-registrations too
+                self.member = self.member.changed(labels, **changes)  # re-registrations too
                 try:
                     self.member = await self.registry.register(session, self.member)
                     return

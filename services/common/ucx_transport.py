@@ -620,14 +620,41 @@ class _SourceGuard:
     (a timeout around a receive) would release buffers UCX may still write into: a rollout
     died of a fault in libpython 1 s after such a cancel. A stopped holder keeps its endpoint
     open, so without this guard a receive from it would never end.
+
+    Use it around the exchange (`async with`): on the way out it stops watching and turns a
+    `translate` error the abort caused into SourceLeft or TimeoutError.
     """
 
-    def __init__(self, conn: HolderConnection, gone: asyncio.Event, stall: float) -> None:
+    def __init__(
+        self,
+        conn: HolderConnection,
+        holder: str,
+        gone: asyncio.Event,
+        stall: float,
+        translate: type[BaseException] | tuple[type[BaseException], ...] = Exception,
+    ) -> None:
         self._conn = conn
+        self._holder = holder
         self._gone = gone
         self._stall = stall
+        self._translate = translate
         self._last = time.monotonic()
         self._task = asyncio.ensure_future(self._run())
+
+    async def __aenter__(self) -> _SourceGuard:
+        return self
+
+    async def __aexit__(self, kind: object, exc: BaseException | None, tb: object) -> None:
+        self._task.cancel()
+        if exc is None or not isinstance(exc, self._translate):
+            return
+        why = self.why()
+        if why == "left":
+            raise SourceLeft(f"holder {self._holder} left the holders") from exc
+        if why == "stalled":
+            raise TimeoutError(
+                f"nothing came from holder {self._holder} for {self._stall}s"
+            ) from exc
 
     def progressed(self) -> None:
         self._last = time.monotonic()
@@ -637,18 +664,6 @@ class _SourceGuard:
         if not self._task.done() or self._task.cancelled():
             return None
         return "left" if self._gone.is_set() else "stalled"
-
-    def error(self, holder: str) -> Exception | None:
-        """What the exchange failed of, in place of the UCX error the abort caused."""
-        why = self.why()
-        if why == "left":
-            return SourceLeft(f"holder {holder} left the holders")
-        if why == "stalled":
-            return TimeoutError(f"nothing came from holder {holder} for {self._stall}s")
-        return None
-
-    def stop(self) -> None:
-        self._task.cancel()
 
     async def _run(self) -> None:
         while not self._gone.is_set():
@@ -676,20 +691,14 @@ async def ask_holder(
     """
     ucxx = load_ucxx()
     conn = await HolderConnection.open(ucxx, address, timeout)
-    guard = _SourceGuard(conn, asyncio.Event(), timeout)
     try:
-        seq, sizes = await conn.request(job_id, version, digest, buckets)
-        for index, nbytes in sizes:
-            guard.progressed()
-            await conn.receive(torch.zeros(nbytes, dtype=torch.uint8), seq, index)
-        return sizes
-    except Exception as exc:
-        error = guard.error(address)
-        if error is None:
-            raise
-        raise error from exc
+        async with _SourceGuard(conn, address, asyncio.Event(), timeout) as guard:
+            seq, sizes = await conn.request(job_id, version, digest, buckets)
+            for index, nbytes in sizes:
+                guard.progressed()
+                await conn.receive(torch.zeros(nbytes, dtype=torch.uint8), seq, index)
+            return sizes
     finally:
-        guard.stop()
         await conn.close()
 
 
@@ -1210,55 +1219,29 @@ class UcxTransport(WeightTransport):
         A _SourceGuard aborts the endpoint once `gone` is set (the holder's record was deleted)
         or after stall_timeout without a bucket; the pull then fails with SourceLeft or
         TimeoutError."""
-        loop = asyncio.get_running_loop()
         checks: list[tuple[int, asyncio.Future[str]]] = []
         started = time.perf_counter()
         conn = await self._connect(holder.address)
-        guard = _SourceGuard(conn, gone, self.stall_timeout)
+        guard = _SourceGuard(
+            conn, holder.instance_id, gone, self.stall_timeout, self._transfer_errors
+        )
         completed = False
         try:
-            seq, sizes = await conn.request(
-                manifest.job_id, manifest.version, manifest.digest, wanted
-            )
-            guard.progressed()
-            timings.request_s += time.perf_counter() - started
-            started = time.perf_counter()
-            expected = [(i, manifest.buckets[i].nbytes) for i in wanted]
-            if sizes != expected:
-                raise HolderRefused("bad_reply", f"offered {sizes[:4]}..., asked {wanted[:4]}...")
-            receives: collections.deque[tuple[int, asyncio.Future[None]]] = collections.deque()
-
-            async def verify_next() -> None:
-                index, received = receives.popleft()
-                await received
+            async with guard:
+                seq, sizes = await conn.request(
+                    manifest.job_id, manifest.version, manifest.digest, wanted
+                )
                 guard.progressed()
-                view = _bucket_view(manifest, buffer, index)
-                finish = start_bucket_checksum(view, manifest.checksum_algorithm)
-                checks.append((index, loop.run_in_executor(self._pool, finish)))
-
-            try:
-                for index, _ in sizes:
-                    view = _bucket_view(manifest, buffer, index)
-                    receive = conn.receive(view, seq, index)
-                    receives.append((index, asyncio.ensure_future(receive)))
-                    if len(receives) >= IN_FLIGHT_BUCKETS:
-                        await verify_next()
-                while receives:
-                    await verify_next()
-            finally:
-                if receives:
-                    # Receives still posted into our buffer end with the endpoint (UCX fails
-                    # them), so waiting for them cannot outlast a frozen or dead source.
-                    await conn.close()
-                    await asyncio.gather(*(r for _, r in receives), return_exceptions=True)
-            completed = True
-        except self._transfer_errors as exc:
-            error = guard.error(holder.instance_id)
-            if error is None:
-                raise
-            raise error from exc
+                timings.request_s += time.perf_counter() - started
+                started = time.perf_counter()
+                expected = [(i, manifest.buckets[i].nbytes) for i in wanted]
+                if sizes != expected:
+                    raise HolderRefused(
+                        "bad_reply", f"offered {sizes[:4]}..., asked {wanted[:4]}..."
+                    )
+                await self._receive(conn, guard, manifest, buffer, seq, sizes, checks)
+                completed = True
         finally:
-            guard.stop()
             timings.receive_s += time.perf_counter() - started
             started = time.perf_counter()
             if completed and guard.why() is None:
@@ -1283,6 +1266,44 @@ class UcxTransport(WeightTransport):
                         holder=holder.instance_id,
                     )
             timings.verify_wait_s += time.perf_counter() - started
+
+    async def _receive(
+        self,
+        conn: HolderConnection,
+        guard: _SourceGuard,
+        manifest: BucketManifest,
+        buffer: torch.Tensor,
+        seq: int,
+        sizes: list[tuple[int, int]],
+        checks: list[tuple[int, asyncio.Future[str]]],
+    ) -> None:
+        """Receive the buckets of one request, IN_FLIGHT_BUCKETS posted ahead, starting each
+        one's checksum in the pool (appended to `checks`) as it lands."""
+        loop = asyncio.get_running_loop()
+        receives: collections.deque[tuple[int, asyncio.Future[None]]] = collections.deque()
+
+        async def verify_next() -> None:
+            index, received = receives.popleft()
+            await received
+            guard.progressed()
+            view = _bucket_view(manifest, buffer, index)
+            finish = start_bucket_checksum(view, manifest.checksum_algorithm)
+            checks.append((index, loop.run_in_executor(self._pool, finish)))
+
+        try:
+            for index, _ in sizes:
+                view = _bucket_view(manifest, buffer, index)
+                receives.append((index, asyncio.ensure_future(conn.receive(view, seq, index))))
+                if len(receives) >= IN_FLIGHT_BUCKETS:
+                    await verify_next()
+            while receives:
+                await verify_next()
+        finally:
+            if receives:
+                # Receives still posted into our buffer end with the endpoint (UCX fails them),
+                # so waiting for them cannot outlast a frozen or dead source.
+                await conn.close()
+                await asyncio.gather(*(r for _, r in receives), return_exceptions=True)
 
     async def _connect(self, address: str) -> HolderConnection:
         """The endpoint kept from an earlier pull from address, else a new one.

@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import json
+import math
 from abc import ABC, abstractmethod
 from collections.abc import AsyncIterator, Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
@@ -86,14 +87,19 @@ def pack(
 
 def unpack(manifest: trainer_pb2.WeightManifest, blob: bytes) -> NamedTensors:
     """The tensors in blob, after checking its size and checksum against the manifest."""
-    if len(blob) != manifest.total_bytes:
+    _check_arrived(manifest, len(blob), hashlib.sha256(blob).hexdigest())
+    return _tensors_in(manifest, torch.frombuffer(bytearray(blob), dtype=torch.uint8))
+
+
+def _check_arrived(manifest: trainer_pb2.WeightManifest, nbytes: int, sha256: str) -> None:
+    """WeightIntegrityError unless what arrived has the manifest's size and checksum."""
+    if nbytes != manifest.total_bytes:
         raise WeightIntegrityError(
-            f"version {manifest.version}: got {len(blob)} bytes, "
+            f"version {manifest.version}: got {nbytes} bytes, "
             f"the manifest says {manifest.total_bytes}"
         )
-    if hashlib.sha256(blob).hexdigest() != manifest.sha256:
+    if sha256 != manifest.sha256:
         raise WeightIntegrityError(f"version {manifest.version}: checksum mismatch")
-    return _tensors_in(manifest, torch.frombuffer(bytearray(blob), dtype=torch.uint8))
 
 
 def _tensors_in(manifest: trainer_pb2.WeightManifest, buffer: torch.Tensor) -> NamedTensors:
@@ -104,11 +110,8 @@ def _tensors_in(manifest: trainer_pb2.WeightManifest, buffer: torch.Tensor) -> N
         dtype = getattr(torch, info.dtype, None)
         if not isinstance(dtype, torch.dtype):
             raise WeightIntegrityError(f"{info.name}: unknown dtype {info.dtype!r}")
-        numel = 1
-        for dim in info.shape:
-            numel *= dim
         end = info.offset + info.nbytes
-        if info.nbytes != numel * dtype.itemsize or end > buffer.numel():
+        if info.nbytes != math.prod(info.shape) * dtype.itemsize or end > buffer.numel():
             raise WeightIntegrityError(
                 f"{info.name}: {info.nbytes} bytes at offset {info.offset} do not hold a "
                 f"{info.dtype} tensor of shape {list(info.shape)} inside "
@@ -170,13 +173,7 @@ class _Arrival:
     async def finish(self) -> NamedTensors:
         if self._hashed is not None:
             await self._hashed  # the last update: the one thread ran the earlier ones before it
-        if self.received != self.manifest.total_bytes:
-            raise WeightIntegrityError(
-                f"version {self.manifest.version}: got {self.received} bytes, "
-                f"the manifest says {self.manifest.total_bytes}"
-            )
-        if self._hasher.hexdigest() != self.manifest.sha256:
-            raise WeightIntegrityError(f"version {self.manifest.version}: checksum mismatch")
+        _check_arrived(self.manifest, self.received, self._hasher.hexdigest())
         return _tensors_in(self.manifest, torch.from_numpy(self._pages))
 
 

@@ -206,6 +206,29 @@ async def test_observe_reports_each_leader_change(
     assert seen == [None, b"a", b"b"]
 
 
+async def started_member(
+    role: str, instance_id: str, settings: EtcdSettings, labels: dict[str, str] | None = None
+) -> ServiceRuntime:
+    """A started ServiceRuntime with no services and no heartbeats: a registry member only."""
+    runtime = ServiceRuntime(
+        role,
+        ServiceSettings(instance_id=instance_id),
+        settings,
+        service_names=[],
+        heartbeats=False,
+        labels=labels,
+    )
+    await runtime.start()
+    return runtime
+
+
+async def stored_member(
+    client: aetcd.Client, settings: EtcdSettings, role: str, instance_id: str
+) -> MemberRecord | None:
+    raw = await client.get(KeySpace(settings.prefix).member(role, instance_id))
+    return None if raw is None else MemberRecord.model_validate_json(raw.value)
+
+
 async def test_a_member_change_made_after_its_lease_expired_is_not_lost(
     etcd_settings: EtcdSettings, etcd_client: aetcd.Client
 ) -> None:
@@ -215,14 +238,7 @@ async def test_a_member_change_made_after_its_lease_expired_is_not_lost(
     settings = EtcdSettings(
         endpoints=etcd_settings.endpoints, prefix=etcd_settings.prefix, session_ttl=2
     )
-    runtime = ServiceRuntime(
-        "rollout",
-        ServiceSettings(instance_id="rollout-z"),
-        settings,
-        service_names=[],
-        heartbeats=False,
-    )
-    await runtime.start()
+    runtime = await started_member("rollout", "rollout-z", settings)
     try:
         await runtime.update_member(job_id="job-1")
         old = runtime.session
@@ -231,11 +247,7 @@ async def test_a_member_change_made_after_its_lease_expired_is_not_lost(
         await runtime.update_member(job_id="", labels={"fenced": "true"})
         assert runtime.session is not old
 
-        async def registered() -> MemberRecord | None:
-            raw = await etcd_client.get(KeySpace(settings.prefix).member("rollout", "rollout-z"))
-            return None if raw is None else MemberRecord.model_validate_json(raw.value)
-
-        record = await registered()
+        record = await stored_member(etcd_client, settings, "rollout", "rollout-z")
         assert runtime.session is not None and record is not None
         assert record.lease_id == runtime.session.lease_id
         assert record.job_id == "" and record.labels["fenced"] == "true"
@@ -249,15 +261,7 @@ async def test_member_changes_made_at_once_all_land(
     """Changes made concurrently (a prepared label, a fence leaving the job, a new epoch) each
     land: none is overwritten by another's view of the record, in etcd or in memory (which
     the next re-registration writes)."""
-    runtime = ServiceRuntime(
-        "trainer",
-        ServiceSettings(instance_id="standby-z"),
-        etcd_settings,
-        service_names=[],
-        heartbeats=False,
-        labels={"standby": "true"},
-    )
-    await runtime.start()
+    runtime = await started_member("trainer", "standby-z", etcd_settings, {"standby": "true"})
     try:
         await runtime.update_member(job_id="job-1")
         await asyncio.gather(
@@ -265,9 +269,8 @@ async def test_member_changes_made_at_once_all_land(
             runtime.update_member(labels={"fenced": "true", "standby": None}, job_id=""),
             runtime.update_member(epoch=4),
         )
-        raw = await etcd_client.get(KeySpace(etcd_settings.prefix).member("trainer", "standby-z"))
-        assert raw is not None
-        record = MemberRecord.model_validate_json(raw.value)
+        record = await stored_member(etcd_client, etcd_settings, "trainer", "standby-z")
+        assert record is not None
         assert record.labels == {"prepared": "job-2", "fenced": "true"}
         assert (record.job_id, record.epoch) == ("", 4)
         assert runtime.member == record

@@ -56,9 +56,7 @@ class Runtime:
     async def update_member(
         self, *, labels: dict[str, str | None] | None = None, **changes: Any
     ) -> None:
-        merged = {**self.member.labels, **(labels or {})}
-        changes["labels"] = {k: v for k, v in merged.items() if v is not None}
-        self.member = self.member.model_copy(update=changes)
+        self.member = self.member.changed(labels, **changes)
 
 
 def control() -> tuple[RoleControl, Runtime, list[CountingWorker]]:
