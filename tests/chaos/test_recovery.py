@@ -25,9 +25,15 @@ from tests.e2e.test_rl_job import etcd_json
 from tests.support import eventually_sync
 
 STEPS = 80
-# Jobs that must outlast a rollout's replacement (a cold process start, 6-8 s on two cores):
-# at 80 steps the surviving rollout finished the job first, so the recovery never completed.
-LONG_STEPS = 400
+# Jobs that must outlast a recovery: at 80 steps the surviving rollout finished the job before
+# its replacement (a cold process start, 6-8 s on two cores) was up. Each long job is about
+# twice (or more) the step at which its recovery completed on two cores (measured: rollout
+# killed 77, rollout hung 105, standby took over 55, external scheduler 161), not more:
+# every step after that only adds to the suite's time (~5.5 steps/s).
+KILLED_ROLLOUT_STEPS = 240
+HUNG_ROLLOUT_STEPS = 260
+STANDBY_STEPS = 200
+EXTERNAL_STEPS = 320
 
 pytestmark = [pytest.mark.chaos, pytest.mark.slow, pytest.mark.timeout(420)]
 
@@ -102,7 +108,7 @@ def step_seconds(run: Path) -> list[tuple[float, float]]:
 def test_a_killed_rollout_is_replaced_and_the_trainer_never_pauses(
     stack: Cli, model_dir: Path, tmp_path: Path
 ) -> None:
-    submit(stack, model_dir, "rc", f"trainer.steps={LONG_STEPS}")
+    submit(stack, model_dir, "rc", f"trainer.steps={KILLED_ROLLOUT_STEPS}")
     eventually_sync(lambda: step_of(stack, "rc") >= 5, timeout=180)
     os.kill(int(member(stack, "rollout-1")["pid"]), signal.SIGKILL)
     killed_at = time.time()
@@ -113,7 +119,7 @@ def test_a_killed_rollout_is_replaced_and_the_trainer_never_pauses(
     assert rec["done_at"] and rec["replacements"][0].startswith("rollout-p")
     assert member(stack, "trainer-0")  # the trainer was never replaced
     run = tmp_path / "runs" / "rc"
-    assert_nothing_lost_or_trained_twice(stack, "rc", run, steps_run=LONG_STEPS)
+    assert_nothing_lost_or_trained_twice(stack, "rc", run, steps_run=KILLED_ROLLOUT_STEPS)
     # The trainer kept stepping through the recovery, at its normal pace or near it, also
     # while the replacement was bound (the step ending just after it included): a BIND that
     # loaded the model under the job's lock once stalled every lease for ~2 s.
@@ -127,7 +133,9 @@ def test_a_killed_rollout_is_replaced_and_the_trainer_never_pauses(
 def test_a_hung_rollout_is_replaced_and_its_zombie_changes_nothing(
     stack: Cli, model_dir: Path, tmp_path: Path
 ) -> None:
-    submit(stack, model_dir, "rh", "rollout.max_new_tokens=16", f"trainer.steps={LONG_STEPS}")
+    submit(
+        stack, model_dir, "rh", "rollout.max_new_tokens=16", f"trainer.steps={HUNG_ROLLOUT_STEPS}"
+    )
     eventually_sync(lambda: step_of(stack, "rh") >= 3, timeout=180)
     pid = int(member(stack, "rollout-0")["pid"])
     os.kill(pid, signal.SIGSTOP)
@@ -150,7 +158,7 @@ def test_a_hung_rollout_is_replaced_and_its_zombie_changes_nothing(
     status = stack.json("status", "rh")
     assert isinstance(status, dict)
     assert_nothing_lost_or_trained_twice(
-        stack, "rh", tmp_path / "runs" / "rh", steps_run=LONG_STEPS
+        stack, "rh", tmp_path / "runs" / "rh", steps_run=HUNG_ROLLOUT_STEPS
     )
 
 
@@ -175,7 +183,7 @@ def test_a_killed_trainer_is_taken_over_by_a_standby_that_built_the_model_ahead(
     tmp_path: Path, model_dir: Path
 ) -> None:
     with detection_stack(tmp_path, "--standby-trainers", "1") as cli:
-        submit(cli, model_dir, "tw", f"trainer.steps={LONG_STEPS}")
+        submit(cli, model_dir, "tw", f"trainer.steps={STANDBY_STEPS}")
         # The leader has the free standby build this job's model while the job runs.
         eventually_sync(
             lambda: member(cli, "standby-0")["labels"].get("prepared") == "tw", timeout=120
@@ -192,7 +200,7 @@ def test_a_killed_trainer_is_taken_over_by_a_standby_that_built_the_model_ahead(
         log = (tmp_path / "home" / "logs" / "standby-0.log").read_text()
         assert "trainer.prepared" in log and "trainer.took_prepared" in log
         assert "trainer.restored" in log
-        assert_nothing_lost_or_trained_twice(cli, "tw", tmp_path / "runs" / "tw", LONG_STEPS)
+        assert_nothing_lost_or_trained_twice(cli, "tw", tmp_path / "runs" / "tw", STANDBY_STEPS)
 
 
 def test_a_full_restart_replaces_every_role_with_a_new_process(
@@ -275,7 +283,7 @@ def test_an_external_scheduler_supplies_the_replacement_rollout(
         try:
             # Long enough that the one rollout left cannot finish the job before the provider
             # and the member it starts are up (cold starts, a few seconds each).
-            submit(cli, model_dir, "ex", f"trainer.steps={LONG_STEPS}")
+            submit(cli, model_dir, "ex", f"trainer.steps={EXTERNAL_STEPS}")
             eventually_sync(lambda: step_of(cli, "ex") >= 5, timeout=180)
             os.kill(int(member(cli, "rollout-1")["pid"]), signal.SIGKILL)
             wait_for_incident(cli, "MEMBER_LOST", "rollout-1", timeout=15)
@@ -302,7 +310,7 @@ def test_an_external_scheduler_supplies_the_replacement_rollout(
             pid = int((started / f"{replacement}.pid").read_text())
             assert member(cli, replacement)["pid"] == pid
             assert_nothing_lost_or_trained_twice(
-                cli, "ex", tmp_path / "runs" / "ex", steps_run=LONG_STEPS
+                cli, "ex", tmp_path / "runs" / "ex", steps_run=EXTERNAL_STEPS
             )
         finally:
             if provider is not None:
