@@ -13,6 +13,8 @@ from services.common.etcd_client import connect_etcd
 from services.common.keys import KeySpace
 from services.common.registry import MemberRecord
 from services.coordinator.ettr import EttrAccount
+from services.coordinator.store import dropped_pages
+from services.coordinator.work import WorkLedger
 
 
 class StackClient(CoordinatorClient):
@@ -37,12 +39,24 @@ class StackClient(CoordinatorClient):
         return {
             "leased": ledger["next_index"],
             "trained": ledger["trained"],
-            "dropped": len(ledger["discarded"]),
+            "dropped": ledger["dropped"],
             "open": len(ledger["open"]),
             "delivered": len(ledger["delivered"]),
             "requeued": len(ledger["requeued"]),
-            "taken_back": sum(len(v) for v in ledger["released"].values()),
+            "taken_back": ledger["taken_back"],
         }
+
+    async def dropped_groups(self, job_id: str) -> dict[str, str] | None:
+        """Every group the job dropped, with why: the pages moved out of its work ledger, then
+        what the ledger still lists. None when the job has no ledger (yet)."""
+        raw = await self.etcd.get(self.keys.work(job_id))
+        if raw is None:
+            return None
+        dropped: dict[str, str] = {}
+        for page in await dropped_pages(self.etcd, self.keys, job_id):
+            dropped.update(page.discarded)
+        dropped.update(WorkLedger.model_validate_json(raw.value).discarded)
+        return dropped
 
     async def ettr(self, job_id: str) -> dict[str, Any] | None:
         """The job's ETTR summary as of now (None before the job started)."""

@@ -386,6 +386,23 @@ def cmd_incidents(args: argparse.Namespace) -> int:
     return with_client(args, run)
 
 
+def cmd_dropped(args: argparse.Namespace) -> int:
+    async def run(client: StackClient) -> int:
+        request = coordinator_pb2.GetJobRequest(job_id=args.job)
+        await client.read(lambda s: s.GetJob(request, timeout=DEFAULT_DEADLINE))  # known job?
+        dropped = await client.dropped_groups(args.job) or {}
+        if args.json:
+            emit_json(dropped)
+            return 0
+        table = Table("GROUP", "WHY", box=None)
+        for group, why in sorted(dropped.items()):
+            table.add_row(group, why)
+        console.print(table if dropped else f"job {args.job} dropped no group")
+        return 0
+
+    return with_client(args, run)
+
+
 DEFAULT_MODEL = ".robustrl/models/tiny-qwen"
 
 
@@ -545,6 +562,11 @@ def build_parser() -> argparse.ArgumentParser:
     status.add_argument("job", nargs="?")
     status.add_argument("--json", action="store_true")
     status.set_defaults(func=cmd_status)
+
+    dropped = sub.add_parser("dropped", help="every prompt group a job dropped, and why")
+    dropped.add_argument("job")
+    dropped.add_argument("--json", action="store_true")
+    dropped.set_defaults(func=cmd_dropped)
 
     cancel = sub.add_parser("cancel", help="cancel a job")
     cancel.add_argument("job")

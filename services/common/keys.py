@@ -5,6 +5,7 @@
 <prefix>/jobs/<job_id>                    job record (JSON); writes compare its mod revision
 <prefix>/incidents/<incident_id>          incident record (JSON)
 <prefix>/work/<job_id>                    the job's work ledger (leases, trained/dropped groups)
+<prefix>/dropped/<job_id>/<page>          dropped groups and take-backs moved out of the ledger
 <prefix>/weights/<job_id>                 latest published weight version and where it is
 <prefix>/weights/<job_id>/v/<V>/manifest  tensors, buckets and checksums of version V (UCX)
 <prefix>/weights/<job_id>/v/<V>/holders/<instance>  who serves version V, under its lease
@@ -46,6 +47,12 @@ class KeySpace:
 
     def work(self, job_id: str) -> bytes:
         return f"{self.prefix}/work/{job_id}".encode()
+
+    def dropped_pages(self, job_id: str) -> bytes:
+        return f"{self.prefix}/dropped/{job_id}/".encode()
+
+    def dropped_page(self, job_id: str, page: int) -> bytes:
+        return self.dropped_pages(job_id) + f"{page:06d}".encode()
 
     def weights(self, job_id: str) -> bytes:
         return f"{self.prefix}/weights/{job_id}".encode()

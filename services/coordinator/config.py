@@ -22,6 +22,11 @@ class CoordinatorSettings(ServiceSettings):
     lease_seconds: float = Field(default=60.0, gt=0)
     """How long a rollout may hold a prompt group before it is leased to another."""
 
+    ledger_page_size: int = Field(default=512, ge=1)
+    """Dropped groups and take-backs a job's work ledger lists before they move to a page of
+    their own (<prefix>/dropped/<job>/<n>): the ledger, rewritten on every lease, stays small
+    however many groups a long job drops."""
+
     provisioner: Literal["local", "external", "none"] = "local"
     """Who starts replacement members: `local` starts service processes on this host (the
     local stack); `external` sends each request to a scheduler connected over the

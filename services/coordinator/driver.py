@@ -15,6 +15,7 @@ import functools
 import json
 import time
 from collections import Counter
+from collections.abc import Iterable
 from typing import TypeAlias
 
 import grpc
@@ -35,7 +36,7 @@ from services.coordinator.executor import RecoveryExecutor
 from services.coordinator.jobs import JobRecord, Phase
 from services.coordinator.leadership import Leadership
 from services.coordinator.provisioner import NoProvisioner, Provisioner
-from services.coordinator.store import JobStore
+from services.coordinator.store import JobStore, dropped_pages
 
 log = get_logger(__name__)
 
@@ -83,11 +84,13 @@ class JobDriver:
         *,
         tick_interval: float,
         lease_seconds: float,
+        ledger_page_size: int = work.PAGE_SIZE,
     ) -> None:
         self.runtime = runtime
         self.leadership = leadership
         self.tick_interval = tick_interval
         self.lease_seconds = lease_seconds
+        self.ledger_page_size = ledger_page_size
         self.ledgers: dict[str, work.WorkLedger] = {}
         self.datasets: dict[str, list[TaskItem]] = {}
         self.specs: dict[str, JobSpec] = {}
@@ -172,17 +175,33 @@ class JobDriver:
         return ledger
 
     async def save_ledger(self, ledger: work.WorkLedger) -> None:
+        """Store the ledger; when it lists a page's worth of dropped groups and take-backs,
+        move them to a page stored in the same write (the in-memory ledger lets go of them
+        only once the write landed)."""
         assert self.runtime.client is not None
-        tx = self.runtime.client.transactions
+        keys, tx = self.runtime.keys, self.runtime.client.transactions
+        paged = work.page_out(ledger, self.ledger_page_size)
+        stored = paged[0] if paged else ledger
+        puts = [tx.put(keys.work(ledger.job_id), stored.model_dump_json().encode())]
+        if paged:
+            page_key = keys.dropped_page(ledger.job_id, ledger.pages)
+            puts.append(tx.put(page_key, paged[1].model_dump_json().encode()))
         ok, _ = await self.runtime.client.transaction(
-            compare=self.leadership.guard(),
-            success=[
-                tx.put(self.runtime.keys.work(ledger.job_id), ledger.model_dump_json().encode())
-            ],
-            failure=[],
+            compare=self.leadership.guard(), success=puts, failure=[]
         )
         if not ok:
             raise Aborted("lost leadership while saving the work ledger; retry")
+        if paged:
+            ledger.discarded, ledger.released, ledger.pages = {}, {}, stored.pages
+            log.info("coordinator.ledger_paged", job=ledger.job_id, page=stored.pages - 1)
+
+    async def paged_out_drops(self, ledger: work.WorkLedger, groups: Iterable[str]) -> set[str]:
+        """Those of `groups` that a page of the job's ledger lists as dropped."""
+        if not ledger.pages:
+            return set()
+        assert self.runtime.client is not None
+        pages = await dropped_pages(self.runtime.client, self.runtime.keys, ledger.job_id)
+        return {g for g in groups if any(g in page.discarded for page in pages)}
 
     async def save_account(self, job_id: str) -> None:
         account = self.accounts.get(job_id)
@@ -624,7 +643,9 @@ class JobDriver:
                 if ignored:
                     # Already settled (a report sent again) or never leased: counted once.
                     log.info("coordinator.progress_ignored", job=request.job_id, groups=ignored)
-                again = work.regenerate(ledger, dict(request.regenerate_groups))
+                regenerate = dict(request.regenerate_groups)
+                paged_out = await self.paged_out_drops(ledger, regenerate)
+                again = work.regenerate(ledger, regenerate, paged_out)
                 if again:
                     log.info("coordinator.groups_requeued", job=request.job_id, groups=again)
                 await self.save_ledger(ledger)

@@ -16,6 +16,7 @@ from services.common.errors import Aborted, AlreadyExists, NotFound, Unavailable
 from services.common.keys import KeySpace
 from services.common.watch import Delete, Put, Resync, watch_prefix
 from services.coordinator.jobs import JobRecord
+from services.coordinator.work import DroppedPage
 
 Versioned = tuple[JobRecord, int]
 """A job record and the etcd mod revision it was read at."""
@@ -91,3 +92,9 @@ class JobStore:
                         yield JobRecord.model_validate_json(entry.value), entry.mod_revision
             elif isinstance(event, Delete) and event.key == key:
                 return
+
+
+async def dropped_pages(client: aetcd.Client, keys: KeySpace, job_id: str) -> list[DroppedPage]:
+    """Every page of dropped groups and take-backs moved out of the job's ledger, in order."""
+    rows = sorted(await client.get_prefix(keys.dropped_pages(job_id)), key=lambda kv: kv.key)
+    return [DroppedPage.model_validate_json(kv.value) for kv in rows]

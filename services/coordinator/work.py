@@ -12,11 +12,21 @@ enough to exceed the staleness bound.
 The ledger stays small however long the job runs: groups are numbered by the dataset cursor,
 so "every group below `next_index` that is not open, requeued, delivered or discarded was
 trained" — trained groups are counted, not listed (the trainer's trained.jsonl lists them).
+Dropped groups and take-backs are listed, with why, but only the latest: once there are
+`PAGE_SIZE` of them, `page_out` moves them to a page of their own (stored beside the ledger,
+in the same write), so the ledger, which the leader rewrites on every lease, never grows
+towards etcd's size limit on a job that drops groups for days.
 """
 
 from __future__ import annotations
 
+from collections.abc import Container
+
 from pydantic import BaseModel, Field
+
+PAGE_SIZE = 512
+"""Dropped groups and take-backs the ledger lists before they move to a page (~60 KB); the
+coordinator's `ledger_page_size` setting."""
 
 
 class Lease(BaseModel):
@@ -36,8 +46,36 @@ class WorkLedger(BaseModel):
     trained: int = 0
     """How many groups were trained (each at most once: the trainer de-duplicates groups)."""
     discarded: dict[str, str] = Field(default_factory=dict)
+    """group id -> why it was dropped, since the last page (`pages` holds the earlier ones)."""
     released: dict[str, list[str]] = Field(default_factory=dict)
-    """group id -> why it was taken back from a holder (each time), for the record."""
+    """group id -> why it was taken back from a holder (each time) since the last page."""
+    dropped: int = 0
+    """How many groups were dropped, paged out or not."""
+    taken_back: int = 0
+    """How many times a group was taken back from a holder, paged out or not."""
+    pages: int = 0
+    """How many pages of dropped groups and take-backs were moved out (numbered from 0)."""
+
+
+class DroppedPage(BaseModel):
+    """Dropped groups and take-backs moved out of the ledger, at <prefix>/dropped/<job>/<n>."""
+
+    discarded: dict[str, str]
+    released: dict[str, list[str]]
+
+
+def page_out(
+    ledger: WorkLedger, page_size: int = PAGE_SIZE
+) -> tuple[WorkLedger, DroppedPage] | None:
+    """Once the ledger lists `page_size` dropped groups and take-backs: the ledger with them
+    moved out, and the page that holds them (number `ledger.pages`). None while it lists
+    fewer. Leaves `ledger` as it is: the caller stores both in one write, then adopts the
+    new ledger."""
+    if len(ledger.discarded) + len(ledger.released) < page_size:
+        return None
+    page = DroppedPage(discarded=ledger.discarded, released=ledger.released)
+    moved = ledger.model_copy(update={"discarded": {}, "released": {}, "pages": ledger.pages + 1})
+    return moved, page
 
 
 def group_id(job_id: str, index: int) -> str:
@@ -107,6 +145,12 @@ def take_back(ledger: WorkLedger, group: str, reason: str) -> None:
     if group not in ledger.requeued:
         ledger.requeued.append(group)
     ledger.released.setdefault(group, []).append(reason)
+    ledger.taken_back += 1
+
+
+def _drop(ledger: WorkLedger, group: str, why: str) -> None:
+    ledger.discarded[group] = why
+    ledger.dropped += 1
 
 
 def give_back(ledger: WorkLedger, instance_id: str, groups: dict[str, str]) -> list[str]:
@@ -143,8 +187,9 @@ def _outstanding(ledger: WorkLedger, group: str) -> bool:
     return group in ledger.open or group in ledger.delivered or group in ledger.requeued
 
 
-def _was_trained(ledger: WorkLedger, group: str) -> bool:
-    """Leased once (below the cursor, this job's id) and settled as trained."""
+def _was_trained(ledger: WorkLedger, group: str, paged_out: Container[str]) -> bool:
+    """Leased once (below the cursor, this job's id) and settled as trained: not dropped,
+    whether the ledger still lists the drop or a page (`paged_out`) does."""
     parsed = parse_group_id(group)
     return (
         parsed is not None
@@ -152,6 +197,7 @@ def _was_trained(ledger: WorkLedger, group: str) -> bool:
         and parsed[1] < ledger.next_index
         and not _outstanding(ledger, group)
         and group not in ledger.discarded
+        and group not in paged_out
     )
 
 
@@ -174,19 +220,22 @@ def record_progress(ledger: WorkLedger, trained: list[str], discarded: dict[str,
         if why is None:
             ledger.trained += 1
         else:
-            ledger.discarded[group] = why
+            _drop(ledger, group, why)
     return ignored
 
 
-def regenerate(ledger: WorkLedger, groups: dict[str, str]) -> list[str]:
+def regenerate(
+    ledger: WorkLedger, groups: dict[str, str], paged_out: Container[str] = ()
+) -> list[str]:
     """The trainer refused these groups (made with weights lost when it was restored): lease
     them again, whatever the ledger says of them (delivered, or trained by a step the restore
     took back: that training no longer counts). Groups dropped for good, already waiting or
-    out to be generated again, or never leased, are left. Returns the groups requeued.
-    Mutates."""
+    out to be generated again, or never leased, are left. `paged_out`: those of `groups` that
+    a page lists as dropped (the caller reads them when `ledger.pages`). Returns the groups
+    requeued. Mutates."""
     requeued = []
     for group, why in groups.items():
-        if _was_trained(ledger, group):
+        if _was_trained(ledger, group, paged_out):
             ledger.trained -= 1
         elif group not in ledger.delivered:
             continue  # dropped, waiting, out, or an id this ledger never leased
@@ -199,7 +248,7 @@ def settle_leftovers(ledger: WorkLedger, reason: str) -> list[str]:
     """The job ended: every group still open, requeued or delivered is dropped, with why."""
     left = [*ledger.open, *ledger.requeued, *ledger.delivered]
     for group in left:
-        ledger.discarded[group] = reason
+        _drop(ledger, group, reason)
     ledger.open.clear()
     ledger.requeued.clear()
     ledger.delivered.clear()

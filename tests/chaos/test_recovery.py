@@ -20,7 +20,14 @@ import pytest
 
 from tests.e2e.test_chaos_cli import process_state
 from tests.e2e.test_cli_stack import EXAMPLE, REPO, Cli
-from tests.e2e.test_detection import detection_stack, incidents, member, step_of, wait_for_incident
+from tests.e2e.test_detection import (
+    LEDGER_PAGE_SIZE,
+    detection_stack,
+    incidents,
+    member,
+    step_of,
+    wait_for_incident,
+)
 from tests.e2e.test_rl_job import etcd_json
 from tests.support import eventually_sync
 
@@ -89,9 +96,13 @@ def assert_nothing_lost_or_trained_twice(
     eventually_sync(settled, timeout=20)
     ledger = etcd_json(cli, f"/robustrl/work/{job}")
     leased = {f"{job}-g{i:06d}" for i in range(int(str(ledger["next_index"])))}
-    discarded = ledger["discarded"]
+    discarded = cli.json("dropped", job)  # the ledger's pages and what it still lists
     assert isinstance(discarded, dict) and all(discarded.values())
     assert leased == set(trained_groups) | discarded.keys()
+    assert ledger["dropped"] == len(discarded)
+    # The ledger itself lists fewer than a page (LEDGER_PAGE_SIZE in DETECTION_ENV).
+    assert isinstance(ledger["discarded"], dict) and isinstance(ledger["released"], dict)
+    assert len(ledger["discarded"]) + len(ledger["released"]) < LEDGER_PAGE_SIZE
 
 
 def recoveries(cli: Cli, job: str) -> list[dict[str, Any]]:

@@ -91,6 +91,9 @@ def test_a_new_user_session(cli: Cli) -> None:
     assert bad.returncode == 1 and "INVALID_ARGUMENT" in bad.stderr and "trainer.lr" in bad.stderr
     missing = cli.run("status", "nope", check=False)
     assert missing.returncode == 1 and "NOT_FOUND" in missing.stderr
+    missing = cli.run("dropped", "nope", check=False)
+    assert missing.returncode == 1 and "NOT_FOUND" in missing.stderr
+    assert cli.json("dropped", "first") == {}  # a job not started yet dropped nothing
     no_file = cli.run("submit", "no-such.yaml", check=False)
     assert no_file.returncode == 2 and "cannot read job spec" in no_file.stderr
 

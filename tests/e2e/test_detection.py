@@ -23,6 +23,7 @@ PROBE_WAIT = 1.0
 PROBE_DEADLINE = 2.0
 EVALUATE = 0.2
 COLLECTIVE_BUDGET = 2.0
+LEDGER_PAGE_SIZE = 4
 #: Beats are 0.5 s apart; one beat's lag plus an evaluation round is the slack on top of a bound.
 SLACK = 0.5 + 2 * EVALUATE
 
@@ -33,6 +34,8 @@ DETECTION_ENV = {
     "ROBUSTRL_MONITOR_PROBE_DEADLINE": str(PROBE_DEADLINE),
     "ROBUSTRL_MONITOR_EVALUATE_INTERVAL": str(EVALUATE),
     "ROBUSTRL_MONITOR_COLLECTIVE_BUDGET": str(COLLECTIVE_BUDGET),
+    # Small pages, so that these jobs move dropped groups and take-backs out of the ledger.
+    "ROBUSTRL_COORDINATOR_LEDGER_PAGE_SIZE": str(LEDGER_PAGE_SIZE),
 }
 
 

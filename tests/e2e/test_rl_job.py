@@ -95,9 +95,9 @@ def test_a_short_job_learns_and_accounts_for_every_trajectory(
     eventually_sync(settled, timeout=15)
     ledger = etcd_json(stack, "/robustrl/work/learn")
     leased = {f"learn-g{i:06d}" for i in range(int(str(ledger["next_index"])))}
-    discarded = ledger["discarded"]
+    discarded = stack.json("dropped", "learn")  # the ledger and any pages, as a user reads it
     assert isinstance(discarded, dict) and all(discarded.values())
-    assert ledger["trained"] == len(trained_groups)
+    assert ledger["trained"] == len(trained_groups) and ledger["dropped"] == len(discarded)
     assert leased == set(trained_groups) | discarded.keys()
     assert not set(trained_groups) & discarded.keys()
     # The same accounting, as a user reads it.

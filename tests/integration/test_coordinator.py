@@ -7,9 +7,15 @@ import pytest
 
 from robustrl.v1 import coordinator_pb2 as pb
 from robustrl.v1 import coordinator_pb2_grpc
-from services.common.errors import LEADER_METADATA_KEY, Aborted
+from services.cli.client import StackClient
+from services.common.config import EtcdSettings
+from services.common.errors import LEADER_METADATA_KEY, Aborted, NotLeader
 from services.common.runtime import ServiceRuntime
-from services.coordinator.store import JobStore
+from services.coordinator import work
+from services.coordinator.config import CoordinatorSettings
+from services.coordinator.driver import JobDriver
+from services.coordinator.leadership import Leadership
+from services.coordinator.store import JobStore, dropped_pages
 from tests.integration.conftest import accepts_writes, leader_of
 from tests.support import eventually
 
@@ -187,3 +193,60 @@ async def test_members_view_marks_the_leader(coordinators: list[ServiceRuntime])
         [(leader.instance_id, True), (coordinators[1].instance_id, False), ("monitor-0", False)]
     )
     assert reply.leader_instance_id == leader.instance_id
+
+
+async def test_the_leader_pages_dropped_groups_out_of_the_ledger_in_the_same_write(
+    etcd_settings: EtcdSettings,
+) -> None:
+    """A real leader and etcd: the page and the emptied ledger land together; the CLI's reader
+    finds every dropped group; a regenerate request sees drops on pages; a deposed leader's
+    write fails and its ledger keeps what it lists."""
+    settings = CoordinatorSettings(instance_id="coordinator-pages", heartbeat_interval=0.2)
+    runtime = ServiceRuntime("coordinator", settings, etcd_settings, service_names=[])
+
+    async def elected() -> None:
+        await driver.on_elected()
+
+    leadership = Leadership(runtime, "pages", elected)
+    driver = JobDriver(runtime, leadership, tick_interval=60, lease_seconds=60, ledger_page_size=3)
+    await runtime.start()
+    leadership.start()
+    client = await StackClient.connect(etcd_settings.endpoints, etcd_settings.prefix)
+    try:
+
+        async def leads() -> bool:
+            return leadership.is_leader
+
+        await eventually(leads, timeout=10)
+        ledger = work.WorkLedger(job_id="pj")
+        groups = work.lease(
+            ledger, instance_id="r", epoch=1, max_groups=6, budget=6, now=0, lease_seconds=60
+        )
+        work.complete(ledger, "r", groups)
+        work.record_progress(ledger, groups[3:], {g: f"stale {g}" for g in groups[:3]})
+
+        await driver.save_ledger(ledger)
+
+        assert ledger.pages == 1 and ledger.discarded == {} and ledger.dropped == 3
+        assert runtime.client is not None
+        stored = await runtime.client.get(runtime.keys.work("pj"))
+        assert stored is not None
+        assert work.WorkLedger.model_validate_json(stored.value) == ledger
+        [page] = await dropped_pages(runtime.client, runtime.keys, "pj")
+        assert page.discarded == {g: f"stale {g}" for g in groups[:3]}
+        assert await client.dropped_groups("pj") == page.discarded
+        assert await driver.paged_out_drops(ledger, [groups[0], groups[4]]) == {groups[0]}
+
+        work.record_progress(ledger, [], {})  # nothing new: no page
+        ledger.discarded["pj-g000099"] = "made up, to fill a page"
+        ledger.released = {"pj-g000098": ["x"], "pj-g000097": ["y"]}
+        await leadership.resign()
+        with pytest.raises(NotLeader):
+            await driver.save_ledger(ledger)
+        assert ledger.pages == 1 and len(ledger.discarded) == 1 and len(ledger.released) == 2
+        assert len(await dropped_pages(runtime.client, runtime.keys, "pj")) == 1
+    finally:
+        await client.close()
+        await leadership.resign()
+        await driver.stop()
+        await runtime.shutdown()

@@ -139,3 +139,47 @@ def test_a_training_the_restore_took_back_stops_counting_until_the_group_trains_
     assert led.trained == 2
     work.settle_leftovers(led, "job succeeded first")
     assert led.next_index == led.trained + len(led.discarded)
+
+
+def test_dropped_groups_and_take_backs_move_to_pages_and_none_is_lost() -> None:
+    led = ledger()
+    pages: list[work.DroppedPage] = []
+    groups = lease(led, "r0", 20, budget=20)
+    work.release_holder(led, "r0", "r0 left the registry")  # 20 take-backs
+    groups = lease(led, "r1", 20, budget=20)
+    work.complete(led, "r1", groups)
+    for i, group in enumerate(groups):
+        if i % 3:
+            work.record_progress(led, [group], {})
+        else:
+            work.record_progress(led, [], {group: f"stale {i}"})
+        paged = work.page_out(led, page_size=4)
+        if paged:
+            assert paged[0].pages == led.pages + 1 and paged[0].discarded == {}
+            assert led.discarded or led.released  # the ledger itself is left as it was
+            led, page = paged
+            pages.append(page)
+
+    assert len(pages) == 2 and led.pages == 2
+    assert len(led.discarded) + len(led.released) < 4
+    dropped = {g: why for page in pages for g, why in page.discarded.items()} | led.discarded
+    assert dropped == {g: f"stale {i}" for i, g in enumerate(groups) if i % 3 == 0}
+    assert led.dropped == len(dropped) == 7 and led.trained == 13
+    assert led.taken_back == 20 == sum(len(p.released[g]) for p in pages for g in p.released)
+    assert led.next_index == led.trained + led.dropped
+
+
+def test_a_dropped_group_on_a_page_is_not_taken_for_trained() -> None:
+    led = ledger()
+    a, b = lease(led, "r0", 2)
+    work.complete(led, "r0", [a, b])
+    work.record_progress(led, [a], {b: "stale"})
+    paged = work.page_out(led, page_size=1)
+    assert paged is not None
+    led, page = paged
+    assert led.discarded == {} and page.discarded == {b: "stale"}
+    lost = "made with weight version 3, lost"
+
+    assert work.regenerate(led, {a: lost, b: lost}, paged_out={b}) == [a]
+
+    assert led.trained == 0 and led.requeued == [a] and led.dropped == 1
