@@ -35,15 +35,15 @@ class StackClient(CoordinatorClient):
         raw = await self.etcd.get(self.keys.work(job_id))
         if raw is None:
             return None
-        ledger = json.loads(raw.value)
+        ledger = WorkLedger.model_validate_json(raw.value)
         return {
-            "leased": ledger["next_index"],
-            "trained": ledger["trained"],
-            "dropped": ledger["dropped"],
-            "open": len(ledger["open"]),
-            "delivered": len(ledger["delivered"]),
-            "requeued": len(ledger["requeued"]),
-            "taken_back": ledger["taken_back"],
+            "leased": ledger.next_index,
+            "trained": ledger.trained,
+            "dropped": ledger.dropped,
+            "open": len(ledger.open),
+            "delivered": len(ledger.delivered),
+            "requeued": len(ledger.requeued),
+            "taken_back": ledger.taken_back,
         }
 
     async def dropped_groups(self, job_id: str) -> dict[str, str] | None:

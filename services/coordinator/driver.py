@@ -196,12 +196,14 @@ class JobDriver:
             log.info("coordinator.ledger_paged", job=ledger.job_id, page=stored.pages - 1)
 
     async def paged_out_drops(self, ledger: work.WorkLedger, groups: Iterable[str]) -> set[str]:
-        """Those of `groups` that a page of the job's ledger lists as dropped."""
-        if not ledger.pages:
+        """Those of `groups` that a page of the job's ledger lists as dropped. The pages are
+        read only for ids the ledger alone would take for trained (none, on a normal step)."""
+        candidates = work.trained_unless_paged(ledger, groups) if ledger.pages else []
+        if not candidates:
             return set()
         assert self.runtime.client is not None
         pages = await dropped_pages(self.runtime.client, self.runtime.keys, ledger.job_id)
-        return {g for g in groups if any(g in page.discarded for page in pages)}
+        return {g for g in candidates if any(g in page.discarded for page in pages)}
 
     async def save_account(self, job_id: str) -> None:
         account = self.accounts.get(job_id)

@@ -20,7 +20,7 @@ towards etcd's size limit on a job that drops groups for days.
 
 from __future__ import annotations
 
-from collections.abc import Container
+from collections.abc import Container, Iterable
 
 from pydantic import BaseModel, Field
 
@@ -199,6 +199,12 @@ def _was_trained(ledger: WorkLedger, group: str, paged_out: Container[str]) -> b
         and group not in ledger.discarded
         and group not in paged_out
     )
+
+
+def trained_unless_paged(ledger: WorkLedger, groups: Iterable[str]) -> list[str]:
+    """Those of `groups` that `regenerate` takes for trained unless a page lists them as
+    dropped: the only ids worth looking up in the pages."""
+    return [g for g in groups if _was_trained(ledger, g, ())]
 
 
 def record_progress(ledger: WorkLedger, trained: list[str], discarded: dict[str, str]) -> list[str]:
