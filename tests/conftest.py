@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import signal
@@ -71,15 +72,30 @@ class EtcdProcess:
                 self.proc.wait()
 
 
-@pytest.fixture(scope="session")
-def etcd_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EtcdProcess]:
-    """One real etcd for the whole run; tests isolate themselves by key prefix."""
-    server = EtcdProcess(tmp_path_factory.mktemp("etcd"))
+def started_etcd(data_dir: Path) -> EtcdProcess:
+    server = EtcdProcess(data_dir)
     deadline = time.monotonic() + 30
     while not etcd_healthy(server.endpoints):
         assert server.proc.poll() is None, "etcd exited at start"
         assert time.monotonic() < deadline, "etcd did not become healthy within 30s"
         time.sleep(0.1)
+    return server
+
+
+@pytest.fixture
+def private_etcd(tmp_path: Path) -> Iterator[EtcdProcess]:
+    """An etcd of this test's own, for tests that stop or kill it."""
+    server = started_etcd(tmp_path / "etcd")
+    yield server
+    with contextlib.suppress(ProcessLookupError):
+        server.proc.send_signal(signal.SIGCONT)
+    server.stop()
+
+
+@pytest.fixture(scope="session")
+def etcd_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EtcdProcess]:
+    """One real etcd for the whole run; tests isolate themselves by key prefix."""
+    server = started_etcd(tmp_path_factory.mktemp("etcd"))
     yield server
     server.stop()
 

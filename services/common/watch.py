@@ -82,6 +82,26 @@ async def _open_watch(client: aetcd.Client, prefix: bytes, start_revision: int) 
     except asyncio.CancelledError:
         creating.add_done_callback(_cancel_abandoned)
         raise
+    except aetcd.exceptions.WatchTimeoutError:
+        await _reset_watch_stream(client, prefix)
+        raise
+
+
+async def _reset_watch_stream(client: aetcd.Client, prefix: bytes) -> None:
+    """After a creation timed out, end the client's watch stream, and every watch on it.
+
+    etcd answers a creation late when it stalls; that late answer would go to the next
+    creation on the same stream, which would then see the timed-out watch's keys instead of its
+    own, silently (reproduced in test_etcd_layer with a stopped etcd). On a new stream no late
+    answer can arrive. The ended watches finish their iteration; `watch_prefix` opens them
+    again from the revision after their last event, so none of their events is lost.
+    aetcd has no public call for this; `_watcher` is its per-client watch stream.
+    """
+    watcher = getattr(client, "_watcher", None)
+    if watcher is None:
+        return
+    log.warning("etcd.watch_stream_reset", prefix=prefix.decode(errors="replace"))
+    await watcher.shutdown()
 
 
 def _cancel_abandoned(creating: asyncio.Future[aetcd.Watch]) -> None:

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import os
+import signal
 
 import aetcd
 import pytest
@@ -14,6 +16,7 @@ from services.common.registry import MemberRecord, Registry
 from services.common.runtime import ServiceRuntime
 from services.common.session import Session
 from services.common.watch import Delete, Put, Resync, list_prefix, next_change, watch_prefix
+from tests.conftest import EtcdProcess
 from tests.support import eventually
 
 
@@ -276,3 +279,45 @@ async def test_member_changes_made_at_once_all_land(
         assert runtime.member == record
     finally:
         await runtime.shutdown()
+
+
+async def test_a_watch_creation_that_timed_out_cannot_hand_its_watch_to_the_next(
+    private_etcd: EtcdProcess,
+) -> None:
+    """etcd stalls (SIGSTOP) while watch A is being created: A times out, watch B is asked for
+    before etcd wakes. etcd then answers A's creation first; B must still get its own events,
+    and a watch that was running all along (C) must lose none of its events."""
+    from services.common.etcd_client import connect_etcd
+    from services.common.watch import _open_watch
+
+    client = await connect_etcd(EtcdSettings(endpoints=private_etcd.endpoints, timeout=1))
+    try:
+        _, revision = await list_prefix(client, b"/x/")  # the watch stream exists before the stall
+        await next_change(client, b"/x/", revision + 1, 0.01)
+        running = watch_prefix(client, b"/c/", revision + 1)
+        first = asyncio.ensure_future(anext(running))
+        await client.put(b"/c/1", b"before the stall")
+        early = await asyncio.wait_for(first, 5)
+        assert isinstance(early, Put) and early.entry.key == b"/c/1"
+        os.kill(private_etcd.proc.pid, signal.SIGSTOP)
+        try:
+            with pytest.raises(aetcd.exceptions.WatchTimeoutError):
+                await _open_watch(client, b"/a/", revision + 1)
+            second = asyncio.ensure_future(_open_watch(client, b"/b/", revision + 1))
+            await asyncio.sleep(0.3)  # B's creation is on its way while etcd still sleeps
+        finally:
+            os.kill(private_etcd.proc.pid, signal.SIGCONT)
+        watch = await second
+        try:
+            await client.put(b"/a/k", b"not B's")
+            await client.put(b"/b/k", b"B's")
+            event = await asyncio.wait_for(anext(aiter(watch)), 5)
+            assert event.kv.key == b"/b/k", f"B was handed A's watch: got {event.kv.key!r}"
+        finally:
+            await watch.cancel()
+        await client.put(b"/c/2", b"after the stall")
+        later = await asyncio.wait_for(anext(running), 5)
+        assert isinstance(later, Put) and later.entry.key == b"/c/2"
+        await running.aclose()  # type: ignore[attr-defined]
+    finally:
+        await client.close()
