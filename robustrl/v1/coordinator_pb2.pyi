@@ -251,6 +251,48 @@ class CancelJobRequest(_message.Message):
 Global___CancelJobRequest: _TypeAlias = CancelJobRequest  # noqa: Y015
 
 @_typing.final
+class DeleteJobRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    JOB_ID_FIELD_NUMBER: _builtins.int
+    job_id: _builtins.str
+    def __init__(
+        self,
+        *,
+        job_id: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["job_id", b"job_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___DeleteJobRequest: _TypeAlias = DeleteJobRequest  # noqa: Y015
+
+@_typing.final
+class DeleteJobResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    JOB_ID_FIELD_NUMBER: _builtins.int
+    KEYS_DELETED_FIELD_NUMBER: _builtins.int
+    job_id: _builtins.str
+    keys_deleted: _builtins.int
+    """etcd keys removed, the job record included."""
+    def __init__(
+        self,
+        *,
+        job_id: _builtins.str = ...,
+        keys_deleted: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["job_id", b"job_id", "keys_deleted", b"keys_deleted"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___DeleteJobResponse: _TypeAlias = DeleteJobResponse  # noqa: Y015
+
+@_typing.final
 class WatchJobRequest(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 

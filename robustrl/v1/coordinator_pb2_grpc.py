@@ -57,6 +57,11 @@ class CoordinatorStub:
                 request_serializer=robustrl_dot_v1_dot_coordinator__pb2.CancelJobRequest.SerializeToString,
                 response_deserializer=robustrl_dot_v1_dot_coordinator__pb2.Job.FromString,
                 _registered_method=True)
+        self.DeleteJob = channel.unary_unary(
+                '/robustrl.v1.Coordinator/DeleteJob',
+                request_serializer=robustrl_dot_v1_dot_coordinator__pb2.DeleteJobRequest.SerializeToString,
+                response_deserializer=robustrl_dot_v1_dot_coordinator__pb2.DeleteJobResponse.FromString,
+                _registered_method=True)
         self.WatchJob = channel.unary_stream(
                 '/robustrl.v1.Coordinator/WatchJob',
                 request_serializer=robustrl_dot_v1_dot_coordinator__pb2.WatchJobRequest.SerializeToString,
@@ -110,6 +115,17 @@ class CoordinatorServicer:
 
     def CancelJob(self, request, context):
         """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def DeleteJob(self, request, context):
+        """Removes an ended job's state from etcd: its record, work ledger and dropped pages, weight
+        versions, recovery records, ETTR account and incidents. FAILED_PRECONDITION while the
+        job has not ended or a member is still bound to it; NOT_FOUND for an unknown job. The
+        run directories on the trainer hosts (metrics, checkpoints) and the fences of its
+        instances stay.
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
@@ -172,6 +188,11 @@ def add_CoordinatorServicer_to_server(servicer, server):
                     servicer.CancelJob,
                     request_deserializer=robustrl_dot_v1_dot_coordinator__pb2.CancelJobRequest.FromString,
                     response_serializer=robustrl_dot_v1_dot_coordinator__pb2.Job.SerializeToString,
+            ),
+            'DeleteJob': grpc.unary_unary_rpc_method_handler(
+                    servicer.DeleteJob,
+                    request_deserializer=robustrl_dot_v1_dot_coordinator__pb2.DeleteJobRequest.FromString,
+                    response_serializer=robustrl_dot_v1_dot_coordinator__pb2.DeleteJobResponse.SerializeToString,
             ),
             'WatchJob': grpc.unary_stream_rpc_method_handler(
                     servicer.WatchJob,
@@ -310,6 +331,33 @@ class Coordinator:
             '/robustrl.v1.Coordinator/CancelJob',
             robustrl_dot_v1_dot_coordinator__pb2.CancelJobRequest.SerializeToString,
             robustrl_dot_v1_dot_coordinator__pb2.Job.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def DeleteJob(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/robustrl.v1.Coordinator/DeleteJob',
+            robustrl_dot_v1_dot_coordinator__pb2.DeleteJobRequest.SerializeToString,
+            robustrl_dot_v1_dot_coordinator__pb2.DeleteJobResponse.FromString,
             options,
             channel_credentials,
             insecure,

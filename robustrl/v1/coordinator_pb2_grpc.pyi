@@ -40,6 +40,13 @@ class CoordinatorStub:
     GetJob: _grpc.UnaryUnaryMultiCallable[_coordinator_pb2.GetJobRequest, _coordinator_pb2.Job]
     ListJobs: _grpc.UnaryUnaryMultiCallable[_coordinator_pb2.ListJobsRequest, _coordinator_pb2.ListJobsResponse]
     CancelJob: _grpc.UnaryUnaryMultiCallable[_coordinator_pb2.CancelJobRequest, _coordinator_pb2.Job]
+    DeleteJob: _grpc.UnaryUnaryMultiCallable[_coordinator_pb2.DeleteJobRequest, _coordinator_pb2.DeleteJobResponse]
+    """Removes an ended job's state from etcd: its record, work ledger and dropped pages, weight
+    versions, recovery records, ETTR account and incidents. FAILED_PRECONDITION while the
+    job has not ended or a member is still bound to it; NOT_FOUND for an unknown job. The
+    run directories on the trainer hosts (metrics, checkpoints) and the fences of its
+    instances stay.
+    """
     WatchJob: _grpc.UnaryStreamMultiCallable[_coordinator_pb2.WatchJobRequest, _coordinator_pb2.JobEvent]
     """Streams the job's state each time it changes, starting after `after_revision`
     (0: the current state first, then changes).
@@ -66,6 +73,13 @@ class CoordinatorAsyncStub(CoordinatorStub):
     GetJob: _aio.UnaryUnaryMultiCallable[_coordinator_pb2.GetJobRequest, _coordinator_pb2.Job]  # type: ignore[assignment]
     ListJobs: _aio.UnaryUnaryMultiCallable[_coordinator_pb2.ListJobsRequest, _coordinator_pb2.ListJobsResponse]  # type: ignore[assignment]
     CancelJob: _aio.UnaryUnaryMultiCallable[_coordinator_pb2.CancelJobRequest, _coordinator_pb2.Job]  # type: ignore[assignment]
+    DeleteJob: _aio.UnaryUnaryMultiCallable[_coordinator_pb2.DeleteJobRequest, _coordinator_pb2.DeleteJobResponse]  # type: ignore[assignment]
+    """Removes an ended job's state from etcd: its record, work ledger and dropped pages, weight
+    versions, recovery records, ETTR account and incidents. FAILED_PRECONDITION while the
+    job has not ended or a member is still bound to it; NOT_FOUND for an unknown job. The
+    run directories on the trainer hosts (metrics, checkpoints) and the fences of its
+    instances stay.
+    """
     WatchJob: _aio.UnaryStreamMultiCallable[_coordinator_pb2.WatchJobRequest, _coordinator_pb2.JobEvent]  # type: ignore[assignment]
     """Streams the job's state each time it changes, starting after `after_revision`
     (0: the current state first, then changes).
@@ -113,6 +127,19 @@ class CoordinatorServicer(metaclass=_abc_1.ABCMeta):
         request: _coordinator_pb2.CancelJobRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_coordinator_pb2.Job, _abc.Awaitable[_coordinator_pb2.Job]]: ...
+
+    @_abc_1.abstractmethod
+    def DeleteJob(
+        self,
+        request: _coordinator_pb2.DeleteJobRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_coordinator_pb2.DeleteJobResponse, _abc.Awaitable[_coordinator_pb2.DeleteJobResponse]]:
+        """Removes an ended job's state from etcd: its record, work ledger and dropped pages, weight
+        versions, recovery records, ETTR account and incidents. FAILED_PRECONDITION while the
+        job has not ended or a member is still bound to it; NOT_FOUND for an unknown job. The
+        run directories on the trainer hosts (metrics, checkpoints) and the fences of its
+        instances stay.
+        """
 
     @_abc_1.abstractmethod
     def WatchJob(

@@ -336,6 +336,20 @@ def cmd_cancel(args: argparse.Namespace) -> int:
     return with_client(args, run)
 
 
+def cmd_delete(args: argparse.Namespace) -> int:
+    request = coordinator_pb2.DeleteJobRequest(job_id=args.job)
+
+    async def run(client: StackClient) -> int:
+        reply = await client.write(lambda s: s.DeleteJob(request, timeout=DEFAULT_DEADLINE))
+        console.print(
+            f"job [bold]{reply.job_id}[/bold] deleted ({reply.keys_deleted} etcd keys); its "
+            "run directory on the trainer hosts is kept"
+        )
+        return 0
+
+    return with_client(args, run)
+
+
 async def print_members(client: StackClient, as_json: bool) -> int:
     members = await client.members()
     leader = await client.leader()
@@ -573,6 +587,9 @@ def build_parser() -> argparse.ArgumentParser:
     cancel.add_argument("--reason", default="")
     cancel.set_defaults(func=cmd_cancel)
 
+    delete = sub.add_parser("delete", help="remove an ended job's state from etcd")
+    delete.add_argument("job")
+    delete.set_defaults(func=cmd_delete)
     members = sub.add_parser("members", help="registered members; marks the leader coordinator")
     members.add_argument("--json", action="store_true")
     members.set_defaults(func=cmd_members)

@@ -552,6 +552,32 @@ class JobDriver:
             raise FailedPrecondition(f"{role} {instance_id} is not bound to job {record.job_id}")
         return member
 
+    async def delete_job(self, job_id: str, guard: list[object]) -> int:
+        """Remove an ended job's state from etcd (JobStore.delete); return the keys deleted.
+        Members still bound to the job are released first (as the supervision round would);
+        FailedPrecondition while the job has not ended or a member could not be released."""
+        async with self.lock(job_id):
+            record, revision = await self.store.get(job_id)
+            if record.phase not in jobs.TERMINAL:
+                raise FailedPrecondition(
+                    f"job {job_id!r} is {record.phase.value}; cancel it before deleting it"
+                )
+            members, _ = await self.registry.list()
+            if any(m.job_id == job_id for m in members):
+                await self._release(job_id, members)
+                members, _ = await self.registry.list()
+            bound = sorted(m.instance_id for m in members if m.job_id == job_id)
+            if bound:
+                raise FailedPrecondition(
+                    f"job {job_id!r} still has members bound to it that did not answer a "
+                    f"release ({', '.join(bound)}); retry once they are released or gone"
+                )
+            deleted = await self.store.delete(job_id, revision, guard)
+            for table in (self.ledgers, self.accounts, self.generated, self.datasets):
+                table.pop(job_id, None)
+        log.info("coordinator.job_deleted", job=job_id, keys=deleted)
+        return deleted
+
     async def lease_work(
         self, request: coordinator_pb2.LeaseWorkRequest
     ) -> coordinator_pb2.LeaseWorkResponse:

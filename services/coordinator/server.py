@@ -110,6 +110,14 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
                 log.info("coordinator.job_cancelled", job=job_id, reason=reason)
                 return jobs.to_proto(updated, new_revision)
 
+    async def DeleteJob(
+        self, request: coordinator_pb2.DeleteJobRequest, context: grpc.aio.ServicerContext
+    ) -> coordinator_pb2.DeleteJobResponse:
+        job_id = validate_job_id(request.job_id)
+        guard = await self.leadership.require_leader()
+        deleted = await self.driver.delete_job(job_id, guard)
+        return coordinator_pb2.DeleteJobResponse(job_id=job_id, keys_deleted=deleted)
+
     async def WatchJob(
         self, request: coordinator_pb2.WatchJobRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[coordinator_pb2.JobEvent]:

@@ -14,9 +14,13 @@ import aetcd
 
 from services.common.errors import Aborted, AlreadyExists, NotFound, Unavailable
 from services.common.keys import KeySpace
-from services.common.watch import Delete, Put, Resync, watch_prefix
+from services.common.watch import Delete, Put, Resync, list_prefix, watch_prefix
 from services.coordinator.jobs import JobRecord
 from services.coordinator.work import DroppedPage
+from services.monitor.incidents import IncidentRecord
+
+DELETE_BATCH = 64
+"""Deletions per etcd transaction when a job is deleted (etcd allows 128 operations)."""
 
 Versioned = tuple[JobRecord, int]
 """A job record and the etcd mod revision it was read at."""
@@ -79,6 +83,51 @@ class JobStore:
                 f"{kv.mod_revision}); re-read it and retry"
             )
         raise LostLeadership()
+
+    async def delete(self, job_id: str, expected_revision: int, guard: list[Any]) -> int:
+        """Delete the job's record and every key it left in etcd; return how many went.
+
+        Its incidents go first and its record last, in transactions that each compare the
+        record's revision and the guard, so an interrupted delete leaves the job listed, and
+        deleting it again finishes the work. An incident never outlives its recovery record
+        (a new leader would act on it again). Weight holder records under another live lease
+        are deleted too; that holder only serves a job nobody pulls any more. Fences stay
+        (one small key per failed instance): should a job of the same id be submitted again,
+        a fenced instance of the old one is still refused.
+        """
+        tx = self.client.transactions
+        key = self.keys.job(job_id)
+        entries, _ = await list_prefix(self.client, self.keys.incidents())
+        ops = [
+            tx.delete(e.key)
+            for e in entries
+            if IncidentRecord.model_validate_json(e.value).job_id == job_id
+        ]
+        for prefix in (
+            self.keys.recoveries(job_id),
+            self.keys.dropped_pages(job_id),
+            self.keys.weights(job_id) + b"/",
+        ):
+            ops.append(tx.delete(prefix, range_end=aetcd.utils.prefix_range_end(prefix)))
+        for exact in (self.keys.work(job_id), self.keys.ettr(job_id), self.keys.weights(job_id)):
+            ops.append(tx.delete(exact))
+        ops.append(tx.delete(key))
+        deleted = 0
+        for start in range(0, len(ops), DELETE_BATCH):
+            ok, responses = await self.client.transaction(
+                compare=[*guard, tx.mod(key) == expected_revision],
+                success=ops[start : start + DELETE_BATCH],
+                failure=[tx.get(key)],
+            )
+            if not ok:
+                current = responses[0]
+                if not current:
+                    raise NotFound(f"job {job_id!r} not found")
+                if current[0][1].mod_revision != expected_revision:
+                    raise Aborted(f"job {job_id!r} changed while it was being deleted; retry")
+                raise LostLeadership()
+            deleted += sum(int(r.response_delete_range.deleted) for r in responses)
+        return deleted
 
     async def watch(self, job_id: str, after_revision: int) -> AsyncIterator[Versioned]:
         """The job's record each time it changes after after_revision."""

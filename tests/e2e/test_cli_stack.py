@@ -100,6 +100,16 @@ def test_a_new_user_session(cli: Cli) -> None:
     cli.run("cancel", "first")
     again = cli.run("cancel", "first", check=False)
     assert again.returncode == 1 and "FAILED_PRECONDITION" in again.stderr
+    cli.run("submit", str(EXAMPLE), "--id", "second")
+    running = cli.run("delete", "second", check=False)
+    assert running.returncode == 1 and "FAILED_PRECONDITION" in running.stderr
+    assert "job first deleted" in cli.run("delete", "first").stdout
+    missing = cli.run("delete", "first", check=False)
+    assert missing.returncode == 1 and "NOT_FOUND" in missing.stderr
+    listed = cli.json("jobs")
+    assert isinstance(listed, list) and [j["job_id"] for j in listed] == ["second"]
+    cli.run("cancel", "second")
+    cli.run("delete", "second")
 
     # etcdctl shows the members under the key layout the README documents.
     state = StackState.load(cli.home)
@@ -120,7 +130,7 @@ def test_a_new_user_session(cli: Cli) -> None:
         timeout=30,
     ).stdout.split()
     assert "/robustrl/members/rollout/rollout-0" in keys
-    assert "/robustrl/jobs/first" in keys
+    assert not [k for k in keys if "/first" in k or "/second" in k], "a deleted job left keys"
 
 
 @pytest.mark.slow

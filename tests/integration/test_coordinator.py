@@ -9,13 +9,20 @@ from robustrl.v1 import coordinator_pb2 as pb
 from robustrl.v1 import coordinator_pb2_grpc
 from services.cli.client import StackClient
 from services.common.config import EtcdSettings
-from services.common.errors import LEADER_METADATA_KEY, Aborted, NotLeader
+from services.common.errors import (
+    LEADER_METADATA_KEY,
+    Aborted,
+    FailedPrecondition,
+    NotFound,
+    NotLeader,
+)
 from services.common.runtime import ServiceRuntime
 from services.coordinator import work
 from services.coordinator.config import CoordinatorSettings
 from services.coordinator.driver import JobDriver
 from services.coordinator.leadership import Leadership
 from services.coordinator.store import JobStore, dropped_pages
+from services.monitor.incidents import IncidentRecord
 from tests.integration.conftest import accepts_writes, leader_of
 from tests.support import eventually
 
@@ -247,6 +254,129 @@ async def test_the_leader_pages_dropped_groups_out_of_the_ledger_in_the_same_wri
         assert len(await dropped_pages(runtime.client, runtime.keys, "pj")) == 1
     finally:
         await client.close()
+        await leadership.resign()
+        await driver.stop()
+        await runtime.shutdown()
+
+
+async def test_delete_job_over_the_api_gets_the_right_codes(
+    coordinators: list[ServiceRuntime],
+) -> None:
+    """Unknown and malformed ids, a job that has not ended, a follower: refused with the right
+    code and nothing changes; an ended job goes, and then it is unknown."""
+    leader, follower = coordinators
+    channel, api = stub(leader)
+    async with channel:
+        await api.SubmitJob(pb.SubmitJobRequest(spec=SPEC, job_id="dj"), timeout=5)
+        cases = [
+            ("nope", grpc.StatusCode.NOT_FOUND, "nope"),
+            ("BAD", grpc.StatusCode.INVALID_ARGUMENT, "job id"),
+            ("dj", grpc.StatusCode.FAILED_PRECONDITION, "cancel it before deleting it"),
+        ]
+        for job_id, code, text in cases:
+            error = await code_of(api.DeleteJob(pb.DeleteJobRequest(job_id=job_id), timeout=5))
+            assert error.code() == code, (code, error.details())
+            assert text in (error.details() or "")
+        await api.GetJob(pb.GetJobRequest(job_id="dj"), timeout=5)
+
+        await api.CancelJob(pb.CancelJobRequest(job_id="dj"), timeout=5)
+        f_channel, f_api = stub(follower)
+        async with f_channel:
+            error = await code_of(f_api.DeleteJob(pb.DeleteJobRequest(job_id="dj"), timeout=5))
+            assert error.code() == grpc.StatusCode.UNAVAILABLE
+        await api.GetJob(pb.GetJobRequest(job_id="dj"), timeout=5)
+
+        deleted = await api.DeleteJob(pb.DeleteJobRequest(job_id="dj"), timeout=5)
+        assert deleted.job_id == "dj" and deleted.keys_deleted >= 1
+        for call in (
+            api.GetJob(pb.GetJobRequest(job_id="dj"), timeout=5),
+            api.DeleteJob(pb.DeleteJobRequest(job_id="dj"), timeout=5),
+        ):
+            assert (await code_of(call)).code() == grpc.StatusCode.NOT_FOUND
+        assert list((await api.ListJobs(pb.ListJobsRequest(), timeout=5)).jobs) == []
+
+
+async def test_delete_job_removes_every_key_of_the_job_and_no_other(
+    etcd_settings: EtcdSettings,
+) -> None:
+    """A real leader and etcd, two ended jobs whose ids share a prefix ("dk", "dk2"), each with
+    a ledger, a dropped page, an ETTR account, weight versions and holders, recovery records
+    and more incidents than one etcd transaction takes. Deleting "dk" removes exactly its keys;
+    a member still bound to it makes the delete fail and change nothing."""
+    from services.common.keys import WeightKeys
+    from services.coordinator.jobs import Phase, new_job, transition
+    from services.monitor.detectors import MemberView
+    from services.monitor.incidents import IncidentLog, new_incident
+    from tests.integration.test_etcd_layer import started_member
+
+    settings = CoordinatorSettings(instance_id="coordinator-delete", heartbeat_interval=0.2)
+    runtime = ServiceRuntime("coordinator", settings, etcd_settings, service_names=[])
+
+    async def elected() -> None:
+        await driver.on_elected()
+
+    leadership = Leadership(runtime, "delete", elected)
+    driver = JobDriver(runtime, leadership, tick_interval=60, lease_seconds=60)
+    await runtime.start()
+    leadership.start()
+    member: ServiceRuntime | None = None
+    try:
+
+        async def leads() -> bool:
+            return leadership.is_leader
+
+        await eventually(leads, timeout=10)
+        client, keys = runtime.client, runtime.keys
+        assert client is not None
+        store = JobStore(client, keys)
+        wkeys = WeightKeys(keys)
+        incidents = IncidentLog(client, keys)
+        for job_id in ("dk", "dk2"):
+            record = new_job(job_id, {"id": job_id}, 1.0)
+            await store.create(transition(record, Phase.CANCELLED, "done", 2.0), [])
+            await client.put(keys.work(job_id), b"{}")
+            await client.put(keys.dropped_page(job_id, 0), b"{}")
+            await client.put(keys.ettr(job_id), b"{}")
+            await client.put(wkeys.announcement(job_id), b"{}")
+            for version in (1, 2):
+                await client.put(wkeys.manifest(job_id, version), b"{}")
+                await client.put(wkeys.holder(job_id, version, "trainer-0"), b"{}")
+            for i in range(70 if job_id == "dk" else 2):
+                view = MemberView(role="rollout", instance_id=f"r{i}", job_id=job_id)
+                incident = new_incident(view, "MEMBER_LOST", "test", 1.0, 1000.0 + i)
+                await incidents.record(incident)
+                if i < 3:
+                    await client.put(keys.recovery(job_id, incident.incident_id), b"{}")
+        await client.put(keys.fence("r0"), b'{"job_id": "dk"}')
+
+        async def snapshot() -> dict[bytes, bytes]:
+            rows = await client.get_prefix(keys.prefix.encode())
+            return {kv.key: kv.value for kv in rows if b"/members/" not in kv.key}
+
+        before = await snapshot()
+        member = await started_member("rollout", "rollout-bound", etcd_settings)
+        await member.update_member(job_id="dk")
+        with pytest.raises(FailedPrecondition, match="rollout-bound"):
+            await driver.delete_job("dk", leadership.guard())
+        assert await snapshot() == before
+        await member.shutdown()
+        member = None
+
+        deleted = await driver.delete_job("dk", leadership.guard())
+
+        after = await snapshot()
+        gone = set(before) - set(after)
+        assert deleted == len(gone) == 1 + 1 + 1 + 1 + 1 + 4 + 70 + 3
+        assert all(b"dk2" not in key for key in gone)
+        assert {k for k in after if b"/dk2" in k} == {k for k in before if b"/dk2" in k}
+        assert keys.fence("r0") in after  # fences stay: see JobStore.delete
+        left = [IncidentRecord.model_validate_json(v) for k, v in after.items() if b"/incid" in k]
+        assert [i.job_id for i in left] == ["dk2", "dk2"]
+        with pytest.raises(NotFound):
+            await driver.delete_job("dk", leadership.guard())
+    finally:
+        if member is not None:
+            await member.shutdown()
         await leadership.resign()
         await driver.stop()
         await runtime.shutdown()
