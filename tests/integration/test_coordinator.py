@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import AsyncIterator
+
 import grpc
 import pytest
 
@@ -38,6 +41,35 @@ async def code_of(call: object) -> grpc.aio.AioRpcError:
     with pytest.raises(grpc.aio.AioRpcError) as info:
         await call  # type: ignore[misc]
     return info.value
+
+
+@contextlib.asynccontextmanager
+async def lone_leader(
+    etcd_settings: EtcdSettings, name: str, **driver_options: int
+) -> AsyncIterator[tuple[ServiceRuntime, Leadership, JobDriver]]:
+    """One coordinator runtime that has won its election, with a driver that does not tick on
+    its own (the test calls it); stopped on the way out."""
+    settings = CoordinatorSettings(instance_id=f"coordinator-{name}", heartbeat_interval=0.2)
+    runtime = ServiceRuntime("coordinator", settings, etcd_settings, service_names=[])
+
+    async def elected() -> None:
+        await driver.on_elected()
+
+    leadership = Leadership(runtime, name, elected)
+    driver = JobDriver(runtime, leadership, tick_interval=60, lease_seconds=60, **driver_options)
+    await runtime.start()
+    leadership.start()
+    try:
+
+        async def leads() -> bool:
+            return leadership.is_leader
+
+        await eventually(leads, timeout=10)
+        yield runtime, leadership, driver
+    finally:
+        await leadership.resign()
+        await driver.stop()
+        await runtime.shutdown()
 
 
 async def test_submit_get_list_watch_cancel(coordinators: list[ServiceRuntime]) -> None:
@@ -208,55 +240,42 @@ async def test_the_leader_pages_dropped_groups_out_of_the_ledger_in_the_same_wri
     """A real leader and etcd: the page and the emptied ledger land together; the CLI's reader
     finds every dropped group; a regenerate request sees drops on pages; a deposed leader's
     write fails and its ledger keeps what it lists."""
-    settings = CoordinatorSettings(instance_id="coordinator-pages", heartbeat_interval=0.2)
-    runtime = ServiceRuntime("coordinator", settings, etcd_settings, service_names=[])
+    async with lone_leader(etcd_settings, "pages", ledger_page_size=3) as (
+        runtime,
+        leadership,
+        driver,
+    ):
+        client = await StackClient.connect(etcd_settings.endpoints, etcd_settings.prefix)
+        try:
+            ledger = work.WorkLedger(job_id="pj")
+            groups = work.lease(
+                ledger, instance_id="r", epoch=1, max_groups=6, budget=6, now=0, lease_seconds=60
+            )
+            work.complete(ledger, "r", groups)
+            work.record_progress(ledger, groups[3:], {g: f"stale {g}" for g in groups[:3]})
 
-    async def elected() -> None:
-        await driver.on_elected()
-
-    leadership = Leadership(runtime, "pages", elected)
-    driver = JobDriver(runtime, leadership, tick_interval=60, lease_seconds=60, ledger_page_size=3)
-    await runtime.start()
-    leadership.start()
-    client = await StackClient.connect(etcd_settings.endpoints, etcd_settings.prefix)
-    try:
-
-        async def leads() -> bool:
-            return leadership.is_leader
-
-        await eventually(leads, timeout=10)
-        ledger = work.WorkLedger(job_id="pj")
-        groups = work.lease(
-            ledger, instance_id="r", epoch=1, max_groups=6, budget=6, now=0, lease_seconds=60
-        )
-        work.complete(ledger, "r", groups)
-        work.record_progress(ledger, groups[3:], {g: f"stale {g}" for g in groups[:3]})
-
-        await driver.save_ledger(ledger)
-
-        assert ledger.pages == 1 and ledger.discarded == {} and ledger.dropped == 3
-        assert runtime.client is not None
-        stored = await runtime.client.get(runtime.keys.work("pj"))
-        assert stored is not None
-        assert work.WorkLedger.model_validate_json(stored.value) == ledger
-        [page] = await dropped_pages(runtime.client, runtime.keys, "pj")
-        assert page.discarded == {g: f"stale {g}" for g in groups[:3]}
-        assert await client.dropped_groups("pj") == page.discarded
-        assert await driver.paged_out_drops(ledger, [groups[0], groups[4]]) == {groups[0]}
-
-        work.record_progress(ledger, [], {})  # nothing new: no page
-        ledger.discarded["pj-g000099"] = "made up, to fill a page"
-        ledger.released = {"pj-g000098": ["x"], "pj-g000097": ["y"]}
-        await leadership.resign()
-        with pytest.raises(NotLeader):
             await driver.save_ledger(ledger)
-        assert ledger.pages == 1 and len(ledger.discarded) == 1 and len(ledger.released) == 2
-        assert len(await dropped_pages(runtime.client, runtime.keys, "pj")) == 1
-    finally:
-        await client.close()
-        await leadership.resign()
-        await driver.stop()
-        await runtime.shutdown()
+
+            assert ledger.pages == 1 and ledger.discarded == {} and ledger.dropped == 3
+            assert runtime.client is not None
+            stored = await runtime.client.get(runtime.keys.work("pj"))
+            assert stored is not None
+            assert work.WorkLedger.model_validate_json(stored.value) == ledger
+            [page] = await dropped_pages(runtime.client, runtime.keys, "pj")
+            assert page.discarded == {g: f"stale {g}" for g in groups[:3]}
+            assert await client.dropped_groups("pj") == page.discarded
+            assert await driver.paged_out_drops(ledger, [groups[0], groups[4]]) == {groups[0]}
+
+            work.record_progress(ledger, [], {})  # nothing new: no page
+            ledger.discarded["pj-g000099"] = "made up, to fill a page"
+            ledger.released = {"pj-g000098": ["x"], "pj-g000097": ["y"]}
+            await leadership.resign()
+            with pytest.raises(NotLeader):
+                await driver.save_ledger(ledger)
+            assert ledger.pages == 1 and len(ledger.discarded) == 1 and len(ledger.released) == 2
+            assert len(await dropped_pages(runtime.client, runtime.keys, "pj")) == 1
+        finally:
+            await client.close()
 
 
 async def test_delete_job_over_the_api_gets_the_right_codes(
@@ -309,74 +328,59 @@ async def test_delete_job_removes_every_key_of_the_job_and_no_other(
     from services.monitor.incidents import IncidentLog, new_incident
     from tests.integration.test_etcd_layer import started_member
 
-    settings = CoordinatorSettings(instance_id="coordinator-delete", heartbeat_interval=0.2)
-    runtime = ServiceRuntime("coordinator", settings, etcd_settings, service_names=[])
-
-    async def elected() -> None:
-        await driver.on_elected()
-
-    leadership = Leadership(runtime, "delete", elected)
-    driver = JobDriver(runtime, leadership, tick_interval=60, lease_seconds=60)
-    await runtime.start()
-    leadership.start()
     member: ServiceRuntime | None = None
-    try:
+    async with lone_leader(etcd_settings, "delete") as (runtime, leadership, driver):
+        try:
+            client, keys = runtime.client, runtime.keys
+            assert client is not None
+            store = JobStore(client, keys)
+            wkeys = WeightKeys(keys)
+            incidents = IncidentLog(client, keys)
+            for job_id in ("dk", "dk2"):
+                record = new_job(job_id, {"id": job_id}, 1.0)
+                await store.create(transition(record, Phase.CANCELLED, "done", 2.0), [])
+                await client.put(keys.work(job_id), b"{}")
+                await client.put(keys.dropped_page(job_id, 0), b"{}")
+                await client.put(keys.ettr(job_id), b"{}")
+                await client.put(wkeys.announcement(job_id), b"{}")
+                for version in (1, 2):
+                    await client.put(wkeys.manifest(job_id, version), b"{}")
+                    await client.put(wkeys.holder(job_id, version, "trainer-0"), b"{}")
+                for i in range(70 if job_id == "dk" else 2):
+                    view = MemberView(role="rollout", instance_id=f"r{i}", job_id=job_id)
+                    incident = new_incident(view, "MEMBER_LOST", "test", 1.0, 1000.0 + i)
+                    await incidents.record(incident)
+                    if i < 3:
+                        await client.put(keys.recovery(job_id, incident.incident_id), b"{}")
+            await client.put(keys.fence("r0"), b'{"job_id": "dk"}')
 
-        async def leads() -> bool:
-            return leadership.is_leader
+            async def snapshot() -> dict[bytes, bytes]:
+                rows = await client.get_prefix(keys.prefix.encode())
+                return {kv.key: kv.value for kv in rows if b"/members/" not in kv.key}
 
-        await eventually(leads, timeout=10)
-        client, keys = runtime.client, runtime.keys
-        assert client is not None
-        store = JobStore(client, keys)
-        wkeys = WeightKeys(keys)
-        incidents = IncidentLog(client, keys)
-        for job_id in ("dk", "dk2"):
-            record = new_job(job_id, {"id": job_id}, 1.0)
-            await store.create(transition(record, Phase.CANCELLED, "done", 2.0), [])
-            await client.put(keys.work(job_id), b"{}")
-            await client.put(keys.dropped_page(job_id, 0), b"{}")
-            await client.put(keys.ettr(job_id), b"{}")
-            await client.put(wkeys.announcement(job_id), b"{}")
-            for version in (1, 2):
-                await client.put(wkeys.manifest(job_id, version), b"{}")
-                await client.put(wkeys.holder(job_id, version, "trainer-0"), b"{}")
-            for i in range(70 if job_id == "dk" else 2):
-                view = MemberView(role="rollout", instance_id=f"r{i}", job_id=job_id)
-                incident = new_incident(view, "MEMBER_LOST", "test", 1.0, 1000.0 + i)
-                await incidents.record(incident)
-                if i < 3:
-                    await client.put(keys.recovery(job_id, incident.incident_id), b"{}")
-        await client.put(keys.fence("r0"), b'{"job_id": "dk"}')
-
-        async def snapshot() -> dict[bytes, bytes]:
-            rows = await client.get_prefix(keys.prefix.encode())
-            return {kv.key: kv.value for kv in rows if b"/members/" not in kv.key}
-
-        before = await snapshot()
-        member = await started_member("rollout", "rollout-bound", etcd_settings)
-        await member.update_member(job_id="dk")
-        with pytest.raises(FailedPrecondition, match="rollout-bound"):
-            await driver.delete_job("dk", leadership.guard())
-        assert await snapshot() == before
-        await member.shutdown()
-        member = None
-
-        deleted = await driver.delete_job("dk", leadership.guard())
-
-        after = await snapshot()
-        gone = set(before) - set(after)
-        assert deleted == len(gone) == 1 + 1 + 1 + 1 + 1 + 4 + 70 + 3
-        assert all(b"dk2" not in key for key in gone)
-        assert {k for k in after if b"/dk2" in k} == {k for k in before if b"/dk2" in k}
-        assert keys.fence("r0") in after  # fences stay: see JobStore.delete
-        left = [IncidentRecord.model_validate_json(v) for k, v in after.items() if b"/incid" in k]
-        assert [i.job_id for i in left] == ["dk2", "dk2"]
-        with pytest.raises(NotFound):
-            await driver.delete_job("dk", leadership.guard())
-    finally:
-        if member is not None:
+            before = await snapshot()
+            member = await started_member("rollout", "rollout-bound", etcd_settings)
+            await member.update_member(job_id="dk")
+            with pytest.raises(FailedPrecondition, match="rollout-bound"):
+                await driver.delete_job("dk", leadership.guard())
+            assert await snapshot() == before
             await member.shutdown()
-        await leadership.resign()
-        await driver.stop()
-        await runtime.shutdown()
+            member = None
+
+            deleted = await driver.delete_job("dk", leadership.guard())
+
+            after = await snapshot()
+            gone = set(before) - set(after)
+            assert deleted == len(gone) == 1 + 1 + 1 + 1 + 1 + 4 + 70 + 3
+            assert all(b"dk2" not in key for key in gone)
+            assert {k for k in after if b"/dk2" in k} == {k for k in before if b"/dk2" in k}
+            assert keys.fence("r0") in after  # fences stay: see JobStore.delete
+            left = [
+                IncidentRecord.model_validate_json(v) for k, v in after.items() if b"/incid" in k
+            ]
+            assert [i.job_id for i in left] == ["dk2", "dk2"]
+            with pytest.raises(NotFound):
+                await driver.delete_job("dk", leadership.guard())
+        finally:
+            if member is not None:
+                await member.shutdown()
