@@ -116,6 +116,13 @@ def ts_seconds(value: str) -> float:
     return ts.ToNanoseconds() / 1e9
 
 
+def _history_retention(text: str) -> str:
+    try:
+        return stack.history_retention(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from exc
+
+
 # ----------------------------------------------------------------------------- commands
 
 
@@ -131,7 +138,7 @@ def cmd_up(args: argparse.Namespace) -> int:
         state.etcd_peer_port = previous.etcd_peer_port
     state.save()
     try:
-        etcd = stack.start_etcd(state)
+        etcd = stack.start_etcd(state, args.etcd_history)
         wait_for_etcd(state, etcd)
         services = [stack.start_service(state, "monitor", "monitor-0")]
         for i in range(args.coordinators):
@@ -551,6 +558,14 @@ def build_parser() -> argparse.ArgumentParser:
         default="local",
         help="who starts replacement members: local processes (default), a scheduler "
         "connected with `robustrl provider` (external), or nobody (none)",
+    )
+    up.add_argument(
+        "--etcd-history",
+        type=_history_retention,
+        default=stack.ETCD_HISTORY_RETENTION,
+        metavar="DURATION",
+        help="how much history etcd keeps before compacting it, e.g. 30s, 5m, 1h "
+        f"(default {stack.ETCD_HISTORY_RETENTION})",
     )
     up.add_argument("--timeout", type=float, default=60.0, help="seconds to wait for health")
     up.add_argument("--job", help="submit this job spec once the stack is up")

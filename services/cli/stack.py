@@ -11,6 +11,7 @@ import asyncio
 import contextlib
 import json
 import os
+import re
 import shutil
 import signal
 import socket
@@ -143,7 +144,26 @@ def log_tail(proc: Proc, lines: int = 15) -> str:
         return "(no log)"
 
 
-def start_etcd(state: StackState) -> Proc:
+# etcd keeps every revision of every key until its history is compacted. The work ledger and
+# progress reports write on every lease, so an etcd that never compacts fills its 2 GiB quota
+# on a long job and turns read-only (NOSPACE). Periodic compaction keeps this much history; a
+# watch that falls further behind resyncs from the current state (services/common/watch.py).
+ETCD_HISTORY_RETENTION = "5m"
+
+
+def history_retention(text: str) -> str:
+    """A duration etcd's periodic compaction takes: a positive whole number of s, m or h."""
+    match = re.fullmatch(r"([0-9]+)([smh])", text.strip())
+    if not match or int(match.group(1)) == 0:
+        raise ValueError(f"etcd history retention must be like 30s, 5m or 1h, not {text!r}")
+    return f"{int(match.group(1))}{match.group(2)}"
+
+
+def etcd_history_flags(retention: str = ETCD_HISTORY_RETENTION) -> list[str]:
+    return ["--auto-compaction-mode=periodic", f"--auto-compaction-retention={retention}"]
+
+
+def start_etcd(state: StackState, history: str = ETCD_HISTORY_RETENTION) -> Proc:
     data_dir = Path(state.home) / "etcd"
     client, peer = state.etcd_client_port, state.etcd_peer_port
     if not (client and peer and port_is_free(client) and port_is_free(peer)):
@@ -162,6 +182,7 @@ def start_etcd(state: StackState) -> Proc:
         f"--listen-peer-urls=http://127.0.0.1:{peer}",
         f"--initial-advertise-peer-urls=http://127.0.0.1:{peer}",
         f"--initial-cluster=robustrl-local=http://127.0.0.1:{peer}",
+        *etcd_history_flags(history_retention(history)),
         "--log-level=warn",
     ]
     return spawn(state, "etcd", argv, {})

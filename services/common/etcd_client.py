@@ -7,12 +7,23 @@ import aetcd
 from services.common.config import EtcdSettings
 from services.common.errors import Unavailable
 
+# gRPC refuses a received message over 4 MiB by default. etcd answers a watch that catches up
+# with up to 1000 revisions in one message, and the ledger is rewritten on every lease with a
+# few KB, so a watch resuming after a pause of half a minute met a larger answer and broke at
+# the same revision on every try. watch_prefix resyncs if even this is not enough.
+MAX_RECEIVE_BYTES = 256 << 20
+
 
 async def connect_etcd(settings: EtcdSettings) -> aetcd.Client:
     """Return a client connected to the first endpoint that answers a status request."""
     failures: list[str] = []
     for host, port in settings.endpoint_list():
-        client = aetcd.Client(host=host, port=port, timeout=int(max(1, settings.timeout)))
+        client = aetcd.Client(
+            host=host,
+            port=port,
+            timeout=int(max(1, settings.timeout)),
+            options={"grpc.max_receive_message_length": MAX_RECEIVE_BYTES},
+        )
         try:
             await client.connect()
             await client.status()

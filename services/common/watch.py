@@ -1,8 +1,10 @@
 """A prefix watch that survives what a long-lived watch meets: compaction and lost streams.
 
 It resumes from the revision after the last event it delivered; if that revision was
-compacted away it re-lists the prefix and hands the caller a `Resync` with the full current
-state, then watches on from there. Callers that need the initial state call `list_prefix`
+compacted away, or the watch broke at the same revision `RESYNC_AFTER_FAILURES` times in a row
+(history etcd cannot deliver to this client, e.g. a catch-up larger than its largest message),
+it re-lists the prefix and hands the caller a `Resync` with the full current state, then
+watches on from there. Callers that need the initial state call `list_prefix`
 first and start the watch at the revision the list returned, plus one.
 
 Every watch here is created through `_open_watch`, which never lets a cancellation cut a
@@ -21,6 +23,8 @@ import aetcd
 from services.common.logs import get_logger
 
 log = get_logger(__name__)
+
+RESYNC_AFTER_FAILURES = 3
 
 
 @dataclass(frozen=True)
@@ -45,7 +49,8 @@ class Delete:
 
 @dataclass(frozen=True)
 class Resync:
-    """The watched history was compacted: this is the whole prefix as of `revision`."""
+    """The watched history was compacted (or could not be delivered): this is the whole prefix
+    as of `revision`."""
 
     entries: list[Entry]
     revision: int
@@ -145,25 +150,31 @@ async def watch_prefix(
 ) -> AsyncIterator[WatchEvent]:
     """Events under prefix from start_revision on, forever (cancel the consumer to stop)."""
     next_revision = start_revision
+    failures = 0  # in a row, without an event in between
+    resync = False
     while True:
         try:
+            if resync or failures >= RESYNC_AFTER_FAILURES:
+                if failures:
+                    log.warning("etcd.watch_resync", prefix=prefix.decode(), failures=failures)
+                entries, revision = await list_prefix(client, prefix)
+                next_revision, failures, resync = revision + 1, 0, False
+                yield Resync(entries, revision)
             watch = await _open_watch(client, prefix, next_revision)
             try:
                 async for event in watch:
                     kv = event.kv
-                    next_revision = kv.mod_revision + 1
+                    next_revision, failures = kv.mod_revision + 1, 0
                     if event.kind == aetcd.rtypes.EventKind.PUT:
                         yield Put(_entry(kv))
                     else:
                         yield Delete(kv.key, kv.mod_revision)
             finally:
                 await _cancel_watch(watch)
-        except aetcd.exceptions.RevisionCompactedError as exc:
+        except aetcd.exceptions.RevisionCompactedError:
             log.info("etcd.watch_compacted", prefix=prefix.decode(), revision=next_revision)
-            entries, revision = await list_prefix(client, prefix)
-            next_revision = revision + 1
-            del exc
-            yield Resync(entries, revision)
+            resync = True
         except (TimeoutError, aetcd.exceptions.ClientError) as exc:
+            failures += 1
             log.warning("etcd.watch_broken", prefix=prefix.decode(), error=repr(exc))
             await asyncio.sleep(retry_delay)

@@ -96,6 +96,8 @@ def test_a_new_user_session(cli: Cli) -> None:
     assert cli.json("dropped", "first") == {}  # a job not started yet dropped nothing
     no_file = cli.run("submit", "no-such.yaml", check=False)
     assert no_file.returncode == 2 and "cannot read job spec" in no_file.stderr
+    bad_history = cli.run("up", "--etcd-history", "5 minutes", check=False)
+    assert bad_history.returncode == 2 and "must be like 30s, 5m or 1h" in bad_history.stderr
 
     cli.run("cancel", "first")
     again = cli.run("cancel", "first", check=False)

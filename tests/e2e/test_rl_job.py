@@ -22,7 +22,9 @@ STALENESS = 1
 def stack(tmp_path: Path) -> Iterator[Cli]:
     cli = Cli(tmp_path / "home")
     cli.env["ROBUSTRL_TRAINER_RUNS_DIR"] = str(tmp_path / "runs")
-    cli.run("up", "--trainers", "1", "--rollouts", "2")
+    # etcd compacts its history every 5 s here (5 min by default), so the job runs with the
+    # compactions a long job meets, and any watch more than 5 s behind resumes by resyncing.
+    cli.run("up", "--trainers", "1", "--rollouts", "2", "--etcd-history", "5s")
     try:
         yield cli
     finally:

@@ -5,19 +5,22 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+from pathlib import Path
 
 import aetcd
 import pytest
 
+from services.cli.stack import StackState, etcd_healthy, start_etcd, stop_procs
 from services.common.config import EtcdSettings, ServiceSettings
 from services.common.election import Election, current_leader
+from services.common.etcd_client import connect_etcd
 from services.common.keys import KeySpace
 from services.common.registry import MemberRecord, Registry
 from services.common.runtime import ServiceRuntime
 from services.common.session import Session
 from services.common.watch import Delete, Put, Resync, list_prefix, next_change, watch_prefix
 from tests.conftest import EtcdProcess
-from tests.support import eventually
+from tests.support import eventually, eventually_sync
 
 
 def member(name: str, role: str = "rollout") -> MemberRecord:
@@ -321,3 +324,77 @@ async def test_a_watch_creation_that_timed_out_cannot_hand_its_watch_to_the_next
         await running.aclose()  # type: ignore[attr-defined]
     finally:
         await client.close()
+
+
+async def test_the_local_stacks_etcd_compacts_its_own_history(tmp_path: Path) -> None:
+    """Without auto-compaction every ledger write stays in etcd's history until its quota is
+    full; the stack's etcd is started to compact (here with a 1 s retention, not 5 min)."""
+    state = StackState(home=str(tmp_path))
+    proc = start_etcd(state, history="1s")
+    try:
+        eventually_sync(lambda: etcd_healthy(state.etcd_endpoints), timeout=30)
+        client = await connect_etcd(EtcdSettings(endpoints=state.etcd_endpoints))
+        try:
+            first = await client.put(b"/h/k", b"0")
+            for i in range(1, 20):
+                await client.put(b"/h/k", str(i).encode())
+
+            async def history_gone() -> bool:
+                await client.put(b"/h/tick", b"")  # gives the compactor a later revision
+                stream = watch_prefix(client, b"/h/", first.header.revision)
+                event = await asyncio.wait_for(anext(stream), 5)
+                await stream.aclose()  # type: ignore[attr-defined]
+                return isinstance(event, Resync)
+
+            await eventually(history_gone, timeout=30, interval=0.5)
+        finally:
+            await client.close()
+    finally:
+        stop_procs([proc])
+
+
+async def _write_history(client: aetcd.Client, key: bytes, writes: int, size: int) -> int:
+    """`writes` puts of a `size`-byte value to key; returns the first one's revision."""
+    first = await client.put(key, b"0" * size)
+    for i in range(1, writes):
+        await client.put(key, str(i % 10).encode() * size)
+    return int(first.header.revision)
+
+
+async def test_a_watch_catches_up_on_more_history_than_one_default_grpc_message_holds(
+    etcd_client: aetcd.Client, etcd_settings: EtcdSettings
+) -> None:
+    """etcd answers a catch-up with up to 1000 revisions at once: with a 5 KB value that is
+    5 MB, past gRPC's default 4 MiB, and the watch broke and reopened at the same revision
+    forever. connect_etcd's clients take messages as large as etcd sends."""
+    prefix = f"{etcd_settings.prefix}/big/".encode()
+    first = await _write_history(etcd_client, prefix + b"ledger", 1100, 5000)
+    stream = watch_prefix(etcd_client, prefix, first)
+    seen = 0
+    while seen < 1100:
+        event = await asyncio.wait_for(anext(stream), 10)
+        assert isinstance(event, Put)
+        seen += 1
+    await stream.aclose()  # type: ignore[attr-defined]
+
+
+async def test_history_too_large_to_receive_resyncs_instead_of_retrying_forever(
+    etcd_client: aetcd.Client, etcd_settings: EtcdSettings
+) -> None:
+    """A client that cannot take etcd's catch-up answer (here one limited to 1 MiB messages)
+    gets the prefix's current state as a Resync after a few failed reopenings."""
+    prefix = f"{etcd_settings.prefix}/big/".encode()
+    first = await _write_history(etcd_client, prefix + b"ledger", 400, 5000)
+    host, port = etcd_settings.endpoint_list()[0]
+    small = aetcd.Client(host=host, port=port, options={"grpc.max_receive_message_length": 1 << 20})
+    try:
+        stream = watch_prefix(small, prefix, first, retry_delay=0.05)
+        event = await asyncio.wait_for(anext(stream), 10)
+        assert isinstance(event, Resync)
+        assert [(e.key, e.value) for e in event.entries] == [(prefix + b"ledger", b"9" * 5000)]
+        later = await etcd_client.put(prefix + b"after", b"x")
+        event = await asyncio.wait_for(anext(stream), 10)
+        assert isinstance(event, Put) and event.entry.mod_revision == later.header.revision
+        await stream.aclose()  # type: ignore[attr-defined]
+    finally:
+        await small.close()
