@@ -144,10 +144,10 @@ def log_tail(proc: Proc, lines: int = 15) -> str:
         return "(no log)"
 
 
-# etcd keeps every revision of every key until its history is compacted. The work ledger and
-# progress reports write on every lease, so an etcd that never compacts fills its 2 GiB quota
-# on a long job and turns read-only (NOSPACE). Periodic compaction keeps this much history; a
-# watch that falls further behind resyncs from the current state (services/common/watch.py).
+# etcd keeps every revision of every key until its history is compacted. The work ledger is
+# rewritten on every lease, the ETTR account on every step, so an etcd that never compacts fills
+# its 2 GiB quota on a long job and turns read-only (NOSPACE). Periodic compaction keeps this
+# much history; a watch that falls further behind resyncs from the current state (watch.py).
 ETCD_HISTORY_RETENTION = "5m"
 
 
