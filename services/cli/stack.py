@@ -164,6 +164,7 @@ def etcd_history_flags(retention: str = ETCD_HISTORY_RETENTION) -> list[str]:
 
 
 def start_etcd(state: StackState, history: str = ETCD_HISTORY_RETENTION) -> Proc:
+    """`history`: a retention `history_retention` accepted (the CLI checks what a person typed)."""
     data_dir = Path(state.home) / "etcd"
     client, peer = state.etcd_client_port, state.etcd_peer_port
     if not (client and peer and port_is_free(client) and port_is_free(peer)):
@@ -182,7 +183,7 @@ def start_etcd(state: StackState, history: str = ETCD_HISTORY_RETENTION) -> Proc
         f"--listen-peer-urls=http://127.0.0.1:{peer}",
         f"--initial-advertise-peer-urls=http://127.0.0.1:{peer}",
         f"--initial-cluster=robustrl-local=http://127.0.0.1:{peer}",
-        *etcd_history_flags(history_retention(history)),
+        *etcd_history_flags(history),
         "--log-level=warn",
     ]
     return spawn(state, "etcd", argv, {})

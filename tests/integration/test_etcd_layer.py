@@ -10,7 +10,7 @@ from pathlib import Path
 import aetcd
 import pytest
 
-from services.cli.stack import StackState, etcd_healthy, start_etcd, stop_procs
+from services.cli.stack import StackState, etcd_healthy, start_etcd, stop_procs, wait_until
 from services.common.config import EtcdSettings, ServiceSettings
 from services.common.election import Election, current_leader
 from services.common.etcd_client import connect_etcd
@@ -20,7 +20,7 @@ from services.common.runtime import ServiceRuntime
 from services.common.session import Session
 from services.common.watch import Delete, Put, Resync, list_prefix, next_change, watch_prefix
 from tests.conftest import EtcdProcess
-from tests.support import eventually, eventually_sync
+from tests.support import eventually
 
 
 def member(name: str, role: str = "rollout") -> MemberRecord:
@@ -332,7 +332,7 @@ async def test_the_local_stacks_etcd_compacts_its_own_history(tmp_path: Path) ->
     state = StackState(home=str(tmp_path))
     proc = start_etcd(state, history="1s")
     try:
-        eventually_sync(lambda: etcd_healthy(state.etcd_endpoints), timeout=30)
+        wait_until(lambda: etcd_healthy(state.etcd_endpoints), 30, "etcd to answer", [proc])
         client = await connect_etcd(EtcdSettings(endpoints=state.etcd_endpoints))
         try:
             first = await client.put(b"/h/k", b"0")
