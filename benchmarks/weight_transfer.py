@@ -4,9 +4,10 @@ One run measures, per payload size, side by side:
   memcpy        an in-process tensor copy (the memory ceiling of this host)
   plain ucxx    ucxx tagged send/recv of the same bytes in the same bucket size, between two
                 processes, on an open endpoint into a ready buffer (the transport's ceiling)
-  + verify      the same plain ucxx, hashing each bucket as it lands in the transport's
-                thread pool with the transport's algorithm: the ceiling once every byte is
-                verified (ours/+verify is what our bookkeeping costs on top)
+  + verify      the same plain ucxx, checking each bucket as it lands exactly as the
+                transport does (checksums.checksum_landed, the transport's algorithm): the
+                ceiling once every byte is verified (ours/+verify is what our bookkeeping
+                costs on top)
   ours          UcxTransport.pull of a freshly published version, as a running rollout does
                 it: etcd manifest and holders, pull the buckets over the endpoint kept from
                 the last pull into the receive buffer the last pull's tensors left free,
@@ -35,11 +36,11 @@ BENCH_LOG_LEVEL=info makes the workers log every transfer, with where a pull's t
 (otherwise only a dead worker's log tail is printed); --json FILE writes every point with its
 raw samples.
 
-On a 2-core host, verification is what separates ours from plain ucxx: UCX moves host memory
-between processes there as a two-copy pipeline through SysV shared memory (it never picks
-CMA's single copy for endpoints with peer error handling), which keeps both cores busy, so
-the hash (xxh3: ~1.2 ms of a core per 32 MiB bucket) runs beside the copies instead of on a
-free core. Compare ours with "+verify" to see our own overhead.
+Within one host, verification is what separates ours from plain ucxx: UCX copies each
+message inside its progress call on the receiving event loop's thread (CMA, one copy, see
+ucx_transport._ucx_env_defaults), holding the GIL, so the hash (xxh3: ~1 ms of a core per 32
+MiB bucket) cannot run beside the copy in a thread and adds to it. Compare ours with "+verify"
+to see our own overhead.
 """
 
 from __future__ import annotations
@@ -214,7 +215,7 @@ class Worker:
         return {"seconds": seconds}
 
     async def do_plain(self, cmd: dict[str, Any]) -> dict[str, Any]:
-        from services.common.checksums import algorithm_for, start_bucket_checksum
+        from services.common.checksums import algorithm_for, checksum_landed
         from services.common.ucx_transport import allocate_buffer, load_ucxx, ucx_buffer
 
         ucxx = load_ucxx()
@@ -224,11 +225,10 @@ class Worker:
             self.plain_ep = await ucxx.create_endpoint(host, int(port))
         if self.plain_recv is None or self.plain_recv.numel() != nbytes:
             self.plain_recv = allocate_buffer(nbytes, self.device)
-        # With verify, each bucket is hashed as it lands, in the transport's own thread pool:
-        # the same verification work as ours, with none of its bookkeeping.
+        # With verify, each bucket is checked as it lands, as the transport does it: the same
+        # verification work as ours, with none of its bookkeeping.
         verify = bool(cmd.get("verify"))
         algorithm = algorithm_for(self.device)
-        loop = asyncio.get_running_loop()
         checks = []
         started = time.perf_counter()
         await self.plain_ep.send_obj(json.dumps({"bytes": nbytes, "bucket": bucket}).encode())
@@ -236,8 +236,7 @@ class Worker:
             view = self.plain_recv[start : start + bucket]
             await self.plain_ep.recv(ucx_buffer(view), tag=i)
             if verify:
-                finish = start_bucket_checksum(view, algorithm)
-                checks.append(loop.run_in_executor(self.ucx._pool, finish))
+                checks.append(checksum_landed(view, algorithm, self.ucx._pool))
         await asyncio.gather(*checks)
         return {"seconds": time.perf_counter() - started}
 
@@ -421,14 +420,15 @@ def memcpy_gbps(nbytes: int, repeat: int, device: torch.device) -> float:
     return nbytes / statistics.median(times) / 1e9
 
 
-def checksum_gbps(nbytes: int, bucket: int, device: torch.device) -> float:
-    """What bucket verification alone can reach here, with the transport's thread count."""
+def checksum_gbps(nbytes: int, bucket: int, device: torch.device, threads: int) -> float:
+    """What bucket checksums alone reach here on `threads` threads (the publisher hashes on
+    the transport's pool; a puller hashes host buckets on one core, its event loop's)."""
     from services.common.checksums import algorithm_for, bucket_checksum
 
     data = torch.randint(0, 256, (nbytes,), dtype=torch.uint8).to(device)
     sync(device)
     views = [data[s : s + bucket] for s in range(0, nbytes, bucket)]
-    with ThreadPoolExecutor(max_workers=min(4, os.cpu_count() or 1)) as pool:
+    with ThreadPoolExecutor(max_workers=threads) as pool:
         started = time.perf_counter()
         list(pool.map(bucket_checksum, views, [algorithm_for(device)] * len(views)))
         return nbytes / (time.perf_counter() - started) / 1e9
@@ -532,7 +532,7 @@ def print_report(
     rows: list[dict[str, Any]],
     fan: list[dict[str, Any]],
     args: argparse.Namespace,
-    checksum: float,
+    checksum: dict[int, float],
 ) -> None:
     from services.common.checksums import algorithm_for
 
@@ -561,8 +561,8 @@ def print_report(
             f" {r['ucx'] / r['plain_verified']:>13.2f} {r['ucx'] / r['grpc']:>10.2f}"
         )
     print(
-        f"+verify: plain ucxx that also {algorithm}s each bucket as it lands, in the transport's"
-        " thread pool (the ceiling\nonce every byte is verified: what ours/+verify leaves is"
+        f"+verify: plain ucxx that also {algorithm}s each bucket as it lands, as the transport"
+        " does (the ceiling\nonce every byte is verified: what ours/+verify leaves is"
         " our bookkeeping: etcd, request, holder choice)\n"
         "ours: first pull of a freshly published version; ours again: a second pull of it"
         " from the same holder;\nours cold: one pull, the first at this size (a new receive"
@@ -570,7 +570,18 @@ def print_report(
     )
     publish = ", ".join(f"{r['size_mib']} MiB {r['publish']:.2f}" for r in rows)
     print(f"UcxTransport.publish (pack, {algorithm}, etcd), GB/s: {publish}")
-    print(f"({algorithm} of buckets in the transport's thread pool alone: {checksum:.2f} GB/s)")
+    pool_threads = max(checksum)
+    print(
+        f"({algorithm} alone, GB/s: {checksum[1]:.2f} on one thread,"
+        f" {checksum[pool_threads]:.2f} on the transport's pool of {pool_threads})"
+    )
+    if args.device == "cpu":
+        # A puller copies and hashes on one core (see the module docstring): at best
+        # hash/(copy + hash) of plain ucxx, whatever the bookkeeping.
+        bound = ", ".join(
+            f"{r['size_mib']} MiB {checksum[1] / (r['plain'] + checksum[1]):.2f}" for r in rows
+        )
+        print(f"ours/plain with copy and hash on one core, at best: {bound}")
     if fan:
         print(f"\nfan-out of one {args.fanout_mib} MiB version to {args.pullers} pullers")
         print(f"{'mode':<36} {'seconds':>8} {'aggregate GB/s':>15} {'from trainer':>13}")
@@ -612,7 +623,11 @@ async def driver_main(args: argparse.Namespace) -> None:
             await driver.close()
             if args.keep_logs:
                 keep_logs(Path(tmp), Path(args.keep_logs))
-    checksum = checksum_gbps(max(sizes) * MIB, args.bucket_mib * MIB, torch.device(args.device))
+    device = torch.device(args.device)
+    checksum = {
+        threads: checksum_gbps(max(sizes) * MIB, args.bucket_mib * MIB, device, threads)
+        for threads in sorted({1, min(4, os.cpu_count() or 1)})
+    }
     print_report(rows, fan, args, checksum)
     if args.json:
         write_json(Path(args.json), {"rows": rows, "fan_out": fan, "checksum_gbps": checksum})

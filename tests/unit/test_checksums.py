@@ -14,6 +14,7 @@ from services.common.checksums import (
     XXH3_128,
     algorithm_for,
     bucket_checksum,
+    checksum_landed,
     start_bucket_checksum,
 )
 
@@ -74,6 +75,18 @@ def test_a_started_checksum_gives_the_same_digest(algorithm: str) -> None:
     data = _bytes((1 << 16) + 5, seed=6)
 
     assert start_bucket_checksum(data, algorithm)() == bucket_checksum(data, algorithm)
+
+
+@pytest.mark.parametrize("algorithm", CHECKSUM_ALGORITHMS)
+async def test_a_landed_bucket_gets_the_same_digest_and_host_xxh3_at_once(algorithm: str) -> None:
+    data = _bytes((1 << 16) + 5, seed=7)
+    with ThreadPoolExecutor(max_workers=1) as pool:
+        landed = checksum_landed(data, algorithm, pool)
+        # A host bucket under xxh3 is hashed on the calling thread, before anything awaits.
+        assert landed.done() == (algorithm == XXH3_128)
+        assert await landed == bucket_checksum(data, algorithm)
+        with pytest.raises(ValueError, match="unknown checksum algorithm 'crc32'"):
+            await checksum_landed(data, "crc32", pool)
 
 
 def test_the_publisher_picks_by_where_its_buffer_lives_and_unknown_names_are_refused() -> None:
