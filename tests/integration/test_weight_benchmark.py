@@ -1,0 +1,44 @@
+"""benchmarks/weight_transfer.py runs end to end, at toy sizes: a benchmark that no longer runs
+shows up here rather than the next time someone measures. Nothing here judges speed (the
+benchmark prints its own ratios); every column must only have been measured."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+COLUMNS = ("memcpy", "plain", "plain_verified", "ucx", "ucx_again", "ucx_cold", "grpc", "publish")
+
+
+@pytest.mark.slow
+def test_the_weight_benchmark_measures_every_column(tmp_path: Path) -> None:
+    report_path = tmp_path / "report.json"
+    args = ["--sizes", "1,2", "--bucket-mib", "1", "--repeat", "1", "--pullers", "2"]
+    args += ["--fanout-mib", "2", "--json", str(report_path)]
+    done = subprocess.run(
+        [sys.executable, str(REPO / "benchmarks" / "weight_transfer.py"), *args],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=100,
+    )
+
+    assert done.returncode == 0, done.stderr[-3000:]
+    report = json.loads(report_path.read_text())
+    assert [row["size_mib"] for row in report["rows"]] == [1, 2]
+    for row in report["rows"]:
+        assert all(row[column] > 0 for column in COLUMNS), row
+        assert len(row["samples_s"]["ucx"]) == 1
+    modes = [fan["mode"] for fan in report["fan_out"]]
+    assert modes == [
+        "all from the trainer, at once",
+        "all from the trainer, 1 at a time",
+        "relays, trainer serves 1 at a time",
+    ]
+    assert all(0 < fan["trainer_share"] <= 1 and fan["seconds"] > 0 for fan in report["fan_out"])
+    assert "ours/plain with copy and hash on one core, at best: 1 MiB" in done.stdout
