@@ -623,10 +623,12 @@ async def driver_main(args: argparse.Namespace) -> None:
             await driver.close()
             if args.keep_logs:
                 keep_logs(Path(tmp), Path(args.keep_logs))
+    from services.common.ucx_transport import DEFAULT_HASH_THREADS
+
     device = torch.device(args.device)
     checksum = {
         threads: checksum_gbps(max(sizes) * MIB, args.bucket_mib * MIB, device, threads)
-        for threads in sorted({1, min(4, os.cpu_count() or 1)})
+        for threads in sorted({1, DEFAULT_HASH_THREADS})
     }
     print_report(rows, fan, args, checksum)
     if args.json:

@@ -16,11 +16,12 @@ anything else in a thread pool. A thread cannot overlap the host hash with the t
 one host UCX copies the bytes inside its progress call (CMA's process_vm_readv, or shared
 memory), on the event loop's thread and holding the GIL, so a pool thread waits for the GIL
 while the next bucket copies; measured on 2 cores, pulls were 20-35% faster with the hash
-inline, on the bucket still in cache. Neither algorithm is a
-defence against an adversary (see ucx_transport); both catch flipped bits, torn, misplaced
-and reordered transfers. wsum128 catches every change confined to one 32-bit word for certain
-(each coefficient is odd, so a nonzero word difference times it is nonzero mod 2^32); larger
-changes pass only by an accidental 128-bit match.
+inline, on the bucket still in cache.
+
+Neither algorithm is a defence against an adversary (see ucx_transport); both catch flipped
+bits, torn, misplaced and reordered transfers. wsum128 catches every change confined to one
+32-bit word for certain (each coefficient is odd, so a nonzero word difference times it is
+nonzero mod 2^32); larger changes pass only by an accidental 128-bit match.
 """
 
 from __future__ import annotations

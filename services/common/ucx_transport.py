@@ -95,6 +95,8 @@ log = get_logger(__name__)
 
 DEFAULT_BUCKET_BYTES = 32 << 20
 DEFAULT_KEEP_VERSIONS = 2
+# Threads that hash what a publisher packs (and CUDA or wsum128 buckets a puller receives).
+DEFAULT_HASH_THREADS = min(4, os.cpu_count() or 1)
 # Buckets posted ahead on one endpoint (sends on the holder, receives on the puller), so one
 # bucket's completion never waits for the event loop to post the next: on an H100, receiving
 # one 32 MiB bucket at a time reached a fifth of what the same copies do back to back.
@@ -775,7 +777,7 @@ class UcxTransport(WeightTransport):
         self.counters = TransferCounters()
         self._rng = random.Random(instance_id if seed is None else seed)
         self._pool = ThreadPoolExecutor(
-            max_workers=hash_threads or min(4, os.cpu_count() or 1),
+            max_workers=hash_threads or DEFAULT_HASH_THREADS,
             thread_name_prefix="ucx-weights-hash",
         )
         self._ucxx: ModuleType | None = None
