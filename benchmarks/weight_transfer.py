@@ -9,11 +9,11 @@ One run measures, per payload size, side by side:
                 ceiling once every byte is verified (ours/+verify is what our bookkeeping
                 costs on top)
   ours          UcxTransport.pull of a freshly published version, as a running rollout does
-                it: etcd manifest and holders, pull the buckets over the endpoint kept from
-                the last pull into the receive buffer the last pull's tensors left free,
-                xxh3 every bucket, return the tensors ("ours again": the same version pulled
-                a second time; "ours cold": the first pull at this size, into a new buffer,
-                and at the first size over a new endpoint)
+                it: manifest and holders as its etcd watch delivered them, pull the buckets
+                over the endpoint kept from the last pull into the receive buffer the last
+                pull's tensors left free, xxh3 every bucket, return the tensors ("ours
+                again": the same version pulled a second time; "ours cold": the first pull
+                at this size, into a new buffer, and at the first size over a new endpoint)
   grpc stream   GrpcStreamTransport.fetch through a real gRPC server (the fallback/baseline)
 and then fans one version out to N pullers: all from the trainer (serving them all at once, or
 one at a time), and with relays (the trainer serves one puller at a time; pullers that are
@@ -32,15 +32,15 @@ it device to device); the gRPC stream still serves and receives host copies, as 
 GPU trainer.
 
 BENCH_LOG_LEVEL=info makes the workers log every transfer, with where a pull's time went
-(`weights.pulled`: request_s, receive_s, verify_wait_s); --keep-logs DIR keeps their logs
-(otherwise only a dead worker's log tail is printed); --json FILE writes every point with its
-raw samples.
+(`weights.pulled`: manifest_s, request_s, receive_s, verify_wait_s); --keep-logs DIR keeps
+their logs (otherwise only a dead worker's log tail is printed); --json FILE writes every point
+with its raw samples.
 
 Within one host, verification is what separates ours from plain ucxx: UCX copies each
 message inside its progress call on the receiving event loop's thread (CMA, one copy, see
-ucx_transport._ucx_env_defaults), holding the GIL, so the hash (xxh3: ~1 ms of a core per 32
-MiB bucket) cannot run beside the copy in a thread and adds to it. Compare ours with "+verify"
-to see our own overhead.
+ucx_transport._ucx_env_defaults), and the puller then hashes the bucket on that same thread
+(the checksums module says why not in a pool: copy and hash share memory bandwidth), so
+the hash adds to the copy. Compare ours with "+verify" to see our own overhead.
 """
 
 from __future__ import annotations
@@ -422,7 +422,7 @@ def memcpy_gbps(nbytes: int, repeat: int, device: torch.device) -> float:
 
 def checksum_gbps(nbytes: int, bucket: int, device: torch.device, threads: int) -> float:
     """What bucket checksums alone reach here on `threads` threads (the publisher hashes on
-    the transport's pool; a puller hashes host buckets on one core, its event loop's)."""
+    the transport's pool; a puller hashes host buckets on one thread, its event loop's)."""
     from services.common.checksums import algorithm_for, bucket_checksum
 
     data = torch.randint(0, 256, (nbytes,), dtype=torch.uint8).to(device)
@@ -563,7 +563,7 @@ def print_report(
     print(
         f"+verify: plain ucxx that also {algorithm}s each bucket as it lands, as the transport"
         " does (the ceiling\nonce every byte is verified: what ours/+verify leaves is"
-        " our bookkeeping: etcd, request, holder choice)\n"
+        " our bookkeeping: manifest, request, holder choice)\n"
         "ours: first pull of a freshly published version; ours again: a second pull of it"
         " from the same holder;\nours cold: one pull, the first at this size (a new receive"
         " buffer; at the first size a new endpoint)"
@@ -576,12 +576,12 @@ def print_report(
         f" {checksum[pool_threads]:.2f} on the transport's pool of {pool_threads})"
     )
     if args.device == "cpu":
-        # A puller copies and hashes on one core (see the module docstring): at best
+        # A puller copies, then hashes, on one thread (see the module docstring): at best
         # hash/(copy + hash) of plain ucxx, whatever the bookkeeping.
         bound = ", ".join(
             f"{r['size_mib']} MiB {checksum[1] / (r['plain'] + checksum[1]):.2f}" for r in rows
         )
-        print(f"ours/plain with copy and hash on one core, at best: {bound}")
+        print(f"ours/plain with copy, then hash, on one thread, at best: {bound}")
     if fan:
         print(f"\nfan-out of one {args.fanout_mib} MiB version to {args.pullers} pullers")
         print(f"{'mode':<36} {'seconds':>8} {'aggregate GB/s':>15} {'from trainer':>13}")

@@ -383,9 +383,11 @@ def choose_holder(holders: Sequence[HolderRecord], rng: random.Random) -> Holder
 
 @dataclass
 class PullTimings:
-    """Where one pull's time went, for its log line: asking holders for buckets (connect,
-    request, reply), receiving them, and waiting for checksums after the last one arrived."""
+    """Where one pull's time went, for its log line: reading the manifest and its holders,
+    asking holders for buckets (connect, request, reply), receiving them, and waiting for
+    checksums after the last one arrived."""
 
+    manifest_s: float = 0.0
     request_s: float = 0.0
     receive_s: float = 0.0
     verify_wait_s: float = 0.0
@@ -404,6 +406,7 @@ class TransferCounters:
     source_switches: int = 0
     source_failures: int = 0
     refusals: int = 0  # holders that answered with an error (busy, not held, ...)
+    etcd_reads: int = 0  # range reads by pulls; a first look at a version seen by the watch is free
     pulls_completed: int = 0
     buckets_served: int = 0
     bytes_served: int = 0
@@ -564,6 +567,58 @@ class _Departures:
         watched = self._events.get((version, instance_id))
         if watched is not None and revision > watched[0]:
             watched[1].set()
+
+
+class VersionsView:
+    """The job's weight records (every version's manifest and holder records) as the
+    transport's own watch last delivered them, and the etcd revision they stand at.
+
+    A pull takes its first look at a version from here instead of reading etcd: the watch
+    runs anyway (it drops superseded versions and tells pulls of departed holders). The read
+    it spares took 1-12 ms (median 1.6) of a 64 MiB pull of 12-20 ms on two cores, and with N
+    rollouts it is N range reads per version, each listing N holders. The view can lag etcd by the
+    watch's delivery, the same staleness any listing has by the time it is used: a version
+    it does not hold yet is read from etcd, and a pull re-lists from etcd once a holder
+    fails it.
+    """
+
+    def __init__(self, wkeys: WeightKeys, job_id: str) -> None:
+        self._wkeys = wkeys
+        self._job_id = job_id
+        self._entries: dict[bytes, Entry] = {}
+        self.revision = 0  # 0 until the first listing arrives: nothing can be answered
+
+    def reset(self, entries: Sequence[Entry], revision: int) -> None:
+        self._entries = {e.key: e for e in entries}
+        self.revision = revision
+
+    def apply(self, event: Put | Delete | Resync) -> None:
+        if isinstance(event, Resync):
+            self.reset(event.entries, event.revision)
+        elif isinstance(event, Put):
+            self._entries[event.entry.key] = event.entry
+            self.revision = max(self.revision, event.entry.mod_revision)
+        else:
+            self._entries.pop(event.key, None)
+            self.revision = max(self.revision, event.revision)
+
+    def version(self, version: int) -> tuple[list[Entry], int] | None:
+        """The records of `version` and the revision they stand at, or None if the view has
+        not seen its manifest (not listed yet, or not yet delivered by the watch)."""
+        if self.revision == 0 or self._wkeys.manifest(self._job_id, version) not in self._entries:
+            return None
+        prefix = self._wkeys.version(self._job_id, version)
+        return [e for k, e in self._entries.items() if k.startswith(prefix)], self.revision
+
+    def versions(self) -> dict[int, list[str]]:
+        """Each version whose manifest the view holds, with the holders it lists for it."""
+        parsed = [p for key in self._entries if (p := self._wkeys.parse(self._job_id, key))]
+        listed: dict[int, list[str]] = {v: [] for v, rest in parsed if rest == "manifest"}
+        for version, rest in parsed:
+            holder = rest.removeprefix("holders/")
+            if version in listed and holder != rest:
+                listed[version].append(holder)
+        return {v: sorted(listed[v]) for v in sorted(listed)}
 
 
 class HolderConnection:
@@ -797,6 +852,7 @@ class UcxTransport(WeightTransport):
         self._buffers = ReceiveBuffers(keep_versions + 1 if relay else 1)
         self._idle: dict[str, HolderConnection] = {}  # holder address -> endpoint, between pulls
         self._departures = _Departures()
+        self._view = VersionsView(self.wkeys, job_id)
         self._closed = False
 
     # ------------------------------------------------------------------ lifecycle
@@ -858,6 +914,11 @@ class UcxTransport(WeightTransport):
 
     def held_versions(self) -> list[int]:
         return sorted(self._held)
+
+    def listed_versions(self) -> dict[int, list[str]]:
+        """Versions whose manifest this transport's watch has delivered, with their holders: a
+        pull of one of them starts without reading etcd."""
+        return self._view.versions()
 
     # ------------------------------------------------------------------ publish / hold
 
@@ -1034,8 +1095,8 @@ class UcxTransport(WeightTransport):
         started = time.perf_counter()
         # One read gives the manifest and the holders listed with it.
         manifest, revision, holders = await self._read_version(job_id, version)
+        timings = PullTimings(manifest_s=time.perf_counter() - started)
         buffer = self._buffers.take(manifest.total_bytes, device)
-        timings = PullTimings()
         await self._pull_buckets(manifest, revision, buffer, timings, holders)
         self.counters.pulls_completed += 1
         if self.relay and not self._closed:
@@ -1061,9 +1122,14 @@ class UcxTransport(WeightTransport):
         self, job_id: str, version: int
     ) -> tuple[BucketManifest, int, tuple[list[HolderRecord], int]]:
         """The manifest of version, its mod revision, and its holders with the etcd revision
-        they were listed at: one range read, since the holders' keys sit under the version's.
+        they were listed at: from the watch's view if it has the version, else one range read
+        (the holders' keys sit under the version's).
         """
-        entries, listed_at = await list_prefix(self.client, self.wkeys.version(job_id, version))
+        seen = self._view.version(version) if job_id == self.job_id else None
+        if seen is None:
+            seen = await list_prefix(self.client, self.wkeys.version(job_id, version))
+            self.counters.etcd_reads += 1
+        entries, listed_at = seen
         key = self.wkeys.manifest(job_id, version)
         found = next((e for e in entries if e.key == key), None)
         if found is None:
@@ -1083,6 +1149,7 @@ class UcxTransport(WeightTransport):
         entries, revision = await list_prefix(
             self.client, self.wkeys.holders(manifest.job_id, manifest.version)
         )
+        self.counters.etcd_reads += 1
         return self._holders_of(manifest, entries), revision
 
     def _holders_of(self, manifest: BucketManifest, entries: list[Entry]) -> list[HolderRecord]:
@@ -1099,6 +1166,7 @@ class UcxTransport(WeightTransport):
         epoch was published. A pull that has lost every holder stops then instead of waiting
         out pull_timeout for holders that will never come back."""
         entries, _ = await list_prefix(self.client, self.wkeys.versions(manifest.job_id))
+        self.counters.etcd_reads += 1
         found = False
         for entry in entries:
             parsed = self.wkeys.parse(manifest.job_id, entry.key)
@@ -1555,11 +1623,13 @@ class UcxTransport(WeightTransport):
                 log.info("weights.gc", job=self.job_id, version=version)
 
     async def _watch_versions(self) -> None:
-        """Drop held versions whose manifest was deleted (GC) or replaced (newer epoch); tell
-        pulls of holder records that go."""
+        """Keep the view of the job's weight records; drop held versions whose manifest was
+        deleted (GC) or replaced (newer epoch); tell pulls of holder records that go."""
         prefix = self.wkeys.versions(self.job_id)
-        _, revision = await list_prefix(self.client, prefix)
+        entries, revision = await list_prefix(self.client, prefix)
+        self._view.reset(entries, revision)
         async for event in watch_prefix(self.client, prefix, revision + 1):
+            self._view.apply(event)
             if isinstance(event, Resync):
                 present = {self.wkeys.parse(self.job_id, e.key) for e in event.entries}
                 for version, instance_id in self._departures.watched():

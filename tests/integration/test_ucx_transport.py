@@ -33,10 +33,12 @@ from services.common.ucx_transport import (
     BucketManifest,
     HolderRecord,
     ReceiveBuffers,
+    VersionsView,
     choose_holder,
     make_transport,
     plan_layout,
 )
+from services.common.watch import Delete, Entry, Put, Resync
 from services.common.weights import GrpcStreamTransport, WeightIntegrityError
 from tests.integration.ucx_peer import make_tensors, tensors_digest
 from tests.support import eventually
@@ -179,6 +181,23 @@ async def test_pulled_tensors_are_bitwise_identical(
         for kv in await etcd_client.get_prefix(wkeys.holders(JOB, 1))
     }
     assert holders["trainer"].role == ROLE_TRAINER and holders["puller"].role == ROLE_RELAY
+
+
+async def test_a_pull_of_a_version_its_watch_has_listed_reads_nothing_from_etcd(
+    peers: Any,
+) -> None:
+    trainer, puller = await peers(("trainer",), ("puller", "--no-relay"))
+    await trainer.call("publish", version=1, seed=4)
+
+    async def listed() -> bool:
+        return (await puller.call("state"))["listed"] == {"1": ["trainer"]}
+
+    await eventually(listed, timeout=10)
+    result = await puller.call("pull", version=1)
+
+    assert result["ok"] and result["digest"] == tensors_digest(make_tensors(4))
+    assert _only_from(result["counters"], "trainer")
+    assert result["counters"]["etcd_reads"] == 0
 
 
 async def test_a_relay_serves_the_next_puller_instead_of_the_trainer(peers: Any) -> None:
@@ -495,6 +514,33 @@ def test_choose_holder_spreads_load_and_spares_the_trainer() -> None:
     assert choose_holder([trainer, busy_relay], rng) == trainer
     assert choose_holder([holder("full", ROLE_RELAY, 1, cap=1)], rng) is None
     assert choose_holder([], rng) is None
+
+
+def test_the_versions_view_follows_the_watch_and_answers_only_for_listed_manifests() -> None:
+    wkeys = WeightKeys(KeySpace("/t"))
+
+    def put(key: bytes, revision: int) -> Put:
+        return Put(Entry(key, b"{}", revision, revision, 0))
+
+    view = VersionsView(wkeys, JOB)
+    assert view.version(1) is None  # not listed yet
+    view.reset([put(wkeys.manifest(JOB, 1), 5).entry], 5)
+    assert view.version(1) == ([put(wkeys.manifest(JOB, 1), 5).entry], 5)
+    assert view.version(2) is None  # a version it has not seen goes to etcd
+
+    view.apply(put(wkeys.holder(JOB, 1, "trainer"), 6))
+    view.apply(put(wkeys.manifest(JOB, 2), 7))
+    view.apply(put(wkeys.holder(JOB, 2, "relay"), 8))
+    view.apply(Delete(wkeys.holder(JOB, 1, "trainer"), 9))
+    assert view.versions() == {1: [], 2: ["relay"]}
+    entries, revision = view.version(2) or ([], 0)
+    assert revision == 9 and {e.key for e in entries} == {
+        wkeys.manifest(JOB, 2),
+        wkeys.holder(JOB, 2, "relay"),
+    }
+
+    view.apply(Resync([put(wkeys.manifest(JOB, 3), 20).entry], 20))
+    assert view.versions() == {3: []} and view.version(2) is None
 
 
 def test_a_receive_buffer_is_handed_out_again_only_once_no_tensor_uses_it() -> None:

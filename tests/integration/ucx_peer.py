@@ -14,7 +14,7 @@ Stdout carries only those lines; logs go to stderr. Commands:
     ask {address, version, buckets} ask a holder directly; reply with its error code/message
     wait_served {buckets}          reply once this process has served that many buckets
     latest {}                      the newest version from the highest trainer epoch
-    state {}                       counters and held versions
+    state {}                       counters, held versions, versions its watch listed
     exit {}                        close the transport and exit
 
 With --probe-transport it only prints which transport make_transport("ucx") chose and exits.
@@ -176,6 +176,7 @@ async def _handle(
             "ok": True,
             "counters": transport.counters.as_dict(),
             "held": transport.held_versions(),
+            "listed": transport.listed_versions(),
         }
     raise ValueError(f"unknown command {op!r}")
 
