@@ -32,10 +32,12 @@ from services.common.ucx_transport import (
     BucketEntry,
     BucketManifest,
     HolderRecord,
-    ReceiveBuffers,
+    HostBuffers,
     VersionsView,
+    allocate_buffer,
     choose_holder,
     make_transport,
+    pack_into,
     plan_layout,
 )
 from services.common.watch import Delete, Entry, Put, Resync
@@ -401,6 +403,23 @@ async def test_tensors_a_caller_keeps_stay_intact_while_later_versions_are_pulle
     assert kept["digests"] == {"1": tensors_digest(make_tensors(1))}
 
 
+async def test_a_trainer_packing_into_a_dropped_versions_buffer_publishes_correct_bytes(
+    peers: Any,
+) -> None:
+    # keep 1: publishing v2 drops v1, so v3 is packed into v1's buffer.
+    trainer, holder, puller = await peers(("trainer", "--keep", "1"), ("holder",), ("puller",))
+    for version in (1, 2, 3):
+        assert (await trainer.call("publish", version=version, seed=version))["ok"]
+
+    pulled = await puller.call("pull", version=3)
+    # A fresh packing of the same tensors matches the trainer's checksums bucket for bucket.
+    held = await holder.call("hold", version=3, seed=3)
+
+    assert pulled["ok"] and pulled["digest"] == tensors_digest(make_tensors(3))
+    assert _only_from(pulled["counters"], "trainer")
+    assert held["ok"], held
+
+
 async def test_a_holder_asked_for_what_it_does_not_hold_answers_with_a_clear_error(
     peers: Any,
 ) -> None:
@@ -544,7 +563,7 @@ def test_the_versions_view_follows_the_watch_and_answers_only_for_listed_manifes
 
 
 def test_a_receive_buffer_is_handed_out_again_only_once_no_tensor_uses_it() -> None:
-    buffers = ReceiveBuffers(keep=2)
+    buffers = HostBuffers(keep=2)
     pulled = buffers.take(4096)
     kept = pulled[64:128].view(torch.float32)  # a caller still holds part of a pull
     kept.fill_(1.0)
@@ -557,6 +576,20 @@ def test_a_receive_buffer_is_handed_out_again_only_once_no_tensor_uses_it() -> N
     address = again.data_ptr()
     del again
     assert buffers.take(4096).data_ptr() == address
+
+
+def test_packing_into_a_used_buffer_gives_the_bytes_of_a_fresh_one() -> None:
+    tensors = make_tensors(0)
+    entries, total, _ = plan_layout(tensors, 256 << 10)
+    ends = [e.offset + e.nbytes for e in entries]
+    assert any(e.offset > end for e, end in zip(entries[1:], ends, strict=False))  # gaps exist
+    fresh = allocate_buffer(total)
+    used = torch.full((total,), 0xFF, dtype=torch.uint8)  # what an earlier version left
+
+    pack_into(tensors, entries, fresh)
+    pack_into(tensors, entries, used)
+
+    assert torch.equal(fresh, used)
 
 
 def test_a_manifest_whose_checksums_this_process_cannot_verify_is_refused() -> None:
