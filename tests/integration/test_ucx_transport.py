@@ -151,6 +151,16 @@ def _only_from(counters: dict[str, Any], source: str) -> bool:
     return counters["buckets_by_source"] == {source: N_BUCKETS}
 
 
+async def _sees(peer: Peer, version: int, holder: str) -> None:
+    """Until peer's watch lists holder for version. A pull's first listing comes from that
+    watch, and the tests that assert which holder a pull picks need the holder in it."""
+
+    async def listed() -> bool:
+        return holder in (await peer.call("state"))["listed"].get(str(version), [])
+
+    await eventually(listed, timeout=10)
+
+
 async def _manifest(client: Any, settings: EtcdSettings, version: int) -> BucketManifest:
     raw = (await client.get(WeightKeys(KeySpace(settings.prefix)).manifest(JOB, version))).value
     return BucketManifest.from_json(raw)
@@ -206,6 +216,7 @@ async def test_a_relay_serves_the_next_puller_instead_of_the_trainer(peers: Any)
     trainer, relay, late = await peers(("trainer",), ("relay",), ("late",))
     await trainer.call("publish", version=1, seed=5)
     assert _only_from((await relay.call("pull", version=1))["counters"], "trainer")
+    await _sees(late, 1, "relay")
 
     result = await late.call("pull", version=1)
 
@@ -223,6 +234,8 @@ async def test_a_process_holding_the_tensors_relays_them_and_wrong_ones_are_refu
 
     wrong = await holder.call("hold", version=1, seed=6)
     right = await holder.call("hold", version=1, seed=5)
+    assert right["ok"], right
+    await _sees(puller, 1, "holder")
     result = await puller.call("pull", version=1)
 
     assert not wrong["ok"] and "do not match the manifest" in wrong["error"]
@@ -237,6 +250,7 @@ async def test_a_source_killed_mid_pull_is_replaced_and_verified_buckets_kept(
     trainer, relay, puller = await peers(("trainer",), ("relay", "--stall-after", "2"), ("puller",))
     await trainer.call("publish", version=1, seed=7)
     await relay.call("pull", version=1)
+    await _sees(puller, 1, "relay")
 
     pulling = puller.send("pull", version=1)  # prefers the relay; it stalls after 2 buckets
     await relay.call("wait_served", buckets=2)
@@ -277,6 +291,7 @@ async def test_a_hung_source_is_abandoned_after_the_stall_timeout(peers: Any) ->
     )
     await trainer.call("publish", version=1, seed=8)
     await relay.call("pull", version=1)
+    await _sees(puller, 1, "relay")
 
     result = await puller.call("pull", version=1)  # the relay stays alive but sends nothing
 
@@ -293,6 +308,7 @@ async def test_a_stopped_source_is_left_once_its_holder_record_goes(peers: Any) 
     )
     await trainer.call("publish", version=1, seed=9)
     await relay.call("pull", version=1)
+    await _sees(puller, 1, "relay")
 
     pulling = puller.send("pull", version=1)  # prefers the relay; it stalls after 2 buckets
     await relay.call("wait_served", buckets=2)
@@ -322,6 +338,7 @@ async def test_fencing_withdraws_only_the_fenced_instances_holder_records(
     await trainer.call("publish", version=2, seed=11)
     await relay.call("pull", version=1)
     await relay.call("pull", version=2)
+    await _sees(puller, 2, "relay")
     keys = KeySpace(etcd_settings.prefix)
 
     pulling = puller.send("pull", version=2)
@@ -360,6 +377,7 @@ async def test_a_corrupt_bucket_is_never_used_and_is_pulled_again_elsewhere(
     )
     await trainer.call("publish", version=1, seed=9)
     await relay.call("pull", version=1)
+    await _sees(puller, 1, "relay")
 
     result = await puller.call("pull", version=1)
 
@@ -379,6 +397,7 @@ async def test_a_late_joiner_gets_the_current_version_from_a_relay_with_the_trai
     await trainer.call("publish", version=1, seed=1)
     await trainer.call("publish", version=2, seed=2)
     assert (await relay.call("fetch_latest"))["ok"]
+    await _sees(joiner, 2, "relay")
     trainer.kill()
     await trainer.proc.wait()
 
