@@ -289,21 +289,16 @@ def unpack_views(manifest: BucketManifest, buffer: torch.Tensor) -> NamedTensors
     return out
 
 
-def allocate_buffer(
-    nbytes: int, device: torch.device | str = "cpu", *, zeroed: bool = True
-) -> torch.Tensor:
+def allocate_buffer(nbytes: int, device: torch.device | str = "cpu") -> torch.Tensor:
     """A flat byte buffer: one model copy.
 
     Host buffers come from numpy: UCX received into a fresh torch-allocated buffer at a
     quarter of the speed of a fresh numpy one here (1.0-1.6 against 3.8-7.4 GB/s over shared
-    memory, same bytes). Neither a packed nor a received buffer needs zeroing: pack_into and
-    the buckets set every byte.
+    memory, same bytes). Its contents are arbitrary: pack_into and the buckets set every byte.
     """
     if torch.device(device).type != "cpu":
-        make = torch.zeros if zeroed else torch.empty
-        return make(nbytes, dtype=torch.uint8, device=device)
-    host = np.zeros(nbytes, dtype=np.uint8) if zeroed else np.empty(nbytes, dtype=np.uint8)
-    return torch.from_numpy(host)
+        return torch.empty(nbytes, dtype=torch.uint8, device=device)
+    return torch.from_numpy(np.empty(nbytes, dtype=np.uint8))
 
 
 class HostBuffers:
@@ -333,7 +328,7 @@ class HostBuffers:
     def take(self, nbytes: int, device: torch.device | str = "cpu") -> torch.Tensor:
         """A buffer of nbytes with arbitrary contents (every byte is received or packed over)."""
         if torch.device(device).type != "cpu":
-            return allocate_buffer(nbytes, device, zeroed=False)
+            return allocate_buffer(nbytes, device)
         free = [entry for entry in self._known if entry[1]() is None]
         reuse = next((pages for pages, _ in free if pages.nbytes == nbytes), None)
         # Free buffers of another size (the layout changed) would only hold memory.
@@ -586,11 +581,11 @@ class VersionsView:
 
     A pull takes its first look at a version from here instead of reading etcd: the watch
     runs anyway (it drops superseded versions and tells pulls of departed holders). The read
-    it spares took 1-12 ms (median 1.6) of a 64 MiB pull of 12-20 ms on two cores, and with N
-    rollouts it is N range reads per version, each listing N holders. The view can lag etcd by the
-    watch's delivery, the same staleness any listing has by the time it is used: a version
-    it does not hold yet is read from etcd, and a pull re-lists from etcd once a holder
-    fails it.
+    it spares took 1-12 ms (median 1.6) of a 64 MiB pull of 12-20 ms on two cores, and with
+    N rollouts it is N range reads per version, each listing N holders. The view can lag etcd
+    by the watch's delivery, the same staleness any listing has by the time it is used: a
+    version it does not hold yet is read from etcd, and a pull re-lists from etcd once a
+    holder fails it.
     """
 
     def __init__(self, wkeys: WeightKeys, job_id: str) -> None:
@@ -1004,7 +999,7 @@ class UcxTransport(WeightTransport):
         """
         if version in self._held:
             return
-        manifest, revision, _ = await self._read_version(self.job_id, version)
+        manifest, revision, _ = await self._read_version(version)
         entries, total, _ = plan_layout(tensors, manifest.bucket_bytes)
         if entries != manifest.tensors or total != manifest.total_bytes:
             raise WeightIntegrityError(f"version {version}: tensors do not match the manifest")
@@ -1107,8 +1102,8 @@ class UcxTransport(WeightTransport):
         if held is not None:
             return unpack_views(held.manifest, held.buffer)
         started = time.perf_counter()
-        # One read gives the manifest and the holders listed with it.
-        manifest, revision, holders = await self._read_version(job_id, version)
+        # The manifest and the holders listed with it, from the watch's view or one read.
+        manifest, revision, holders = await self._read_version(version)
         timings = PullTimings(manifest_s=time.perf_counter() - started)
         buffer = self._buffers.take(manifest.total_bytes, device)
         await self._pull_buckets(manifest, revision, buffer, timings, holders)
@@ -1133,13 +1128,14 @@ class UcxTransport(WeightTransport):
         return unpack_views(manifest, buffer)
 
     async def _read_version(
-        self, job_id: str, version: int
+        self, version: int
     ) -> tuple[BucketManifest, int, tuple[list[HolderRecord], int]]:
-        """The manifest of version, its mod revision, and its holders with the etcd revision
-        they were listed at: from the watch's view if it has the version, else one range read
-        (the holders' keys sit under the version's).
+        """The manifest of this job's version, its mod revision, and its holders with the etcd
+        revision they were listed at: from the watch's view if it has the version, else one
+        range read (the holders' keys sit under the version's).
         """
-        seen = self._view.version(version) if job_id == self.job_id else None
+        job_id = self.job_id
+        seen = self._view.version(version)
         if seen is None:
             seen = await list_prefix(self.client, self.wkeys.version(job_id, version))
             self.counters.etcd_reads += 1

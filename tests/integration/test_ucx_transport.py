@@ -200,11 +200,7 @@ async def test_a_pull_of_a_version_its_watch_has_listed_reads_nothing_from_etcd(
 ) -> None:
     trainer, puller = await peers(("trainer",), ("puller", "--no-relay"))
     await trainer.call("publish", version=1, seed=4)
-
-    async def listed() -> bool:
-        return (await puller.call("state"))["listed"] == {"1": ["trainer"]}
-
-    await eventually(listed, timeout=10)
+    await _sees(puller, 1, "trainer")
     result = await puller.call("pull", version=1)
 
     assert result["ok"] and result["digest"] == tensors_digest(make_tensors(4))
