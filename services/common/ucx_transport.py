@@ -54,7 +54,7 @@ import random
 import time
 import weakref
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Coroutine, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from types import ModuleType
@@ -102,6 +102,11 @@ DEFAULT_HASH_THREADS = min(4, os.cpu_count() or 1)
 # bucket's completion never waits for the event loop to post the next: on an H100, receiving
 # one 32 MiB bucket at a time reached a fifth of what the same copies do back to back.
 IN_FLIGHT_BUCKETS = 4
+# How long a holder waits before writing a change in its pullers count to its etcd record; every
+# change in that time takes one write, and none if the count is back where the record has it.
+# Writing at each request's start and end cost a puller 5-20% of a 64-256 MiB pull on 2 cores
+# (the holder's transaction, etcd, and the puller's watch all ran while the bytes moved).
+PULLERS_RECORD_DELAY_S = 0.05
 ALIGN_BYTES = 64  # every tensor starts aligned, so views of the buffer are valid for any dtype
 MAX_CONTROL_BYTES = 1 << 16  # requests and replies are small JSON; refuse anything bigger
 MAX_IDLE_CONNECTIONS = 4  # endpoints kept open between pulls, to the holders used last
@@ -417,6 +422,7 @@ class TransferCounters:
     buckets_served: int = 0
     bytes_served: int = 0
     requests_refused: int = 0
+    records_written: int = 0  # holder records this process wrote to etcd
 
     def as_dict(self) -> dict[str, Any]:
         out = asdict(self)
@@ -535,6 +541,7 @@ class _Held:
     role: str
     manifest_revision: int  # mod revision of the manifest key this copy matches
     active_pullers: int = 0
+    recorded_pullers: int = 0  # the count our etcd record has
 
     def bucket(self, index: int) -> torch.Tensor:
         return _bucket_view(self.manifest, self.buffer, index)
@@ -808,6 +815,7 @@ class UcxTransport(WeightTransport):
         hash_threads: int | None = None,
         checksum_algorithm: str | None = None,
         progress_mode: str | None = None,
+        record_delay: float = PULLERS_RECORD_DELAY_S,
         faults: HolderFaults | None = None,
         seed: int | None = None,
     ) -> None:
@@ -830,6 +838,7 @@ class UcxTransport(WeightTransport):
         self.stall_timeout = stall_timeout
         self.connect_timeout = connect_timeout
         self.progress_mode = progress_mode
+        self.record_delay = record_delay
         if checksum_algorithm not in (None, *CHECKSUM_ALGORITHMS):
             raise ValueError(f"checksum_algorithm must be one of {CHECKSUM_ALGORITHMS}")
         # None: by where the published buffer lives (checksums.algorithm_for).
@@ -852,6 +861,7 @@ class UcxTransport(WeightTransport):
         self._endpoints: set[Any] = set()
         self._serving: set[asyncio.Task[Any]] = set()  # connection handlers, cancelled on close
         self._record_lock = asyncio.Lock()
+        self._record_due: set[int] = set()  # versions with a pullers count write scheduled
         self._tasks: list[asyncio.Task[None]] = []
         self._grpc: GrpcStreamTransport | None = None
         # A relay holds keep_versions pulled buffers and fills one more; a non-relay only one.
@@ -1500,8 +1510,7 @@ class UcxTransport(WeightTransport):
             return
         # Take the slot before the first await, so two requests cannot both pass the cap.
         held.active_pullers += 1
-        version = held.manifest.version
-        self._schedule_record(version)
+        self._pullers_changed(held)
         try:
             sizes = [[i, held.manifest.buckets[i].nbytes] for i in buckets]
             reply_ok = {"status": "ok", "seq": seq, "buckets": sizes}
@@ -1529,7 +1538,7 @@ class UcxTransport(WeightTransport):
                 await asyncio.gather(*sends, return_exceptions=True)
         finally:
             held.active_pullers -= 1
-            self._schedule_record(version)
+            self._pullers_changed(held)
 
     def _count_sent(self, nbytes: int, send: asyncio.Future[Any]) -> None:
         if not send.cancelled() and send.exception() is None:
@@ -1563,23 +1572,52 @@ class UcxTransport(WeightTransport):
                 return
             tx = self.client.transactions
             manifest_key = self.wkeys.manifest(self.job_id, version)
+            record = self._record(held)
             ok, _ = await self.client.transaction(
                 compare=[tx.mod(manifest_key) == held.manifest_revision],
                 success=[
                     tx.put(
                         self.wkeys.holder(self.job_id, version, self.instance_id),
-                        self._record(held).to_json(),
+                        record.to_json(),
                         lease=self._session.lease_id,
                     )
                 ],
                 failure=[],
             )
+            if ok:
+                held.recorded_pullers = record.active_pullers
+                self.counters.records_written += 1
         if not ok:
             # Superseded (GC) or re-published by a newer trainer epoch: nobody should pull ours.
             self._drop(version, "manifest_changed")
 
     def _schedule_record(self, version: int) -> None:
-        task = asyncio.create_task(self._register_quietly(version))
+        self._background(self._register_quietly(version))
+
+    def _pullers_changed(self, held: _Held) -> None:
+        """Bring our record's pullers count up to date: at once if the holder just filled up
+        or freed its last slot (pullers skip a full holder and wait for a busy one's record to
+        change), else record_delay later (see PULLERS_RECORD_DELAY_S)."""
+        version = held.manifest.version
+        cap = self.max_pullers
+        if cap and (held.active_pullers >= cap) != (held.recorded_pullers >= cap):
+            self._schedule_record(version)
+        elif version not in self._record_due:
+            self._record_due.add(version)
+            self._background(self._record_pullers_later(version))
+
+    async def _record_pullers_later(self, version: int) -> None:
+        try:
+            await asyncio.sleep(self.record_delay)
+        finally:
+            self._record_due.discard(version)
+        held = self._held.get(version)
+        if held is not None and held.active_pullers != held.recorded_pullers:
+            await self._register_quietly(version)
+
+    def _background(self, work: Coroutine[Any, Any, None]) -> None:
+        """Run work as a task of this transport's, cancelled by close."""
+        task = asyncio.create_task(work)
         self._tasks.append(task)
         task.add_done_callback(self._forget_task)
 
@@ -1598,9 +1636,7 @@ class UcxTransport(WeightTransport):
         if self._held.pop(version, None) is not None:
             log.info("weights.dropped", job=self.job_id, version=version, reason=reason)
             if not self._closed:
-                task = asyncio.create_task(self._unregister(version))
-                self._tasks.append(task)
-                task.add_done_callback(self._forget_task)
+                self._background(self._unregister(version))
 
     async def _unregister(self, version: int) -> None:
         """Delete our holder record of a dropped version (GC may have deleted it already)."""

@@ -208,6 +208,75 @@ async def test_a_pull_of_a_version_its_watch_has_listed_reads_nothing_from_etcd(
     assert result["counters"]["etcd_reads"] == 0
 
 
+async def _pullers_in_record(client: Any, settings: EtcdSettings, holder: str) -> int:
+    key = WeightKeys(KeySpace(settings.prefix)).holder(JOB, 1, holder)
+    return HolderRecord.from_json((await client.get(key)).value).active_pullers
+
+
+async def test_a_pull_shorter_than_the_record_delay_writes_no_holder_record(
+    peers: Any, etcd_client: Any, etcd_settings: EtcdSettings
+) -> None:
+    delay = 2.0
+    trainer, puller = await peers(
+        ("trainer", "--record-delay", str(delay)), ("puller", "--no-relay")
+    )
+    await trainer.call("publish", version=1, seed=4)
+    written = (await trainer.call("state"))["counters"]["records_written"]
+    assert written == 1  # the publish registers the trainer as a holder at once
+    await _sees(puller, 1, "trainer")
+
+    result = await puller.call("pull", version=1)
+    await asyncio.sleep(delay + 0.5)  # past the write the pull's start scheduled
+
+    assert result["ok"] and result["digest"] == tensors_digest(make_tensors(4))
+    # The count went 0 -> 1 -> 0 within the delay: the record still says 0, with no write.
+    assert (await trainer.call("state"))["counters"]["records_written"] == written
+    assert await _pullers_in_record(etcd_client, etcd_settings, "trainer") == 0
+
+
+async def test_a_holder_records_a_pull_that_outlasts_the_record_delay(
+    peers: Any, etcd_client: Any, etcd_settings: EtcdSettings
+) -> None:
+    trainer, puller = await peers(
+        ("trainer", "--stall-after", "2", "--record-delay", "0.2"),
+        ("puller", "--no-relay", "--stall-timeout", "60"),
+    )
+    await trainer.call("publish", version=1, seed=4)
+    await _sees(puller, 1, "trainer")
+
+    puller.send("pull", version=1)  # the trainer stalls after 2 buckets
+    await trainer.call("wait_served", buckets=2)
+
+    async def counted() -> bool:
+        return await _pullers_in_record(etcd_client, etcd_settings, "trainer") == 1
+
+    await eventually(counted, timeout=10)
+    assert (await trainer.call("state"))["counters"]["records_written"] == 2
+    puller.kill()  # the pull would wait out its timeout; its outcome is not the point here
+    await puller.proc.wait()
+
+
+async def test_a_holder_that_fills_up_says_so_in_its_record_without_the_delay(
+    peers: Any, etcd_client: Any, etcd_settings: EtcdSettings
+) -> None:
+    # Pullers skip a full holder by its record, so filling up is written at once.
+    trainer, puller = await peers(
+        ("trainer", "--max-pullers", "1", "--stall-after", "2", "--record-delay", "600"),
+        ("puller", "--no-relay", "--stall-timeout", "60"),
+    )
+    await trainer.call("publish", version=1, seed=4)
+    await _sees(puller, 1, "trainer")
+
+    puller.send("pull", version=1)  # the trainer stalls after 2 buckets, its one slot taken
+
+    async def full() -> bool:
+        return await _pullers_in_record(etcd_client, etcd_settings, "trainer") == 1
+
+    await eventually(full, timeout=10)
+    puller.kill()
+    await puller.proc.wait()
+
+
 async def test_a_relay_serves_the_next_puller_instead_of_the_trainer(peers: Any) -> None:
     trainer, relay, late = await peers(("trainer",), ("relay",), ("late",))
     await trainer.call("publish", version=1, seed=5)

@@ -37,6 +37,7 @@ from services.common.etcd_client import connect_etcd
 from services.common.keys import KeySpace, WeightKeys
 from services.common.logs import configure_logging
 from services.common.ucx_transport import (
+    PULLERS_RECORD_DELAY_S,
     HolderFaults,
     HolderRefused,
     UcxTransport,
@@ -86,6 +87,8 @@ def _parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--stall-after", type=int, default=None)
     parser.add_argument("--pull-timeout", type=float, default=30.0)
     parser.add_argument("--stall-timeout", type=float, default=15.0)
+    parser.add_argument("--record-delay", type=float, default=PULLERS_RECORD_DELAY_S)
+    parser.add_argument("--max-pullers", type=int, default=0, help="0: no limit")
     parser.add_argument("--device", default="cpu", help="where published and pulled tensors live")
     parser.add_argument(
         "--checksum", default=None, help="the publisher's checksum algorithm (default: by device)"
@@ -207,6 +210,8 @@ async def main(argv: list[str]) -> None:
         session_ttl=2,
         pull_timeout=args.pull_timeout,
         stall_timeout=args.stall_timeout,
+        record_delay=args.record_delay,
+        max_pullers=args.max_pullers,
         checksum_algorithm=args.checksum,
         faults=HolderFaults(corrupt_buckets=corrupt, stall_after_buckets=args.stall_after),
     )
