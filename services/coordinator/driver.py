@@ -665,8 +665,12 @@ class JobDriver:
                 return False
             ledger = self.ledgers.get(request.job_id)
             if ledger is not None:
+                discarded = dict(request.discarded_groups)
                 ignored = work.record_progress(
-                    ledger, list(request.trained_group_ids), dict(request.discarded_groups)
+                    ledger,
+                    list(request.trained_group_ids),
+                    discarded,
+                    await self.paged_out_drops(ledger, discarded),
                 )
                 if ignored:
                     # Already settled (a report sent again) or never leased: counted once.

@@ -207,14 +207,28 @@ def trained_unless_paged(ledger: WorkLedger, groups: Iterable[str]) -> list[str]
     return [g for g in groups if _was_trained(ledger, g, ())]
 
 
-def record_progress(ledger: WorkLedger, trained: list[str], discarded: dict[str, str]) -> list[str]:
+def record_progress(
+    ledger: WorkLedger,
+    trained: list[str],
+    discarded: dict[str, str],
+    paged_out: Container[str] = (),
+) -> list[str]:
     """The trainer trained or dropped these groups: they are settled for good. Mutates.
 
     Only outstanding groups settle, so `trained` counts each training once: a report sent
-    again, or a group listed twice, changes nothing the second time. Returns the ids ignored.
+    again, or a group listed twice, changes nothing the second time. One exception: a group
+    counted as trained that the trainer now drops was trained by a step a restore took back
+    (a trainer never takes in a group it has trained), and the restored trainer dropped it
+    (too stale by then): it moves from trained to dropped, so the ledger matches what the
+    model was trained on. `paged_out`: those of `discarded` that a page lists as dropped
+    already (see `regenerate`). Returns the ids ignored.
     """
     ignored = []
     for group, why in [*((g, None) for g in trained), *discarded.items()]:
+        if why is not None and _was_trained(ledger, group, paged_out):
+            ledger.trained -= 1
+            _drop(ledger, group, why)
+            continue
         if not _outstanding(ledger, group):
             ignored.append(group)
             continue

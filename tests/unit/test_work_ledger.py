@@ -118,8 +118,40 @@ def test_each_group_is_counted_trained_once_however_often_it_is_reported() -> No
         "other-g000000",
         "j-g000098",
     ]  # never leased: nothing settles
-    assert work.record_progress(led, [], {a: "stale"}) == [a]  # trained stays trained
     assert led.trained == 2 and led.discarded == {}
+
+
+def test_a_group_trained_by_a_step_the_restore_took_back_and_then_dropped_counts_as_dropped() -> (
+    None
+):
+    # The trainer trained a and b in step s and reported it, then died before step s's
+    # checkpoint; the restored trainer got a and b again, trained b and found a too stale.
+    led = ledger()
+    a, b = lease(led, "r0", 2)
+    work.complete(led, "r0", [a, b])
+    assert work.record_progress(led, [a, b], {}) == []
+    why = "stale: generated with weight version 52, too old for step 54 (bound 1)"
+
+    assert work.record_progress(led, [b], {a: why}) == [b]  # b: counted once
+
+    assert led.trained == 1 and led.discarded == {a: why} and led.dropped == 1
+    assert work.record_progress(led, [], {a: why}) == [a]  # the report sent again
+    assert led.trained == 1 and led.dropped == 1
+    assert led.next_index == led.trained + led.dropped
+
+
+def test_a_drop_reported_again_after_its_page_moved_out_is_not_counted_twice() -> None:
+    led = ledger()
+    (a,) = lease(led, "r0", 1)
+    work.complete(led, "r0", [a])
+    work.record_progress(led, [], {a: "stale"})
+    paged = work.page_out(led, page_size=1)
+    assert paged is not None
+    led, _ = paged
+
+    assert work.record_progress(led, [], {a: "stale"}, paged_out={a}) == [a]
+
+    assert led.trained == 0 and led.dropped == 1
 
 
 def test_a_training_the_restore_took_back_stops_counting_until_the_group_trains_again() -> None:
