@@ -519,7 +519,12 @@ class RolloutWorker:
                     self.runtime.progress.counters["unsettled"] = float(len(self.unsettled))
             finally:
                 writer.cancel()
-                with contextlib.suppress(asyncio.CancelledError, grpc.aio.AioRpcError):
+                # A write that found the call already finished raises InvalidStateError ("RPC
+                # already finished"). Let through, it ended this loop for good: in a chaos run
+                # a rollout never re-sent its uncommitted trajectories to the restored trainer.
+                with contextlib.suppress(
+                    asyncio.CancelledError, grpc.aio.AioRpcError, asyncio.InvalidStateError
+                ):
                     await writer
 
     async def _write(self, call: grpc.aio.StreamStreamCall) -> None:
