@@ -41,4 +41,6 @@ def test_the_weight_benchmark_measures_every_column(tmp_path: Path) -> None:
         "relays, trainer serves 1 at a time",
     ]
     assert all(0 < fan["trainer_share"] <= 1 and fan["seconds"] > 0 for fan in report["fan_out"])
-    assert "ours/plain with copy, then hash, on one thread, at best: 1 MiB" in done.stdout
+    assert (
+        "+verify/plain, the ceiling of ours/plain once every byte is verified: 1 MiB" in done.stdout
+    )
