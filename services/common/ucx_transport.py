@@ -1228,6 +1228,7 @@ class UcxTransport(WeightTransport):
         deadline = time.monotonic() + self.pull_timeout
         source: str | None = None  # the last holder that delivered buckets
         while pending:
+            from_view = first_listing is not None
             if first_listing is not None:
                 (listed, revision), first_listing = first_listing, None
             else:
@@ -1239,6 +1240,11 @@ class UcxTransport(WeightTransport):
                 and any(h.instance_id not in bad_from.get(b, ()) for b in pending)
             ]
             choice = choose_holder(usable, self._rng)
+            if choice is None and from_view:
+                # The view can hold a manifest whose holder records have not arrived yet
+                # (the publisher writes them just after): list from etcd before waiting, or
+                # giving up on a version that seems stranded.
+                continue
             if choice is None:
                 left_s = deadline - time.monotonic()
                 stranded = not any(h.instance_id not in excluded for h in listed)
