@@ -1141,15 +1141,29 @@ class UcxTransport(WeightTransport):
         self, version: int
     ) -> tuple[BucketManifest, int, tuple[list[HolderRecord], int]]:
         """The manifest of this job's version, its mod revision, and its holders with the etcd
-        revision they were listed at: from the watch's view if it has the version, else one
-        range read (the holders' keys sit under the version's).
+        revision they were listed at: from the watch's view if it has the version and a holder
+        that is not full, else one range read (the holders' keys sit under the version's).
+
+        The view can hold a manifest a moment before its publisher's holder record: a pull
+        that took that for the whole listing would wait for a holder, or give the version up
+        as stranded if a newer one exists (a benchmark run in make test did).
         """
-        job_id = self.job_id
         seen = self._view.version(version)
-        if seen is None:
-            seen = await list_prefix(self.client, self.wkeys.version(job_id, version))
-            self.counters.etcd_reads += 1
-        entries, listed_at = seen
+        if seen is not None:
+            found = self._parse_version(version, *seen)
+            _, _, (holders, _) = found
+            if any(not h.full for h in holders):
+                return found
+        prefix = self.wkeys.version(self.job_id, version)
+        entries, listed_at = await list_prefix(self.client, prefix)
+        self.counters.etcd_reads += 1
+        return self._parse_version(version, entries, listed_at)
+
+    def _parse_version(
+        self, version: int, entries: list[Entry], listed_at: int
+    ) -> tuple[BucketManifest, int, tuple[list[HolderRecord], int]]:
+        """_read_version's answer from a listing of the version's keys."""
+        job_id = self.job_id
         key = self.wkeys.manifest(job_id, version)
         found = next((e for e in entries if e.key == key), None)
         if found is None:
@@ -1228,7 +1242,6 @@ class UcxTransport(WeightTransport):
         deadline = time.monotonic() + self.pull_timeout
         source: str | None = None  # the last holder that delivered buckets
         while pending:
-            from_view = first_listing is not None
             if first_listing is not None:
                 (listed, revision), first_listing = first_listing, None
             else:
@@ -1240,11 +1253,6 @@ class UcxTransport(WeightTransport):
                 and any(h.instance_id not in bad_from.get(b, ()) for b in pending)
             ]
             choice = choose_holder(usable, self._rng)
-            if choice is None and from_view:
-                # The view can hold a manifest whose holder records have not arrived yet
-                # (the publisher writes them just after): list from etcd before waiting, or
-                # giving up on a version that seems stranded.
-                continue
             if choice is None:
                 left_s = deadline - time.monotonic()
                 stranded = not any(h.instance_id not in excluded for h in listed)

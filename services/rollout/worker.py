@@ -520,7 +520,7 @@ class RolloutWorker:
             finally:
                 writer.cancel()
                 # A write that found the call already finished raises InvalidStateError ("RPC
-                # already finished"). Let through, it ended this loop for good: in a chaos run
+                # already finished"). Unsuppressed, it ended this loop for good: in a chaos run
                 # a rollout never re-sent its uncommitted trajectories to the restored trainer.
                 with contextlib.suppress(
                     asyncio.CancelledError, grpc.aio.AioRpcError, asyncio.InvalidStateError
