@@ -208,6 +208,26 @@ async def test_a_pull_of_a_version_its_watch_has_listed_reads_nothing_from_etcd(
     assert result["counters"]["etcd_reads"] == 0
 
 
+async def test_a_pull_whose_view_lacks_the_holder_record_yet_reads_etcd_instead_of_giving_up(
+    peers: Any,
+) -> None:
+    # The watch can deliver a manifest a moment before its publisher's holder record. With a
+    # newer version about, a pull that trusted that listing took its version for stranded.
+    trainer, puller = await peers(("trainer", "--keep", "3"), ("puller", "--no-relay"))
+    for version in (1, 2):
+        await trainer.call("publish", version=version, seed=version)
+    await _sees(puller, 2, "trainer")
+    lagging = await puller.call("lag", version=1, holder="trainer")
+    assert lagging["listed"]["1"] == []
+
+    result = await puller.call("pull", version=1)
+
+    assert result["ok"], result
+    assert result["digest"] == tensors_digest(make_tensors(1))
+    assert _only_from(result["counters"], "trainer")
+    assert result["counters"]["etcd_reads"] == 1
+
+
 async def _pullers_in_record(client: Any, settings: EtcdSettings, holder: str) -> int:
     key = WeightKeys(KeySpace(settings.prefix)).holder(JOB, 1, holder)
     return HolderRecord.from_json((await client.get(key)).value).active_pullers

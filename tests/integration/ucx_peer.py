@@ -15,6 +15,8 @@ Stdout carries only those lines; logs go to stderr. Commands:
     wait_served {buckets}          reply once this process has served that many buckets
     latest {}                      the newest version from the highest trainer epoch
     state {}                       counters, held versions, versions its watch listed
+    lag {version, holder}          drop holder's record of version from this process's view
+                                   only, as if its watch had not delivered it yet
     exit {}                        close the transport and exit
 
 With --probe-transport it only prints which transport make_transport("ucx") chose and exits.
@@ -44,6 +46,7 @@ from services.common.ucx_transport import (
     ask_holder,
     make_transport,
 )
+from services.common.watch import Delete
 from services.common.weights import NamedTensors, WeightIntegrityError, latest_announcement
 from tests.support import eventually
 
@@ -181,6 +184,11 @@ async def _handle(
             "held": transport.held_versions(),
             "listed": transport.listed_versions(),
         }
+    if op == "lag":
+        # The view is the transport's own; no production path edits it from outside.
+        view = transport._view
+        view.apply(Delete(WeightKeys(keys).holder(job, int(cmd["version"]), cmd["holder"]), 0))
+        return {"ok": True, "listed": transport.listed_versions()}
     raise ValueError(f"unknown command {op!r}")
 
 
