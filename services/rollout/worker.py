@@ -28,6 +28,7 @@ import contextlib
 import math
 import time
 import zlib
+from asyncio import FIRST_COMPLETED
 from collections import deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -502,30 +503,50 @@ class RolloutWorker:
                 await self._stream_to(bound[0].address)
             except grpc.aio.AioRpcError as exc:
                 log.info("rollout.stream_broken", code=exc.code().name, details=exc.details())
+            except asyncio.InvalidStateError:
+                # A write that found the call already finished ("RPC already finished"): the
+                # trainer went away between two writes.
+                log.info("rollout.stream_broken", code="FINISHED", details="written after end")
+            except Exception:
+                # Any other error is a bug, and the trajectories must still reach the trainer:
+                # unhandled, it would end this loop for good while generation goes on (every
+                # generated group then waits in `_wait_received` forever). Counted and logged
+                # with its traceback; the stream opens again and re-sends what is unsettled.
+                self.runtime.progress.counters["stream_failures"] = (
+                    self.runtime.progress.counters.get("stream_failures", 0.0) + 1
+                )
+                log.exception("rollout.stream_failed", job=self.job_id)
             self.received.clear()
             await asyncio.sleep(0.5)
 
     async def _stream_to(self, address: str) -> None:
+        """One stream to the trainer until either direction ends; the reader's error (the
+        trainer ended the stream) or else the writer's is raised. The writer alone can fail
+        while the trainer still answers: the stream is then closed rather than left to wait
+        for acknowledgements of trajectories that were never sent."""
         async with open_channel(address) as channel:
             call = trainer_pb2_grpc.TrainerStub(channel).PushTrajectories()
-            writer = asyncio.create_task(self._write(call))
+            reader = asyncio.create_task(self._read(call), name=f"acks-{self.job_id}")
+            writer = asyncio.create_task(self._write(call), name=f"writes-{self.job_id}")
             try:
-                async for ack in call:
-                    self.received.update(ack.received_ids)
-                    for tid in [*ack.committed_ids, *ack.rejected]:
-                        self.unsettled.pop(tid, None)
-                        self.received.discard(tid)
-                    self.acked.set()
-                    self.runtime.progress.counters["unsettled"] = float(len(self.unsettled))
+                done, _ = await asyncio.wait({reader, writer}, return_when=FIRST_COMPLETED)
             finally:
-                writer.cancel()
-                # A write that found the call already finished raises InvalidStateError ("RPC
-                # already finished"). Unsuppressed, it ended this loop for good: in a chaos run
-                # a rollout never re-sent its uncommitted trajectories to the restored trainer.
-                with contextlib.suppress(
-                    asyncio.CancelledError, grpc.aio.AioRpcError, asyncio.InvalidStateError
-                ):
-                    await writer
+                call.cancel()
+                for task in (reader, writer):
+                    task.cancel()
+                # Whatever the other direction raised while being stopped is not the cause.
+                await asyncio.gather(reader, writer, return_exceptions=True)
+            ended = reader if reader in done else writer
+            ended.result()  # raises what ended it (the reader may end cleanly)
+
+    async def _read(self, call: grpc.aio.StreamStreamCall) -> None:
+        async for ack in call:
+            self.received.update(ack.received_ids)
+            for tid in [*ack.committed_ids, *ack.rejected]:
+                self.unsettled.pop(tid, None)
+                self.received.discard(tid)
+            self.acked.set()
+            self.runtime.progress.counters["unsettled"] = float(len(self.unsettled))
 
     async def _write(self, call: grpc.aio.StreamStreamCall) -> None:
         # A new stream (the first, or after the trainer restarted): everything not yet

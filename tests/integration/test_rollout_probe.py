@@ -273,3 +273,71 @@ async def test_the_probe_tells_a_streaming_generation_from_a_stuck_one(
         if forward is not None:
             forward.running.set()  # never leave the generation thread held
         await trainer.shutdown()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+async def test_a_trajectory_stream_ended_by_its_own_error_opens_again_and_delivers(
+    etcd_settings: EtcdSettings,
+    coordinators: list[ServiceRuntime],
+    rollout: RolloutServicer,
+    model_dir: Path,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    trainer = await serve_trainer(
+        TrainerSettings(
+            instance_id="trainer-0", heartbeat_interval=0.2, runs_dir=str(tmp_path / "runs")
+        ),
+        etcd_settings,
+    )
+    try:
+        async with grpc.aio.insecure_channel(coordinators[0].address) as channel:
+            api = coordinator_pb2_grpc.CoordinatorStub(channel)
+            job = await api.SubmitJob(
+                coordinator_pb2.SubmitJobRequest(
+                    spec=SPEC, overrides=[f"model.path={model_dir}"], job_id="stream"
+                ),
+                timeout=5,
+            )
+
+            async def step() -> int:
+                got = await api.GetJob(coordinator_pb2.GetJobRequest(job_id=job.job_id), timeout=5)
+                return int(got.step)
+
+            async def training() -> bool:
+                return await step() >= 1
+
+            await eventually(training, timeout=60)
+            worker = rollout.worker
+            assert isinstance(worker, RolloutWorker)
+
+            # The writer's next take from the outbox fails with an error that is not gRPC's
+            # (a bug), while the trainer keeps the stream open and answering.
+            take = worker.outbox.get
+            failed = False
+
+            async def failing_take() -> list[trainer_pb2.Trajectory]:
+                nonlocal failed
+                if not failed:
+                    failed = True
+                    raise RuntimeError("injected: the trajectory writer fails")
+                return await take()
+
+            monkeypatch.setattr(worker.outbox, "get", failing_take)
+
+            async def counted() -> bool:
+                return (await metrics(rollout)).get("stream_failures", 0.0) == 1
+
+            await eventually(counted, timeout=30)
+            # Trajectories reach the trainer again: steps go on being trained.
+            after = await step()
+
+            async def trained_on() -> bool:
+                return await step() >= after + 2
+
+            await eventually(trained_on, timeout=60)
+            assert (await metrics(rollout))["stream_failures"] == 1
+            await api.CancelJob(coordinator_pb2.CancelJobRequest(job_id=job.job_id), timeout=5)
+    finally:
+        await trainer.shutdown()
