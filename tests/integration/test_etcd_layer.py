@@ -39,6 +39,20 @@ async def test_closing_a_session_removes_its_keys_at_once(
     assert session.done.is_set()
 
 
+async def test_a_refreshed_session_outlives_its_ttl_three_times_over(
+    etcd_client: aetcd.Client, etcd_settings: EtcdSettings
+) -> None:
+    registry = Registry(etcd_client, KeySpace(etcd_settings.prefix))
+    session = await Session.open(etcd_client, ttl=2)
+    await registry.register(session, member("r0"))
+
+    await asyncio.sleep(6.0)  # three TTLs: unrefreshed, the lease is gone within 3 s (below)
+
+    assert [m.instance_id for m in (await registry.list())[0]] == ["r0"]
+    assert not session.done.is_set() and not session.lost
+    await session.close()
+
+
 async def test_a_session_that_stops_refreshing_expires_within_its_ttl(
     etcd_client: aetcd.Client, etcd_settings: EtcdSettings
 ) -> None:
