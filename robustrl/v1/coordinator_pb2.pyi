@@ -651,6 +651,8 @@ class ReportProgressRequest(_message.Message):
     FINISHED_FIELD_NUMBER: _builtins.int
     ERROR_FIELD_NUMBER: _builtins.int
     REGENERATE_GROUPS_FIELD_NUMBER: _builtins.int
+    DURABLE_STEP_FIELD_NUMBER: _builtins.int
+    RESTORED_STEP_FIELD_NUMBER: _builtins.int
     job_id: _builtins.str
     instance_id: _builtins.str
     epoch: _builtins.int
@@ -659,6 +661,15 @@ class ReportProgressRequest(_message.Message):
     finished: _builtins.bool
     error: _builtins.str
     """Set when the trainer cannot run the job (model missing, bad spec): the job fails."""
+    durable_step: _builtins.int
+    """Steps [0, durable_step) are in a durable checkpoint of this trainer (restored or written).
+    Groups trained by a later step stay held by their rollouts: if this trainer is replaced,
+    the leader takes back those whose rollout is gone too.
+    """
+    restored_step: _builtins.int
+    """The step this trainer restored from (its checkpoint's), 0 if it started afresh: groups an
+    earlier trainer trained by a later step were trained by a step that was lost.
+    """
     @_builtins.property
     def metrics(self) -> _containers.ScalarMap[_builtins.str, _builtins.float]: ...
     @_builtins.property
@@ -687,10 +698,12 @@ class ReportProgressRequest(_message.Message):
         finished: _builtins.bool = ...,
         error: _builtins.str = ...,
         regenerate_groups: _abc.Mapping[_builtins.str, _builtins.str] | None = ...,
+        durable_step: _builtins.int = ...,
+        restored_step: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["discarded_groups", b"discarded_groups", "epoch", b"epoch", "error", b"error", "finished", b"finished", "instance_id", b"instance_id", "job_id", b"job_id", "metrics", b"metrics", "regenerate_groups", b"regenerate_groups", "step", b"step", "trained_group_ids", b"trained_group_ids", "weight_version", b"weight_version"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["discarded_groups", b"discarded_groups", "durable_step", b"durable_step", "epoch", b"epoch", "error", b"error", "finished", b"finished", "instance_id", b"instance_id", "job_id", b"job_id", "metrics", b"metrics", "regenerate_groups", b"regenerate_groups", "restored_step", b"restored_step", "step", b"step", "trained_group_ids", b"trained_group_ids", "weight_version", b"weight_version"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

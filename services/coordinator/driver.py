@@ -362,6 +362,7 @@ class JobDriver:
         changed = work.expire(ledger, time.time())
         for holder in {held.instance_id for held in ledger.open.values()} - alive:
             changed += work.release_holder(ledger, holder, f"{holder} left the registry")
+        changed += work.release_lost(ledger, alive)
         if changed:
             log.info("coordinator.groups_requeued", job=record.job_id, groups=len(changed))
             await self.save_ledger(ledger)
@@ -671,6 +672,9 @@ class JobDriver:
                     list(request.trained_group_ids),
                     discarded,
                     await self.paged_out_drops(ledger, discarded),
+                    step=request.step,
+                    durable=request.durable_step,
+                    restored=request.restored_step,
                 )
                 if ignored:
                     # Already settled (a report sent again) or never leased: counted once.

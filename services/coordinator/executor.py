@@ -199,6 +199,10 @@ class RecoveryExecutor:
             elif action.do is Do.RESTORE_TRAINER:
                 entry.waiting_for.append("trainer")
                 phase = Phase.RECOVERING
+                ledger = driver.ledgers.get(record.job_id)
+                if ledger is not None:
+                    work.trainer_replaced(ledger)
+                    await driver.save_ledger(ledger)
             elif action.do is Do.ROLLBACK:
                 # The trainer skipped the poisoned step (no optimizer update, weights and
                 # optimizer state untouched): the rollback to the last good state is done.
@@ -244,6 +248,9 @@ class RecoveryExecutor:
             # thrown away (the rollouts' memory, the trainer's intake): generate them again.
             for group in [*ledger.open, *ledger.delivered]:
                 work.take_back(ledger, group, f"full restart ({reason})")
+            # So are the rollouts that held the groups of steps after the last checkpoint: the
+            # new trainer's first report hands them back (work.release_lost).
+            work.trainer_replaced(ledger)
             await driver.save_ledger(ledger)
         entry.waiting_for = list(record.member_roles.values())
         await driver.update_job(

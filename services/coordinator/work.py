@@ -16,6 +16,14 @@ Dropped groups and take-backs are listed, with why, but only the latest: once th
 `PAGE_SIZE` of them, `page_out` moves them to a page of their own (stored beside the ledger,
 in the same write), so the ledger, which the leader rewrites on every lease, never grows
 towards etcd's size limit on a job that drops groups for days.
+
+Who still holds a group's trajectories: its rollout keeps them until the trainer commits them
+(its checkpoint has the step that trained them). So a delivered group, or one trained by a
+step not yet durable, is in `held` with its rollout and the trainer intake it went to. When
+the trainer is replaced (`trainer_replaced`), its intake and the steps after its last durable
+checkpoint are gone: the new trainer's first report (`durable` = its restored step) turns the
+groups of those lost steps back into delivered ones, and a delivered group of a lost intake
+whose rollout is gone as well is held by nobody: `release_lost` leases it again.
 """
 
 from __future__ import annotations
@@ -33,6 +41,17 @@ class Lease(BaseModel):
     instance_id: str
     epoch: int
     deadline: float
+
+
+class Holding(BaseModel):
+    """Who holds the trajectories of a group the trainer has not made durable yet."""
+
+    holder: str
+    """The rollout that delivered it (it keeps them until the trainer commits them)."""
+    intake: int
+    """`WorkLedger.intake` when it reached the trainer: an older one was lost."""
+    step: int = 0
+    """The step that trained it (a report's `step`), 0 while it is only delivered."""
 
 
 class WorkLedger(BaseModel):
@@ -55,6 +74,10 @@ class WorkLedger(BaseModel):
     """How many times a group was taken back from a holder, paged out or not."""
     pages: int = 0
     """How many pages of dropped groups and take-backs were moved out (numbered from 0)."""
+    held: dict[str, Holding] = Field(default_factory=dict)
+    """Delivered groups, and groups trained by a step not yet durable -> who holds them."""
+    intake: int = 0
+    """How many times the trainer was replaced (each time its intake was lost)."""
 
 
 class DroppedPage(BaseModel):
@@ -135,11 +158,13 @@ def complete(ledger: WorkLedger, instance_id: str, group_ids: list[str]) -> list
             continue
         del ledger.open[group]
         ledger.delivered.append(group)
+        ledger.held[group] = Holding(holder=instance_id, intake=ledger.intake)
     return ignored
 
 
 def take_back(ledger: WorkLedger, group: str, reason: str) -> None:
     ledger.open.pop(group, None)
+    ledger.held.pop(group, None)
     if group in ledger.delivered:
         ledger.delivered.remove(group)
     if group not in ledger.requeued:
@@ -149,6 +174,7 @@ def take_back(ledger: WorkLedger, group: str, reason: str) -> None:
 
 
 def _drop(ledger: WorkLedger, group: str, why: str) -> None:
+    ledger.held.pop(group, None)
     ledger.discarded[group] = why
     ledger.dropped += 1
 
@@ -212,6 +238,10 @@ def record_progress(
     trained: list[str],
     discarded: dict[str, str],
     paged_out: Container[str] = (),
+    *,
+    step: int = 0,
+    durable: int = 0,
+    restored: int = 0,
 ) -> list[str]:
     """The trainer trained or dropped these groups: they are settled for good. Mutates.
 
@@ -222,7 +252,18 @@ def record_progress(
     (too stale by then): it moves from trained to dropped, so the ledger matches what the
     model was trained on. `paged_out`: those of `discarded` that a page lists as dropped
     already (see `regenerate`). Returns the ids ignored.
+
+    `step`: the report's step (the one that trained `trained`); `durable`: steps below it are
+    in the reporting trainer's durable checkpoint; `restored`: the step it restored from.
+    Groups that an earlier trainer trained by a step after `restored` were trained by a step
+    lost with it: they are delivered again (their rollout re-sends them, or `release_lost`
+    takes them back) before this report's groups settle.
     """
+    for group, held in ledger.held.items():
+        if held.intake < ledger.intake and held.step > restored:
+            held.step = 0
+            ledger.trained -= 1
+            ledger.delivered.append(group)
     ignored = []
     for group, why in [*((g, None) for g in trained), *discarded.items()]:
         if why is not None and _was_trained(ledger, group, paged_out):
@@ -232,16 +273,47 @@ def record_progress(
         if not _outstanding(ledger, group):
             ignored.append(group)
             continue
-        ledger.open.pop(group, None)
+        lease = ledger.open.pop(group, None)
         if group in ledger.delivered:
             ledger.delivered.remove(group)
         if group in ledger.requeued:
             ledger.requeued.remove(group)
         if why is None:
             ledger.trained += 1
+            # Trained before its CompleteWork arrived: its lease names who sent it. Taken back
+            # meanwhile: nobody known ("" is never alive), so it is generated again if lost.
+            was = ledger.held.pop(group, None)
+            holder = was.holder if was else lease.instance_id if lease else ""
+            if step > 0:
+                ledger.held[group] = Holding(holder=holder, intake=ledger.intake, step=step)
         else:
             _drop(ledger, group, why)
+    for group in [
+        g
+        for g, held in ledger.held.items()
+        if 0 < held.step <= (durable if held.intake == ledger.intake else restored)
+    ]:
+        del ledger.held[group]  # in a durable checkpoint: trained for good
     return ignored
+
+
+def trainer_replaced(ledger: WorkLedger) -> None:
+    """The trainer is being replaced: its intake (what was delivered to it) is lost, and so are
+    the steps after its last durable checkpoint (see `record_progress`). Mutates."""
+    ledger.intake += 1
+
+
+def release_lost(ledger: WorkLedger, alive: Container[str]) -> list[str]:
+    """Take back delivered groups held by nobody: delivered to a trainer since replaced, by a
+    rollout that is not `alive` (so it cannot re-send them). Returns them. Mutates."""
+    lost = [
+        (group, held.holder)
+        for group, held in ledger.held.items()
+        if held.step == 0 and held.intake < ledger.intake and held.holder not in alive
+    ]
+    for group, holder in lost:
+        take_back(ledger, group, f"held by {holder}, gone, for a trainer since replaced")
+    return [group for group, _ in lost]
 
 
 def regenerate(
@@ -272,4 +344,5 @@ def settle_leftovers(ledger: WorkLedger, reason: str) -> list[str]:
     ledger.open.clear()
     ledger.requeued.clear()
     ledger.delivered.clear()
+    ledger.held.clear()  # no trainer will be replaced for this job any more
     return left

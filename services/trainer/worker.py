@@ -67,6 +67,10 @@ class TrainerWorker:
         self.run_dir = Path(settings.runs_dir) / job_id
         self.intake = Intake(job_id, spec.trainer.max_staleness)
         self.step = 0
+        self.durable_step = 0
+        """Steps [0, durable_step) are in a durable checkpoint (written, or restored from)."""
+        self.restored_step = 0
+        """The step of the checkpoint this trainer restored (0: it started afresh)."""
         self.nan_steps: set[int] = set(spec.faults.nan_loss_steps)
         self.data_arrived = asyncio.Event()
         self.outboxes: dict[str, list[asyncio.Queue[trainer_pb2.TrajectoryAck]]] = defaultdict(list)
@@ -143,6 +147,7 @@ class TrainerWorker:
         restored = checkpoint.load_latest(self.run_dir / "checkpoints")
         if restored is not None:
             self.step = checkpoint.restore(restored, self.model, self.trainer.optimizer)
+            self.durable_step = self.restored_step = self.step
             self.intake.trained_groups = TrainedGroups.from_json(
                 restored.extra.get("trained_groups", [])
             )
@@ -461,6 +466,7 @@ class TrainerWorker:
 
     def _commit_through(self, step: int) -> None:
         """Everything trained up to `step` is in a durable checkpoint: rollouts may drop it."""
+        self.durable_step = max(self.durable_step, step)
         for done in sorted(s for s in self.pending_commits if s <= step):
             for rollout, ids in self.pending_commits.pop(done).items():
                 self._tell(rollout, trainer_pb2.TrajectoryAck(committed_ids=ids))
@@ -510,6 +516,8 @@ class TrainerWorker:
             finished=finished,
             error=error,
             regenerate_groups=self.intake.take_regenerate(),
+            durable_step=self.durable_step,
+            restored_step=self.restored_step,
         )
         return await report_to_coordinator(self.coordinator, request)
 

@@ -41,6 +41,7 @@ KILLED_ROLLOUT_STEPS = 240
 HUNG_ROLLOUT_STEPS = 260
 STANDBY_STEPS = 200
 EXTERNAL_STEPS = 320
+BOTH_KILLED_STEPS = 160
 
 pytestmark = [pytest.mark.chaos, pytest.mark.slow, pytest.mark.timeout(420)]
 
@@ -188,6 +189,24 @@ def test_a_killed_trainer_is_restored_from_its_checkpoint_on_a_new_one(
     # Only the trainer was replaced: the same rollout processes served the whole job.
     assert {int(member(stack, r)["pid"]) for r in ("rollout-0", "rollout-1")} == rollout_pids
     assert_nothing_lost_or_trained_twice(stack, "tc", tmp_path / "runs" / "tc")
+
+
+def test_a_trainer_and_a_rollout_killed_together_lose_no_group(
+    stack: Cli, model_dir: Path, tmp_path: Path
+) -> None:
+    # As when one machine carries both: the groups the rollout delivered that the trainer had
+    # not made durable are held by nobody. They must be generated again, not counted trained.
+    submit(stack, model_dir, "tr", f"trainer.steps={BOTH_KILLED_STEPS}")
+    eventually_sync(lambda: step_of(stack, "tr") >= 8, timeout=180)
+    for name in ("trainer-0", "rollout-1"):
+        os.kill(int(member(stack, name)["pid"]), signal.SIGKILL)
+    wait_for_incident(stack, "MEMBER_LOST", "trainer-0", timeout=15)
+    wait_for_incident(stack, "MEMBER_LOST", "rollout-1", timeout=15)
+    finish(stack, "tr")
+    assert sorted(r["instance_id"] for r in recoveries(stack, "tr")) == ["rollout-1", "trainer-0"]
+    assert_nothing_lost_or_trained_twice(
+        stack, "tr", tmp_path / "runs" / "tr", steps_run=BOTH_KILLED_STEPS
+    )
 
 
 def test_a_killed_trainer_is_taken_over_by_a_standby_that_built_the_model_ahead(

@@ -73,9 +73,10 @@ def test_a_finished_job_accounts_for_every_group_it_leased() -> None:
     a, b, c = lease(led, "r0", 3)
     work.complete(led, "r0", [a])
     work.release_holder(led, "r0", "lost")
-    work.record_progress(led, [a], {})
+    work.record_progress(led, [a], {}, step=3, durable=2)  # step 3 not durable yet
     assert set(work.settle_leftovers(led, "job succeeded first")) == {b, c}
     assert led.next_index == led.trained + len(led.discarded)
+    assert led.held == {}
 
 
 def test_groups_given_back_unfinished_are_leased_again_at_once() -> None:
@@ -215,3 +216,94 @@ def test_a_dropped_group_on_a_page_is_not_taken_for_trained() -> None:
     assert work.regenerate(led, {a: lost, b: lost}, paged_out={b}) == [a]
 
     assert led.trained == 0 and led.requeued == [a] and led.dropped == 1
+
+
+def test_groups_held_only_by_a_rollout_that_died_with_the_trainer_are_leased_again() -> None:
+    # r1 delivered four groups; step 5 trained two of them, and only steps below 4 are in a
+    # durable checkpoint. Then the trainer and r1 died together (one machine).
+    led = ledger()
+    groups = lease(led, "r1", 4)
+    work.complete(led, "r1", groups)
+    work.record_progress(led, groups[:2], {}, step=5, durable=4)
+    assert led.trained == 2
+    work.trainer_replaced(led)
+
+    # What only reached the lost intake comes back at once; the trained two wait for the new
+    # trainer to say which steps it restored.
+    assert work.release_lost(led, alive={"r0"}) == groups[2:]
+    assert work.release_lost(led, alive={"r0"}) == []
+    work.record_progress(led, [], {}, step=4, durable=4, restored=4)  # step 5 was lost
+
+    assert work.release_lost(led, alive={"r0"}) == groups[:2]
+    assert led.trained == 0 and led.requeued == [*groups[2:], *groups[:2]]
+    assert lease(led, "r0", 4) == [*groups[2:], *groups[:2]]  # the same ids, first
+    work.complete(led, "r0", groups)
+    work.record_progress(led, groups, {}, step=6, durable=4, restored=4)
+    work.record_progress(led, [], {}, step=6, durable=6, restored=4)
+    assert led.trained == 4 and led.held == {}
+
+
+def test_groups_whose_rollout_lives_wait_for_its_resend_to_the_new_trainer() -> None:
+    led = ledger()
+    groups = lease(led, "r1", 3)
+    work.complete(led, "r1", groups)
+    work.record_progress(led, groups[:2], {}, step=5, durable=4)
+    work.trainer_replaced(led)
+    work.record_progress(led, [], {}, step=4, durable=4, restored=4)
+    assert led.trained == 0 and sorted(led.delivered) == sorted(groups)
+    assert work.release_lost(led, alive={"r1"}) == []  # r1 re-sends them
+
+    # The new trainer trains them, and its first report already finds step 5 durable: that
+    # is its own step 5, not the lost one.
+    work.record_progress(led, groups, {}, step=5, durable=5, restored=4)
+
+    assert led.trained == 3 and led.delivered == []
+    assert led.held == {}
+    assert work.release_lost(led, alive=set()) == []
+
+
+def test_a_durable_step_keeps_its_groups_trained_through_a_replacement() -> None:
+    led = ledger()
+    groups = lease(led, "r1", 2)
+    work.complete(led, "r1", groups)
+    work.record_progress(led, groups, {}, step=5, durable=5)  # durable before the report
+    assert led.held == {}
+    work.trainer_replaced(led)
+    work.record_progress(led, [], {}, step=5, durable=5, restored=5)
+    assert work.release_lost(led, alive=set()) == []
+    assert led.trained == 2 and led.delivered == []
+
+
+def test_a_dead_rollouts_deliveries_stay_while_the_trainer_that_has_them_lives() -> None:
+    led = ledger()
+    groups = lease(led, "r1", 2)
+    work.complete(led, "r1", groups)
+    assert work.release_lost(led, alive=set()) == []
+    assert led.delivered == groups
+
+
+def test_a_group_trained_before_its_completion_is_held_by_its_lease_holder() -> None:
+    led = ledger()
+    (a,) = lease(led, "r1", 1)
+    work.record_progress(led, [a], {}, step=3, durable=2)  # CompleteWork not in yet
+    assert led.held[a].holder == "r1" and led.held[a].step == 3
+    assert work.complete(led, "r1", [a]) == [a]  # settled already: ignored
+    work.trainer_replaced(led)
+    work.record_progress(led, [], {}, step=2, durable=2, restored=2)
+    assert work.release_lost(led, alive=set()) == [a]
+    assert led.trained == 0
+
+
+def test_a_new_trainers_own_durable_step_does_not_cover_the_lost_step_of_that_number() -> None:
+    led = ledger()
+    groups = lease(led, "r1", 2)
+    work.complete(led, "r1", groups)
+    work.record_progress(led, groups, {}, step=5, durable=4)
+    work.trainer_replaced(led)
+
+    # Its first report comes after its own step 5 is durable: the lost step 5 still counts
+    # as lost, since the trainer restored step 4.
+    work.record_progress(led, [], {}, step=5, durable=5, restored=4)
+
+    assert led.trained == 0
+    assert work.release_lost(led, alive=set()) == groups
