@@ -27,12 +27,20 @@ def member(name: str, role: str = "rollout") -> MemberRecord:
     return MemberRecord(role=role, instance_id=name, address="127.0.0.1:1", pid=1, host="h")
 
 
+async def registered_r0(
+    client: aetcd.Client, settings: EtcdSettings, ttl: int
+) -> tuple[Registry, Session]:
+    """A registry, and member r0 registered in it under a new session with this TTL."""
+    registry = Registry(client, KeySpace(settings.prefix))
+    session = await Session.open(client, ttl=ttl)
+    await registry.register(session, member("r0"))
+    return registry, session
+
+
 async def test_closing_a_session_removes_its_keys_at_once(
     etcd_client: aetcd.Client, etcd_settings: EtcdSettings
 ) -> None:
-    registry = Registry(etcd_client, KeySpace(etcd_settings.prefix))
-    session = await Session.open(etcd_client, ttl=30)
-    await registry.register(session, member("r0"))
+    registry, session = await registered_r0(etcd_client, etcd_settings, ttl=30)
     assert [m.instance_id for m in (await registry.list())[0]] == ["r0"]
     await session.close()
     assert (await registry.list())[0] == []
@@ -42,9 +50,7 @@ async def test_closing_a_session_removes_its_keys_at_once(
 async def test_a_refreshed_session_outlives_its_ttl_three_times_over(
     etcd_client: aetcd.Client, etcd_settings: EtcdSettings
 ) -> None:
-    registry = Registry(etcd_client, KeySpace(etcd_settings.prefix))
-    session = await Session.open(etcd_client, ttl=2)
-    await registry.register(session, member("r0"))
+    registry, session = await registered_r0(etcd_client, etcd_settings, ttl=2)
 
     await asyncio.sleep(6.0)  # three TTLs: unrefreshed, the lease is gone within 3 s (below)
 
@@ -56,9 +62,7 @@ async def test_a_refreshed_session_outlives_its_ttl_three_times_over(
 async def test_a_session_that_stops_refreshing_expires_within_its_ttl(
     etcd_client: aetcd.Client, etcd_settings: EtcdSettings
 ) -> None:
-    registry = Registry(etcd_client, KeySpace(etcd_settings.prefix))
-    session = await Session.open(etcd_client, ttl=2)
-    await registry.register(session, member("r0"))
+    registry, session = await registered_r0(etcd_client, etcd_settings, ttl=2)
     assert session._task is not None
     # As if the process froze: no more keepalives. The flag as well as the cancel, since on
     # Python 3.11 a cancel that lands as wait_for's refresh completes is swallowed.

@@ -8,6 +8,7 @@ on a threading.Event (a hung engine, from the event loop's point of view) or tur
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import math
 import threading
@@ -123,6 +124,35 @@ async def metrics(servicer: RolloutServicer, timeout: float = 5) -> dict[str, fl
         return dict(status.metrics)
 
 
+@contextlib.asynccontextmanager
+async def submitted(
+    etcd_settings: EtcdSettings,
+    coordinator: ServiceRuntime,
+    model_dir: Path,
+    tmp_path: Path,
+    job_id: str,
+) -> AsyncIterator[tuple[coordinator_pb2_grpc.CoordinatorStub, coordinator_pb2.Job]]:
+    """A trainer serving and SPEC submitted as job_id (the rollout fixture gets bound to it)."""
+    trainer = await serve_trainer(
+        TrainerSettings(
+            instance_id="trainer-0", heartbeat_interval=0.2, runs_dir=str(tmp_path / "runs")
+        ),
+        etcd_settings,
+    )
+    try:
+        async with grpc.aio.insecure_channel(coordinator.address) as channel:
+            api = coordinator_pb2_grpc.CoordinatorStub(channel)
+            job = await api.SubmitJob(
+                coordinator_pb2.SubmitJobRequest(
+                    spec=SPEC, overrides=[f"model.path={model_dir}"], job_id=job_id
+                ),
+                timeout=5,
+            )
+            yield api, job
+    finally:
+        await trainer.shutdown()
+
+
 def test_the_counters_of_a_generation_and_of_its_absence() -> None:
     counters: dict[str, float] = {"tokens_generated": 100.0}  # from an earlier job
     meter = GenerationMeter(counters)
@@ -171,22 +201,12 @@ async def test_the_probe_tells_a_streaming_generation_from_a_stuck_one(
     model_dir: Path,
     tmp_path: Path,
 ) -> None:
-    trainer = await serve_trainer(
-        TrainerSettings(
-            instance_id="trainer-0", heartbeat_interval=0.2, runs_dir=str(tmp_path / "runs")
-        ),
-        etcd_settings,
-    )
     forward: Forward | None = None
     try:
-        async with grpc.aio.insecure_channel(coordinators[0].address) as channel:
-            api = coordinator_pb2_grpc.CoordinatorStub(channel)
-            job = await api.SubmitJob(
-                coordinator_pb2.SubmitJobRequest(
-                    spec=SPEC, overrides=[f"model.path={model_dir}"], job_id="probe"
-                ),
-                timeout=5,
-            )
+        async with submitted(etcd_settings, coordinators[0], model_dir, tmp_path, "probe") as (
+            api,
+            job,
+        ):
 
             async def bound() -> bool:
                 return isinstance(rollout.worker, RolloutWorker)
@@ -272,7 +292,6 @@ async def test_the_probe_tells_a_streaming_generation_from_a_stuck_one(
     finally:
         if forward is not None:
             forward.running.set()  # never leave the generation thread held
-        await trainer.shutdown()
 
 
 @pytest.mark.slow
@@ -285,59 +304,46 @@ async def test_a_trajectory_stream_ended_by_its_own_error_opens_again_and_delive
     tmp_path: Path,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    trainer = await serve_trainer(
-        TrainerSettings(
-            instance_id="trainer-0", heartbeat_interval=0.2, runs_dir=str(tmp_path / "runs")
-        ),
-        etcd_settings,
-    )
-    try:
-        async with grpc.aio.insecure_channel(coordinators[0].address) as channel:
-            api = coordinator_pb2_grpc.CoordinatorStub(channel)
-            job = await api.SubmitJob(
-                coordinator_pb2.SubmitJobRequest(
-                    spec=SPEC, overrides=[f"model.path={model_dir}"], job_id="stream"
-                ),
-                timeout=5,
-            )
+    async with submitted(etcd_settings, coordinators[0], model_dir, tmp_path, "stream") as (
+        api,
+        job,
+    ):
 
-            async def step() -> int:
-                got = await api.GetJob(coordinator_pb2.GetJobRequest(job_id=job.job_id), timeout=5)
-                return int(got.step)
+        async def step() -> int:
+            got = await api.GetJob(coordinator_pb2.GetJobRequest(job_id=job.job_id), timeout=5)
+            return int(got.step)
 
-            async def training() -> bool:
-                return await step() >= 1
+        async def training() -> bool:
+            return await step() >= 1
 
-            await eventually(training, timeout=60)
-            worker = rollout.worker
-            assert isinstance(worker, RolloutWorker)
+        await eventually(training, timeout=60)
+        worker = rollout.worker
+        assert isinstance(worker, RolloutWorker)
 
-            # The writer's next take from the outbox fails with an error that is not gRPC's
-            # (a bug), while the trainer keeps the stream open and answering.
-            take = worker.outbox.get
-            failed = False
+        # The writer's next take from the outbox fails with an error that is not gRPC's
+        # (a bug), while the trainer keeps the stream open and answering.
+        take = worker.outbox.get
+        failed = False
 
-            async def failing_take() -> list[trainer_pb2.Trajectory]:
-                nonlocal failed
-                if not failed:
-                    failed = True
-                    raise RuntimeError("injected: the trajectory writer fails")
-                return await take()
+        async def failing_take() -> list[trainer_pb2.Trajectory]:
+            nonlocal failed
+            if not failed:
+                failed = True
+                raise RuntimeError("injected: the trajectory writer fails")
+            return await take()
 
-            monkeypatch.setattr(worker.outbox, "get", failing_take)
+        monkeypatch.setattr(worker.outbox, "get", failing_take)
 
-            async def counted() -> bool:
-                return (await metrics(rollout)).get("stream_failures", 0.0) == 1
+        async def counted() -> bool:
+            return (await metrics(rollout)).get("stream_failures", 0.0) == 1
 
-            await eventually(counted, timeout=30)
-            # Trajectories reach the trainer again: steps go on being trained.
-            after = await step()
+        await eventually(counted, timeout=30)
+        # Trajectories reach the trainer again: steps go on being trained.
+        after = await step()
 
-            async def trained_on() -> bool:
-                return await step() >= after + 2
+        async def trained_on() -> bool:
+            return await step() >= after + 2
 
-            await eventually(trained_on, timeout=60)
-            assert (await metrics(rollout))["stream_failures"] == 1
-            await api.CancelJob(coordinator_pb2.CancelJobRequest(job_id=job.job_id), timeout=5)
-    finally:
-        await trainer.shutdown()
+        await eventually(trained_on, timeout=60)
+        assert (await metrics(rollout))["stream_failures"] == 1
+        await api.CancelJob(coordinator_pb2.CancelJobRequest(job_id=job.job_id), timeout=5)
