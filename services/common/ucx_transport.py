@@ -1141,23 +1141,25 @@ class UcxTransport(WeightTransport):
         self, version: int
     ) -> tuple[BucketManifest, int, tuple[list[HolderRecord], int]]:
         """The manifest of this job's version, its mod revision, and its holders with the etcd
-        revision they were listed at: from the watch's view if it has the version and a holder
-        that is not full, else one range read (the holders' keys sit under the version's).
+        revision they were listed at: from the watch's view if it has the version, else one
+        range read (the holders' keys sit under the version's). A view that lists no holder
+        that is not full has its holders listed again from etcd.
 
         The view can hold a manifest a moment before its publisher's holder record: a pull
         that took that for the whole listing would wait for a holder, or give the version up
         as stranded if a newer one exists (a benchmark run in make test did).
         """
         seen = self._view.version(version)
-        if seen is not None:
-            found = self._parse_version(version, *seen)
-            _, _, (holders, _) = found
-            if any(not h.full for h in holders):
-                return found
-        prefix = self.wkeys.version(self.job_id, version)
-        entries, listed_at = await list_prefix(self.client, prefix)
-        self.counters.etcd_reads += 1
-        return self._parse_version(version, entries, listed_at)
+        if seen is None:
+            entries, listed_at = await list_prefix(
+                self.client, self.wkeys.version(self.job_id, version)
+            )
+            self.counters.etcd_reads += 1
+            return self._parse_version(version, entries, listed_at)
+        manifest, revision, (holders, listed_at) = self._parse_version(version, *seen)
+        if not any(not h.full for h in holders):
+            holders, listed_at = await self._list_holders(manifest)
+        return manifest, revision, (holders, listed_at)
 
     def _parse_version(
         self, version: int, entries: list[Entry], listed_at: int

@@ -28,7 +28,6 @@ import contextlib
 import math
 import time
 import zlib
-from asyncio import FIRST_COMPLETED
 from collections import deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -529,7 +528,7 @@ class RolloutWorker:
             reader = asyncio.create_task(self._read(call), name=f"acks-{self.job_id}")
             writer = asyncio.create_task(self._write(call), name=f"writes-{self.job_id}")
             try:
-                done, _ = await asyncio.wait({reader, writer}, return_when=FIRST_COMPLETED)
+                done, _ = await asyncio.wait({reader, writer}, return_when=asyncio.FIRST_COMPLETED)
             finally:
                 call.cancel()
                 for task in (reader, writer):
