@@ -74,6 +74,11 @@ def test_a_short_job_learns_and_accounts_for_every_trajectory(
     assert len(evals) >= 3
     assert evals[-1] > evals[0] + 0.1, f"eval reward did not rise: {evals}"
     assert (run / "reward.png").stat().st_size > 0
+    # Weights moved over UCX, the default: the trainer published on it, the rollouts pulled.
+    logs = stack.home / "logs"
+    assert "kind=ucx" in (logs / "trainer-0.log").read_text()
+    for rollout in ("rollout-0", "rollout-1"):
+        assert "weights.pulled" in (logs / f"{rollout}.log").read_text(), rollout
 
     # No trajectory id trained twice; every trained trajectory within the staleness bound.
     trained_ids: list[str] = []
