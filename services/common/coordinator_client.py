@@ -18,6 +18,7 @@ from robustrl.v1 import coordinator_pb2_grpc
 from services.common.channels import open_channel
 from services.common.election import current_leader
 from services.common.errors import LEADER_METADATA_KEY, Unavailable
+from services.common.etcd_client import ETCD_UNREACHABLE
 from services.common.keys import KeySpace
 from services.common.registry import Registry
 
@@ -42,9 +43,13 @@ class CoordinatorClient:
         return value
 
     async def addresses(self) -> list[str]:
-        """Every registered replica, the leader first."""
-        members, _ = await self.registry.list("coordinator")
-        leader = await self.leader()
+        """Every registered replica, the leader first. Unavailable (which every caller rides
+        out) when there is none, or when etcd, where they are found, is unreachable."""
+        try:
+            members, _ = await self.registry.list("coordinator")
+            leader = await self.leader()
+        except ETCD_UNREACHABLE as exc:
+            raise Unavailable(f"cannot look up the coordinator: etcd unreachable ({exc})") from exc
         addresses = [m.address for m in members]
         if leader and leader["address"] in addresses:
             addresses.remove(leader["address"])

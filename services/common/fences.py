@@ -19,6 +19,7 @@ import aetcd
 from pydantic import BaseModel, Field
 
 from services.common.aio import cancel_and_wait
+from services.common.etcd_client import until_etcd_answers
 from services.common.keys import KeySpace, WeightKeys
 from services.common.logs import get_logger
 from services.common.watch import Delete, Put, Resync, list_prefix, watch_prefix
@@ -83,7 +84,9 @@ class FenceSet:
         await cancel_and_wait(self._task)
 
     async def _follow(self) -> None:
-        entries, revision = await list_prefix(self.client, self.keys.fences())
+        entries, revision = await until_etcd_answers(
+            lambda: list_prefix(self.client, self.keys.fences()), "reading the fences"
+        )
         self._replace([FenceRecord.model_validate_json(e.value) for e in entries])
         async for event in watch_prefix(self.client, self.keys.fences(), revision + 1):
             if isinstance(event, Put):

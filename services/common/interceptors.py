@@ -11,12 +11,12 @@ import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
-import aetcd
 import grpc
 import pydantic
 from prometheus_client import Counter, Histogram
 
 from services.common.errors import RobustrlError, describe_validation_error
+from services.common.etcd_client import ETCD_UNREACHABLE
 from services.common.logs import get_logger
 
 log = get_logger(__name__)
@@ -34,9 +34,7 @@ def _status_of(exc: BaseException) -> tuple[grpc.StatusCode, str, dict[str, str]
             "invalid field " + describe_validation_error(exc),
             {},
         )
-    if isinstance(
-        exc, aetcd.exceptions.ConnectionFailedError | aetcd.exceptions.ConnectionTimeoutError
-    ):
+    if isinstance(exc, ETCD_UNREACHABLE):
         return grpc.StatusCode.UNAVAILABLE, f"etcd unreachable, retry later ({exc})", {}
     return None
 

@@ -45,7 +45,8 @@ class MonitorSettings(ServiceSettings):
         default_factory=lambda: dict(ProgressConfig().phase_budgets)
     )
     """Seconds each trainer phase may take before it is a hang (forward_backward, optimizer,
-    checkpoint, publish, eval). Phases not listed, waiting_data above all, have no budget.
+    checkpoint, publish, eval). Phases not listed have no budget: waiting_data, waiting_etcd
+    and waiting_coordinator (an etcd outage is not a trainer hang).
     As env: ROBUSTRL_MONITOR_PHASE_BUDGETS='{"checkpoint": 600}'."""
 
     collective_budget: float = Field(default=ProgressConfig.collective_budget, gt=0)

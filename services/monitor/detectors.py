@@ -2,7 +2,7 @@
 
 A member is lost when its heartbeat stream ended without a goodbye and it did not come back
 within the reconnect grace, or when its registry key vanished (lease expired) without a
-goodbye. A member that said goodbye is gone, never lost.
+goodbye while it was not beating either. A member that said goodbye is gone, never lost.
 
 A stream that ended without a goodbye is also checked at once: when the member's own address
 refuses connections, nothing listens there any more (the process died; a stopped or merely
@@ -154,16 +154,27 @@ def on_registered(
         view.last_seen = now
 
 
-def on_unregistered(views: Views, instance_id: str, now: float) -> None:
+def on_unregistered(
+    views: Views, instance_id: str, now: float, beating_within: float = 0.0
+) -> bool:
+    """The member's registry key is gone. Lost, unless it said goodbye (gone) or it is still
+    beating: its stream is open and its last beat is at most `beating_within` seconds old.
+    Then the lease lapsed while the member lives (etcd was unreachable for longer than the
+    TTL, and every lease lapsed at once when it came back); it registers again by itself, and
+    a member that freezes from here on is caught by the silence and hang detectors. True
+    when it was kept alive for that reason."""
     view = views.get(instance_id)
     if view is None or view.state in (State.LOST, State.GONE):
-        return
+        return False
     view.registered = False
     if view.goodbye:
         view.state = State.GONE
-        return
+        return False
+    if view.stream_open and now - view.last_seen <= beating_within:
+        return True
     view.state = State.LOST
     view.evidence = "registry lease expired (no refresh within the TTL) without a goodbye"
+    return False
 
 
 def evaluate(views: Views, now: float, config: DetectorConfig) -> list[Finding]:

@@ -216,12 +216,17 @@ class MonitorServicer(monitor_pb2_grpc.MonitorServicer):
             elif isinstance(event, Delete):
                 _, instance_id = registry.role_and_instance(event.key)
                 known.discard(instance_id)
-                detectors.on_unregistered(self.views, instance_id, now)
+                self._unregistered(instance_id, now)
             elif isinstance(event, Resync):
                 present = {parse_member(e).instance_id for e in event.entries}
                 for instance_id in known - present:
-                    detectors.on_unregistered(self.views, instance_id, now)
+                    self._unregistered(instance_id, now)
                 known = present
+
+    def _unregistered(self, instance_id: str, now: float) -> None:
+        beating = self.settings.silence_window
+        if detectors.on_unregistered(self.views, instance_id, now, beating_within=beating):
+            log.info("monitor.lease_lapsed_while_beating", member=instance_id)
 
     async def _evaluate_loop(self) -> None:
         while True:

@@ -41,6 +41,7 @@ from services.common.aio import cancel_and_wait
 from services.common.channels import open_channel
 from services.common.coordinator_client import CoordinatorClient
 from services.common.errors import InvalidArgument, Unavailable
+from services.common.etcd_client import ETCD_UNREACHABLE, until_etcd_answers
 from services.common.jobspec import JobSpec
 from services.common.logs import get_logger
 from services.common.runtime import ServiceRuntime
@@ -61,6 +62,10 @@ RATE_WINDOW_S = 5.0
 """Span of the recent token rate (`tokens_per_s`)."""
 
 GAUGE_INTERVAL_S = 0.25
+RETRIED_CODES = frozenset(
+    {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.ABORTED}
+)
+"""Coordinator answers a completion is sent again after: no leader, or none in time."""
 """How often the gauges that change with time alone (request age, token rate) are refreshed:
 a hung generation thread cannot refresh them."""
 
@@ -277,15 +282,19 @@ class RolloutWorker:
         assert self.runtime.client is not None
         # Pulled versions are kept and served to peers (relay), so a new or recovered rollout
         # does not have to go to the trainer for them.
-        self.transport = await make_transport(
-            self.spec.trainer.weight_transport,
-            self.runtime.client,
-            self.runtime.keys,
-            self.job_id,
-            instance_id=self.runtime.instance_id,
-            host=self.runtime.settings.resolved_advertise_host(),
-            session_ttl=self.runtime.etcd_settings.session_ttl,
-            keep_versions=1,  # at most the held version plus the one being pulled
+        client = self.runtime.client
+        self.transport = await until_etcd_answers(
+            lambda: make_transport(
+                self.spec.trainer.weight_transport,
+                client,
+                self.runtime.keys,
+                self.job_id,
+                instance_id=self.runtime.instance_id,
+                host=self.runtime.settings.resolved_advertise_host(),
+                session_ttl=self.runtime.etcd_settings.session_ttl,
+                keep_versions=1,  # at most the held version plus the one being pulled
+            ),
+            "starting the weight transport",
         )
         while True:
             request = coordinator_pb2.LeaseWorkRequest(
@@ -420,8 +429,12 @@ class RolloutWorker:
     async def _ensure_weights(self, min_version: int) -> None:
         """Load the newest announced version; wait for one >= min_version if needed."""
         assert self.engine is not None and self.runtime.client is not None
+        client = self.runtime.client
         while True:
-            latest = await latest_announcement(self.runtime.client, self.runtime.keys, self.job_id)
+            latest = await until_etcd_answers(
+                lambda: latest_announcement(client, self.runtime.keys, self.job_id),
+                "looking for new weights",
+            )
             if latest is not None and (
                 latest.trainer_epoch > self.loaded_epoch
                 or latest.version > self.engine.weight_version
@@ -431,7 +444,7 @@ class RolloutWorker:
                 assert self.transport is not None
                 try:
                     tensors = await self.transport.fetch(latest)
-                except (WeightIntegrityError, grpc.aio.AioRpcError) as exc:
+                except (WeightIntegrityError, grpc.aio.AioRpcError, *ETCD_UNREACHABLE) as exc:
                     log.warning(
                         "rollout.weights_pull_failed", version=latest.version, error=str(exc)[:200]
                     )
@@ -469,22 +482,34 @@ class RolloutWorker:
             generated_from=span[0],
             generated_to=span[1],
         )
-        for attempt in range(20):  # rides out a coordinator failover (new leader elsewhere)
+        # Sent again for as long as no leader answers (a failover, etcd unreachable): given up,
+        # the groups would stay leased to this rollout, delivered or not. A completion that
+        # timed out may have been applied; the coordinator ignores one sent again.
+        attempt = 0
+        while True:
             try:
                 await self.coordinator.write(
                     lambda s: s.CompleteWork(request, timeout=RPC_DEADLINE)
                 )
                 return
             except (grpc.aio.AioRpcError, Unavailable) as exc:
+                if isinstance(exc, grpc.aio.AioRpcError) and exc.code() not in RETRIED_CODES:
+                    code = exc.code().name
+                    log.warning("rollout.complete_refused", code=code, error=exc.details())
+                    return
                 log.info("rollout.complete_failed", attempt=attempt, error=str(exc)[:200])
-                await asyncio.sleep(0.5)
+                attempt += 1
+                await asyncio.sleep(min(0.5 * attempt, 2.0))
 
     # ------------------------------------------------------------------ the stream
 
     async def _stream_loop(self) -> None:
         assert self.runtime.registry is not None
+        registry = self.runtime.registry
         while True:
-            trainers, _ = await self.runtime.registry.list("trainer")
+            trainers, _ = await until_etcd_answers(
+                lambda: registry.list("trainer"), "looking for the trainer"
+            )
             # Rank 0 only (followers serve no data plane); after a restore, the newest epoch.
             bound = sorted(
                 (

@@ -14,6 +14,7 @@ import json
 import math
 import time
 from collections import defaultdict
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +25,7 @@ from robustrl.v1 import coordinator_pb2, trainer_pb2
 from services.common.aio import cancel_and_wait
 from services.common.coordinator_client import CoordinatorClient
 from services.common.errors import InvalidArgument, Unavailable
+from services.common.etcd_client import until_etcd_answers
 from services.common.fences import FenceSet
 from services.common.heartbeat import Progress
 from services.common.jobspec import JobSpec
@@ -43,6 +45,11 @@ from services.trainer.report import write_reward_plot
 log = get_logger(__name__)
 
 REPORT_DEADLINE = 10.0
+
+# Trainer phases while it waits on something outside it: no phase budget applies (a hang
+# budget would replace a healthy trainer for an etcd or coordinator outage).
+WAITING_ETCD = "waiting_etcd"
+WAITING_COORDINATOR = "waiting_coordinator"
 
 
 class NonFiniteWeights(RuntimeError):
@@ -221,16 +228,20 @@ class TrainerWorker:
             assert self.runtime.client is not None
             self.fences = FenceSet(self.runtime.client, self.runtime.keys)
             self.fences.start()
-            self.transport = await make_transport(
-                spec.trainer.weight_transport,
-                self.runtime.client,
-                self.runtime.keys,
-                self.job_id,
-                instance_id=self.runtime.instance_id,
-                epoch=self.epoch,
-                grpc_address=self.runtime.address,
-                host=self.runtime.settings.resolved_advertise_host(),
-                session_ttl=self.runtime.etcd_settings.session_ttl,
+            client = self.runtime.client
+            self.transport = await until_etcd_answers(
+                lambda: make_transport(
+                    spec.trainer.weight_transport,
+                    client,
+                    self.runtime.keys,
+                    self.job_id,
+                    instance_id=self.runtime.instance_id,
+                    epoch=self.epoch,
+                    grpc_address=self.runtime.address,
+                    host=self.runtime.settings.resolved_advertise_host(),
+                    session_ttl=self.runtime.etcd_settings.session_ttl,
+                ),
+                "starting the weight transport",
             )
             log.info("trainer.weights_transport", kind=self.transport.name)
             if spec.trainer.world_size > 1:
@@ -434,7 +445,13 @@ class TrainerWorker:
             # Rollouts must never load these; the monitor reports it, recovery rolls back.
             self._count_nonfinite("weights")
             raise NonFiniteWeights(f"non-finite values in {', '.join(bad[:3])} at step {self.step}")
-        await self.transport.publish(self.step, tensors)
+        # Publishing again after a failure is safe: the same epoch rewrites the same manifest.
+        transport, step = self.transport, self.step
+        await until_etcd_answers(
+            lambda: transport.publish(step, tensors),
+            "publishing weights",
+            on_wait=lambda: self.progress.enter(WAITING_ETCD),
+        )
         self.progress.counters.update({"step": self.step, "weight_version": self.step})
 
     async def _checkpoint(self) -> None:
@@ -519,7 +536,9 @@ class TrainerWorker:
             durable_step=self.durable_step,
             restored_step=self.restored_step,
         )
-        return await report_to_coordinator(self.coordinator, request)
+        return await report_to_coordinator(
+            self.coordinator, request, on_wait=lambda: self.progress.enter(WAITING_COORDINATOR)
+        )
 
     def inject_nan(self, step: int) -> None:
         """Chaos (Control INJECT_NAN): make `step`'s loss non-finite, as spec.faults would."""
@@ -527,24 +546,38 @@ class TrainerWorker:
 
 
 async def report_to_coordinator(
-    client: CoordinatorClient, request: coordinator_pb2.ReportProgressRequest
+    client: CoordinatorClient,
+    request: coordinator_pb2.ReportProgressRequest,
+    on_wait: Callable[[], None] | None = None,
 ) -> bool:
-    """ReportProgress to the leader, riding out a leader change (up to ~30 s).
+    """ReportProgress to the leader, for as long as no leader answers: after a leader change
+    (the new one is at another address, which only a fresh look in etcd finds), and while
+    etcd is unreachable (the leader can write nothing, and nobody can look it up). Training
+    cannot go on without its reports: the coordinator decides whether the job goes on.
 
-    A loop rather than gRPC's retry policy: after a failover the leader is at another
-    address, which only a fresh look in etcd finds.
+    A report that timed out may have been applied: sent again, the coordinator ignores the
+    groups it settled already. `on_wait` is called once, when the first try fails.
     """
     delay = 0.2
-    for _ in range(20):
+    waited_from: float | None = None
+    while True:
         try:
             reply = await client.write(lambda s: s.ReportProgress(request, timeout=REPORT_DEADLINE))
-            return bool(reply.keep_going)
         except (grpc.aio.AioRpcError, Unavailable) as exc:
             code = (
                 exc.code() if isinstance(exc, grpc.aio.AioRpcError) else grpc.StatusCode.UNAVAILABLE
             )
-            if code != grpc.StatusCode.UNAVAILABLE:
+            if code not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
                 raise
+            if waited_from is None:
+                waited_from = time.monotonic()
+                log.warning("trainer.report_waiting", step=request.step, error=str(exc)[:200])
+                if on_wait is not None:
+                    on_wait()
             await asyncio.sleep(delay)
             delay = min(delay * 2, 2.0)
-    raise Unavailable("no coordinator leader answered progress reports for ~30 s")
+            continue
+        if waited_from is not None:
+            waited = round(time.monotonic() - waited_from, 1)
+            log.info("trainer.report_sent", step=request.step, waited_s=waited)
+        return bool(reply.keep_going)

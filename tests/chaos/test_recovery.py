@@ -42,6 +42,9 @@ HUNG_ROLLOUT_STEPS = 260
 STANDBY_STEPS = 200
 EXTERNAL_STEPS = 320
 BOTH_KILLED_STEPS = 160
+ETCD_OUTAGE_STEPS = 160
+# 2.5 x the stack's session TTL: every lease lapses.
+ETCD_OUTAGE_S = 20.0
 
 pytestmark = [pytest.mark.chaos, pytest.mark.slow, pytest.mark.timeout(420)]
 
@@ -349,3 +352,44 @@ def test_an_external_scheduler_supplies_the_replacement_rollout(
             for pid_file in started.glob("*.pid"):  # the members its command started
                 with contextlib.suppress(ProcessLookupError, ValueError):
                     os.kill(int(pid_file.read_text()), signal.SIGKILL)
+
+
+def test_etcd_unreachable_for_longer_than_the_ttl_replaces_nothing_and_loses_nothing(
+    stack: Cli, model_dir: Path, tmp_path: Path
+) -> None:
+    # The failure table's last row. Every lease lapses when etcd answers again, while every
+    # heartbeat stream (to the monitor, not through etcd) went on: nobody is lost. Before,
+    # the trainer and both rollouts died on their first etcd error, and the monitor reported
+    # every member lost.
+    submit(stack, model_dir, "eu", f"trainer.steps={ETCD_OUTAGE_STEPS}")
+    eventually_sync(lambda: step_of(stack, "eu") >= 8, timeout=180)
+    data_plane = {
+        m["instance_id"]: m["pid"] for m in stack.members() if m["role"] in ("trainer", "rollout")
+    }
+    state = json.loads((stack.home / "stack.json").read_text())
+    etcd_pid = next(int(p["pid"]) for p in state["procs"] if p["name"] == "etcd")
+    os.kill(etcd_pid, signal.SIGSTOP)  # the etcd this test's stack started
+    try:
+        time.sleep(ETCD_OUTAGE_S)
+    finally:
+        os.kill(etcd_pid, signal.SIGCONT)
+    finish(stack, "eu")
+    logs = stack.home / "logs"
+    # The outage outlasted the leases (else this test would prove nothing)...
+    lapsed = [
+        line
+        for line in (logs / "monitor-0.log").read_text().splitlines()
+        if "monitor.lease_lapsed_while_beating" in line
+    ]
+    assert any("member=trainer-0" in line for line in lapsed), lapsed
+    # ...and the work waited on etcd instead of failing.
+    assert "etcd.unreachable" in (logs / "trainer-0.log").read_text()
+    assert incidents(stack, "eu") == []
+    assert recoveries(stack, "eu") == []
+    after = {
+        m["instance_id"]: m["pid"] for m in stack.members() if m["role"] in ("trainer", "rollout")
+    }
+    assert after == data_plane
+    assert_nothing_lost_or_trained_twice(
+        stack, "eu", tmp_path / "runs" / "eu", steps_run=ETCD_OUTAGE_STEPS
+    )

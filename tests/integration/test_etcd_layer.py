@@ -13,7 +13,7 @@ import pytest
 from services.cli.stack import StackState, etcd_healthy, start_etcd, stop_procs, wait_until
 from services.common.config import EtcdSettings, ServiceSettings
 from services.common.election import Election, current_leader
-from services.common.etcd_client import connect_etcd
+from services.common.etcd_client import ETCD_UNREACHABLE, connect_etcd
 from services.common.keys import KeySpace
 from services.common.registry import MemberRecord, Registry
 from services.common.runtime import ServiceRuntime
@@ -416,3 +416,45 @@ async def test_history_too_large_to_receive_resyncs_instead_of_retrying_forever(
         await stream.aclose()  # type: ignore[attr-defined]
     finally:
         await small.close()
+
+
+async def test_work_waiting_on_an_unreachable_etcd_goes_on_once_it_answers(
+    private_etcd: EtcdProcess,
+) -> None:
+    """until_etcd_answers: a read made while etcd is stopped (each try times out) returns the
+    value once etcd wakes; `on_wait` is told once. An answer that is an error is raised."""
+    from services.common.etcd_client import until_etcd_answers
+
+    client = await connect_etcd(EtcdSettings(endpoints=private_etcd.endpoints, timeout=1))
+    try:
+        await client.put(b"/u/k", b"kept")
+        waits: list[float] = []
+        tries = 0
+
+        async def read() -> bytes:
+            nonlocal tries
+            tries += 1
+            got = await client.get(b"/u/k")
+            assert got is not None
+            return bytes(got.value)
+
+        os.kill(private_etcd.proc.pid, signal.SIGSTOP)
+        try:
+            waiting = asyncio.ensure_future(
+                until_etcd_answers(read, "reading", on_wait=lambda: waits.append(1.0))
+            )
+            await asyncio.sleep(3.0)
+            assert not waiting.done() and tries >= 2 and waits == [1.0]
+        finally:
+            os.kill(private_etcd.proc.pid, signal.SIGCONT)
+        assert await asyncio.wait_for(waiting, 10) == b"kept"
+        assert waits == [1.0]
+
+        async def refused() -> None:
+            await client.get(b"")  # etcd answers: an empty key is an invalid argument
+
+        with pytest.raises(aetcd.exceptions.ClientError) as raised:
+            await until_etcd_answers(refused, "reading nothing")
+        assert not isinstance(raised.value, ETCD_UNREACHABLE)
+    finally:
+        await client.close()

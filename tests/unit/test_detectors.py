@@ -101,6 +101,28 @@ def test_lease_expiry_without_goodbye_is_lost_at_once() -> None:
     assert len(findings) == 1 and "lease expired" in findings[0].evidence
 
 
+def test_a_lease_lapsed_while_the_member_beats_is_not_a_loss() -> None:
+    # etcd unreachable for longer than the TTL: every lease lapses when it answers again,
+    # while the heartbeat streams (to the monitor, not through etcd) never stopped.
+    views: d.Views = {}
+    d.on_registered(views, "rollout", "r0", 0, 0.0)
+    beat(views, 9.6)
+    assert d.on_unregistered(views, "r0", 10.0, beating_within=2.0)
+    assert reported(views, 10.0) == [] and views["r0"].state is d.State.ALIVE
+    d.on_registered(views, "rollout", "r0", 0, 10.5)  # it registers again by itself
+    assert views["r0"].registered and reported(views, 11.0) == []
+
+
+def test_a_lease_lapsed_after_the_beats_stopped_is_a_loss() -> None:
+    # A frozen process keeps its stream open but sends nothing: its lease lapsing is a loss.
+    views: d.Views = {}
+    d.on_registered(views, "rollout", "r0", 0, 0.0)
+    beat(views, 1.0)
+    assert not d.on_unregistered(views, "r0", 9.0, beating_within=2.0)
+    [finding] = reported(views, 9.0)
+    assert "lease expired" in finding.evidence
+
+
 def test_one_incident_per_loss() -> None:
     views: d.Views = {}
     beat(views, 0.0)
