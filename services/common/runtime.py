@@ -14,6 +14,7 @@ import contextlib
 import os
 import signal
 import socket
+import sys
 from collections.abc import Callable
 
 import aetcd
@@ -28,6 +29,9 @@ from services.common.server import GrpcHost
 from services.common.session import Session
 
 log = get_logger(__name__)
+
+CRASH_EXIT = 70
+"""Exit status of `ServiceRuntime.crash` (EX_SOFTWARE: an internal error)."""
 
 
 class ServiceRuntime:
@@ -67,6 +71,17 @@ class ServiceRuntime:
             fmt=settings.log_format,
             level=settings.log_level,
         )
+
+    def crash(self, reason: str) -> None:
+        """End this process as a crash does: no goodbye beat, no deregistration, exit status
+        CRASH_EXIT. For a failure the process cannot recover from itself (a bug in a worker
+        loop): the monitor then reports it lost (its address refuses connections) and
+        recovery replaces it, as for a kill -9, instead of it living on without working."""
+        log.critical(f"{self.role}.crashed", reason=reason, exit_status=CRASH_EXIT)
+        for stream in (sys.stdout, sys.stderr):
+            with contextlib.suppress(Exception):
+                stream.flush()
+        os._exit(CRASH_EXIT)
 
     @property
     def address(self) -> str:

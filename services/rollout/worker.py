@@ -268,6 +268,17 @@ class RolloutWorker:
             asyncio.create_task(self._stream_loop(), name=f"stream-{self.job_id}"),
             asyncio.create_task(self._gauge_loop(), name=f"gauges-{self.job_id}"),
         ]
+        for task in self._tasks:
+            task.add_done_callback(self._ended)
+
+    def _ended(self, task: asyncio.Task[None]) -> None:
+        """A loop that ends with an error this rollout does not handle (a bug) crashes the
+        process. Left alone, the rollout would look alive while it no longer generates, or
+        holds trajectories it never sends: its leased groups would wait on it for good."""
+        if task.cancelled() or task.exception() is None:
+            return
+        log.error("rollout.worker_failed", task=task.get_name(), exc_info=task.exception())
+        self.runtime.crash(f"{task.get_name()} failed: {task.exception()!r}")
 
     async def stop(self) -> None:
         await cancel_and_wait(*self._tasks)

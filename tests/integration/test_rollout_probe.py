@@ -347,3 +347,48 @@ async def test_a_trajectory_stream_ended_by_its_own_error_opens_again_and_delive
         await eventually(trained_on, timeout=60)
         assert (await metrics(rollout))["stream_failures"] == 1
         await api.CancelJob(coordinator_pb2.CancelJobRequest(job_id=job.job_id), timeout=5)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+async def test_a_generate_loop_ended_by_an_unhandled_error_crashes_the_rollout(
+    etcd_settings: EtcdSettings,
+    coordinators: list[ServiceRuntime],
+    rollout: RolloutServicer,
+    model_dir: Path,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Left alone, a generate loop that died of a bug would leave a rollout that beats and
+    answers probes (idle) but never generates again, holding its leased groups. It crashes
+    instead (no goodbye), so that it is reported lost and replaced; here `crash` is recorded
+    rather than ending the test's own process."""
+    crashes: list[str] = []
+    monkeypatch.setattr(rollout.runtime, "crash", crashes.append)
+    async with submitted(etcd_settings, coordinators[0], model_dir, tmp_path, "crash") as (
+        api,
+        job,
+    ):
+
+        async def training() -> bool:
+            got = await api.GetJob(coordinator_pb2.GetJobRequest(job_id=job.job_id), timeout=5)
+            return got.step >= 1
+
+        await eventually(training, timeout=60)
+        worker = rollout.worker
+        assert isinstance(worker, RolloutWorker) and worker.engine is not None
+
+        def failing_generate(*args: Any, **kwargs: Any) -> Any:
+            raise RuntimeError("injected: the engine fails")
+
+        monkeypatch.setattr(worker.engine, "generate", failing_generate)
+
+        async def crashed() -> bool:
+            return bool(crashes)
+
+        await eventually(crashed, timeout=30)
+        [reason] = crashes
+        assert reason.startswith("generate-crash failed") and "injected" in reason
+        await api.CancelJob(coordinator_pb2.CancelJobRequest(job_id=job.job_id), timeout=5)
+        with contextlib.suppress(RuntimeError):  # the failed loop's error, raised on stop
+            await rollout.stop_worker()
