@@ -22,6 +22,13 @@ class CoordinatorSettings(ServiceSettings):
     lease_seconds: float = Field(default=60.0, gt=0)
     """How long a rollout may hold a prompt group before it is leased to another."""
 
+    unreported_loss_after: float = Field(default=15.0, gt=0)
+    """Seconds a member bound to a running job may be missing from the registry, with no
+    monitor reporting it, before the leader records its loss itself (a MEMBER_LOST incident,
+    recovered as any other). For a member that failed while no monitor ran; a running monitor
+    reports a loss within the session TTL, and a member whose lease lapsed in an etcd outage
+    registers again within seconds of etcd's return."""
+
     ledger_page_size: int = Field(default=512, ge=1)
     """Dropped groups and take-backs a job's work ledger lists before they move to a page of
     their own (<prefix>/dropped/<job>/<n>): the ledger, rewritten on every lease, stays small

@@ -13,6 +13,7 @@ import asyncio
 import contextlib
 import functools
 import json
+import secrets
 import time
 from collections import Counter
 from collections.abc import Iterable
@@ -37,6 +38,7 @@ from services.coordinator.jobs import JobRecord, Phase
 from services.coordinator.leadership import Leadership
 from services.coordinator.provisioner import NoProvisioner, Provisioner
 from services.coordinator.store import JobStore, dropped_pages
+from services.monitor.incidents import IncidentLog, IncidentRecord
 
 log = get_logger(__name__)
 
@@ -85,6 +87,7 @@ class JobDriver:
         tick_interval: float,
         lease_seconds: float,
         ledger_page_size: int = work.PAGE_SIZE,
+        unreported_loss_after: float = 15.0,
     ) -> None:
         self.runtime = runtime
         self.leadership = leadership
@@ -107,6 +110,9 @@ class JobDriver:
         """Standby trainer -> the job a PREPARE sent to it is building (until it answers)."""
         self._provisioning: dict[tuple[str, str], list[float]] = {}
         """(job, role) -> when replacements were asked for and have not registered yet."""
+        self.unreported_loss_after = unreported_loss_after
+        self._missing: dict[tuple[str, str], float] = {}
+        """(job, bound member) -> since when it is missing from the registry (`_unreported`)."""
 
     # ------------------------------------------------------------------ plumbing
 
@@ -358,6 +364,7 @@ class JobDriver:
         if ledger is None:
             return
         await self._fill(record, members)
+        await self._unreported(record, members)
         alive = {m.instance_id for m in members if m.job_id == record.job_id}
         changed = work.expire(ledger, time.time())
         for holder in {held.instance_id for held in ledger.open.values()} - alive:
@@ -366,6 +373,40 @@ class JobDriver:
         if changed:
             log.info("coordinator.groups_requeued", job=record.job_id, groups=len(changed))
             await self.save_ledger(ledger)
+
+    async def _unreported(self, record: JobRecord, members: list[MemberRecord]) -> None:
+        """Record the loss of a bound member that has been missing from the registry for
+        `unreported_loss_after` seconds. The monitor reports a loss within the session TTL,
+        and recovery then unbinds the member; a member still bound and missing after that
+        failed while no monitor ran (a monitor that restarts lists only the registered
+        members: it never saw it go). Once recorded, the incident is recovered as any other
+        (its recovery unbinds the member, so it is recorded once)."""
+        now = time.time()
+        for instance_id, since in missing_members(record, members, self._missing, now):
+            if now - since < self.unreported_loss_after:
+                continue
+            role = record.member_roles[instance_id]
+            incident = IncidentRecord(
+                incident_id=f"{int(now * 1000):013d}-{secrets.token_hex(3)}",
+                job_id=record.job_id,
+                role=role,
+                instance_id=instance_id,
+                rank=0,
+                kind="MEMBER_LOST",
+                evidence=(
+                    f"bound to job {record.job_id} but missing from the registry for "
+                    f"{now - since:.0f}s, and no monitor reported it"
+                ),
+                confidence=0.9,
+                detected_at=now,
+                epoch=record.epoch,
+            )
+            assert self.runtime.client is not None
+            await IncidentLog(self.runtime.client, self.runtime.keys).record(incident)
+            self._missing[(record.job_id, instance_id)] = now  # once per grace, at most
+            log.warning(
+                "coordinator.unreported_loss", job=record.job_id, member=instance_id, role=role
+            )
 
     async def _fill(self, record: JobRecord, members: list[MemberRecord]) -> None:
         """Bind replacements for roles the job lost (recovery fenced them): a free member if
@@ -741,6 +782,23 @@ class JobDriver:
         checkpointed = request.step - self.spec(record).trainer.checkpoint_every
         with contextlib.suppress(ValueError):
             account.compact(now - 600.0, checkpoint_step=max(0, checkpointed))
+
+
+def missing_members(
+    record: JobRecord,
+    members: list[MemberRecord],
+    missing: dict[tuple[str, str], float],
+    now: float,
+) -> list[tuple[str, float]]:
+    """The job's bound members missing from the registry, each with since when (kept in
+    `missing`, which forgets a member once it is registered again or no longer bound)."""
+    registered = {m.instance_id for m in members}
+    bound = {(record.job_id, i) for i in record.member_roles if i not in registered}
+    for key in [k for k in missing if k[0] == record.job_id and k not in bound]:
+        del missing[key]
+    for key in bound:
+        missing.setdefault(key, now)
+    return sorted((i, missing[(job, i)]) for job, i in bound)
 
 
 def standbys_to_prepare(

@@ -272,6 +272,7 @@ async def serve(settings: CoordinatorSettings, etcd: EtcdSettings) -> ServiceRun
         tick_interval=settings.tick_interval,
         lease_seconds=settings.lease_seconds,
         ledger_page_size=settings.ledger_page_size,
+        unreported_loss_after=settings.unreported_loss_after,
     )
     coordinator_pb2_grpc.add_CoordinatorServicer_to_server(
         CoordinatorServicer(runtime, leadership, driver), runtime.host.server

@@ -43,6 +43,7 @@ STANDBY_STEPS = 200
 EXTERNAL_STEPS = 320
 BOTH_KILLED_STEPS = 160
 ETCD_OUTAGE_STEPS = 160
+NO_MONITOR_STEPS = 320
 # 2.5 x the stack's session TTL: every lease lapses.
 ETCD_OUTAGE_S = 20.0
 
@@ -392,4 +393,28 @@ def test_etcd_unreachable_for_longer_than_the_ttl_replaces_nothing_and_loses_not
     assert after == data_plane
     assert_nothing_lost_or_trained_twice(
         stack, "eu", tmp_path / "runs" / "eu", steps_run=ETCD_OUTAGE_STEPS
+    )
+
+
+def test_a_rollout_lost_while_no_monitor_runs_is_still_replaced(
+    stack: Cli, model_dir: Path, tmp_path: Path
+) -> None:
+    # Nobody saw it go: a monitor that starts later lists only the registered members. The
+    # leader records the loss itself once the bound member stays missing from the registry
+    # (coordinator `unreported_loss_after`, 15 s); before, the job ran on with one rollout.
+    submit(stack, model_dir, "nm", f"trainer.steps={NO_MONITOR_STEPS}")
+    eventually_sync(lambda: step_of(stack, "nm") >= 5, timeout=180)
+    os.kill(int(member(stack, "monitor-0")["pid"]), signal.SIGKILL)
+    eventually_sync(
+        lambda: all(m["instance_id"] != "monitor-0" for m in stack.members()), timeout=30
+    )
+    os.kill(int(member(stack, "rollout-1")["pid"]), signal.SIGKILL)
+    finish(stack, "nm")
+    [rec] = recoveries(stack, "nm")
+    assert rec["actions"] == ["FENCE rollout-1", "REQUEUE rollout-1", "REPLACE_ROLLOUT rollout-1"]
+    assert rec["done_at"] and rec["replacements"][0].startswith("rollout-p")
+    [incident] = incidents(stack, "nm")
+    assert incident["kind"] == "MEMBER_LOST" and "no monitor reported it" in incident["evidence"]
+    assert_nothing_lost_or_trained_twice(
+        stack, "nm", tmp_path / "runs" / "nm", steps_run=NO_MONITOR_STEPS
     )

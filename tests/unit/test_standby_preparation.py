@@ -1,9 +1,11 @@
-"""Which free standby trainers the leader asks to PREPARE, and for which running job."""
+"""Which free standby trainers the leader asks to PREPARE, and for which running job; which
+bound members are missing from the registry, and since when."""
 
 from __future__ import annotations
 
 from services.common.registry import MemberRecord
-from services.coordinator.driver import standbys_to_prepare
+from services.coordinator.driver import missing_members, standbys_to_prepare
+from services.coordinator.jobs import JobRecord
 
 
 def trainer(name: str, *, job: str = "", **labels: str) -> MemberRecord:
@@ -45,3 +47,29 @@ def test_standbys_spread_over_running_jobs_and_a_finished_jobs_standby_is_reused
     # b has none and a has s0, so b first; then the fewest-served job each time (ties: the
     # first running job).
     assert chosen(["a", "b"], members, {}) == {"s1": "b", "s2": "a", "s3": "b"}
+
+
+def test_a_bound_member_missing_from_the_registry_is_timed_from_when_it_went() -> None:
+    record = JobRecord(
+        job_id="a",
+        spec={},
+        created_at=0.0,
+        updated_at=0.0,
+        member_roles={"t0": "trainer", "r0": "rollout", "r1": "rollout"},
+    )
+    registered = [trainer("t0", job="a"), rollout("r0", job="a")]
+    since: dict[tuple[str, str], float] = {}
+    assert missing_members(record, registered, since, now=10.0) == [("r1", 10.0)]
+    assert missing_members(record, registered, since, now=25.0) == [("r1", 10.0)]
+    # Back in the registry (an etcd outage lapsed its lease): forgotten, timed afresh later.
+    assert missing_members(record, [*registered, rollout("r1", job="a")], since, now=26.0) == []
+    assert missing_members(record, registered, since, now=30.0) == [("r1", 30.0)]
+    # No longer bound (recovery fenced it): forgotten too.
+    record.member_roles.pop("r1")
+    assert missing_members(record, registered, since, now=31.0) == [] and since == {}
+
+
+def rollout(name: str, *, job: str = "") -> MemberRecord:
+    return MemberRecord(
+        role="rollout", instance_id=name, address="h:2", pid=2, host="h", job_id=job
+    )
