@@ -9,12 +9,13 @@ from __future__ import annotations
 
 import json
 from collections.abc import Awaitable, Callable
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import aetcd
 import grpc
 
 from robustrl.v1 import coordinator_pb2_grpc
+from services.common.aio import retry_while
 from services.common.channels import open_channel
 from services.common.election import current_leader
 from services.common.errors import LEADER_METADATA_KEY, Unavailable
@@ -24,6 +25,9 @@ from services.common.registry import Registry
 
 T = TypeVar("T")
 Call = Callable[[coordinator_pb2_grpc.CoordinatorStub], Awaitable[T]]
+
+NO_LEADER_ANSWER = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED})
+"""Statuses a write is sent again after: no leader, or none in time."""
 
 
 class CoordinatorClient:
@@ -79,6 +83,37 @@ class CoordinatorClient:
             if exc.code() != grpc.StatusCode.UNAVAILABLE or not hint or hint == address:
                 raise
             return await self._on_leader(str(hint), call)
+
+    async def write_until_answered(
+        self,
+        call: Call[T],
+        *,
+        retried: frozenset[grpc.StatusCode] = NO_LEADER_ANSWER,
+        on_wait: Callable[[], None] | None = None,
+        **context: Any,
+    ) -> T:
+        """`write`, sent again for as long as no leader answers it (`retry_while`): during a
+        failover (the new leader is at another address, which only a fresh look in etcd
+        finds) and while etcd is unreachable (the leader can write nothing, and nobody can
+        look it up). An answer with a status not in `retried` is raised. Logs
+        `coordinator.unanswered` once and `coordinator.answered` with the wait.
+
+        A write that timed out may have been applied: its caller must be one the coordinator
+        ignores when sent again (completions and progress reports are)."""
+
+        def transient(exc: BaseException) -> bool:
+            if isinstance(exc, grpc.aio.AioRpcError):
+                return exc.code() in retried
+            return isinstance(exc, Unavailable)
+
+        return await retry_while(
+            lambda: self.write(call),
+            transient,
+            waiting="coordinator.unanswered",
+            answered="coordinator.answered",
+            on_wait=on_wait,
+            **context,
+        )
 
     async def _on_leader(self, address: str, call: Call[T]) -> T:
         channel = self._channels.get(address)

@@ -3,27 +3,20 @@ riding out the time etcd is unreachable."""
 
 from __future__ import annotations
 
-import asyncio
-import time
 from collections.abc import Awaitable, Callable
 from typing import TypeVar
 
 import aetcd
 
+from services.common.aio import retry_while
 from services.common.config import EtcdSettings
 from services.common.errors import Unavailable
-from services.common.logs import get_logger
-
-log = get_logger(__name__)
 
 T = TypeVar("T")
 
 ETCD_UNREACHABLE = (aetcd.exceptions.ConnectionFailedError, aetcd.exceptions.ConnectionTimeoutError)
 """What aetcd raises while no etcd answers (UNAVAILABLE, or the request's deadline passed).
 Every other ClientError is an answer (a compacted revision, a bad argument) and not retried."""
-
-RETRY_FIRST_S = 0.2
-RETRY_MAX_S = 2.0
 
 # gRPC refuses a received message over 4 MiB by default. etcd answers a watch that catches up
 # with up to 1000 revisions in one message, and the ledger is rewritten on every lease with a
@@ -56,27 +49,15 @@ async def connect_etcd(settings: EtcdSettings) -> aetcd.Client:
 async def until_etcd_answers(
     call: Callable[[], Awaitable[T]], doing: str, on_wait: Callable[[], None] | None = None
 ) -> T:
-    """`call()`, made again for as long as it fails because etcd is unreachable (0.2 s after
-    the first failure, doubling to 2 s between tries); any other error is raised.
-
-    For work that cannot go on without etcd and must not be given up either (the failure
-    table: etcd unreachable pauses nobody for good). Logs `etcd.unreachable` once, on the
-    first failure, and `etcd.reachable` when a call goes through after it, with how long
-    `doing` waited. `on_wait` is called once, on that first failure."""
-    delay = RETRY_FIRST_S
-    since: float | None = None
-    while True:
-        try:
-            result = await call()
-        except ETCD_UNREACHABLE as exc:
-            if since is None:
-                since = time.monotonic()
-                log.warning("etcd.unreachable", doing=doing, error=str(exc)[:200])
-                if on_wait is not None:
-                    on_wait()
-            await asyncio.sleep(delay)
-            delay = min(delay * 2, RETRY_MAX_S)
-            continue
-        if since is not None:
-            log.info("etcd.reachable", doing=doing, waited_s=round(time.monotonic() - since, 1))
-        return result
+    """`call()`, made again for as long as it fails because etcd is unreachable (`retry_while`);
+    any other error is raised. For work that cannot go on without etcd and must not be given
+    up either (the failure table: etcd unreachable pauses nobody for good). Logs
+    `etcd.unreachable` once and `etcd.reachable` with how long `doing` waited."""
+    return await retry_while(
+        call,
+        lambda exc: isinstance(exc, ETCD_UNREACHABLE),
+        waiting="etcd.unreachable",
+        answered="etcd.reachable",
+        on_wait=on_wait,
+        doing=doing,
+    )

@@ -13,7 +13,6 @@ import asyncio
 import contextlib
 import functools
 import json
-import secrets
 import time
 from collections import Counter
 from collections.abc import Iterable
@@ -38,7 +37,7 @@ from services.coordinator.jobs import JobRecord, Phase
 from services.coordinator.leadership import Leadership
 from services.coordinator.provisioner import NoProvisioner, Provisioner
 from services.coordinator.store import JobStore, dropped_pages
-from services.monitor.incidents import IncidentLog, IncidentRecord
+from services.monitor.incidents import IncidentRecord, incident_id_at
 
 log = get_logger(__name__)
 
@@ -387,7 +386,7 @@ class JobDriver:
                 continue
             role = record.member_roles[instance_id]
             incident = IncidentRecord(
-                incident_id=f"{int(now * 1000):013d}-{secrets.token_hex(3)}",
+                incident_id=incident_id_at(now),
                 job_id=record.job_id,
                 role=role,
                 instance_id=instance_id,
@@ -401,8 +400,7 @@ class JobDriver:
                 detected_at=now,
                 epoch=record.epoch,
             )
-            assert self.runtime.client is not None
-            await IncidentLog(self.runtime.client, self.runtime.keys).record(incident)
+            await self.executor.incident_log.record(incident)
             self._missing[(record.job_id, instance_id)] = now  # once per grace, at most
             log.warning(
                 "coordinator.unreported_loss", job=record.job_id, member=instance_id, role=role

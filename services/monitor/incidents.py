@@ -39,10 +39,8 @@ def from_finding(finding: Finding, now: float) -> IncidentRecord:
 def new_incident(
     view: MemberView, kind: str, evidence: str, confidence: float, now: float
 ) -> IncidentRecord:
-    # Time-ordered ids: etcd lists them in the order they happened.
-    incident_id = f"{int(now * 1000):013d}-{secrets.token_hex(3)}"
     return IncidentRecord(
-        incident_id=incident_id,
+        incident_id=incident_id_at(now),
         job_id=view.job_id,
         role=view.role,
         instance_id=view.instance_id,
@@ -53,6 +51,11 @@ def new_incident(
         detected_at=now,
         epoch=view.epoch,
     )
+
+
+def incident_id_at(now: float) -> str:
+    """A new incident's id. Time-ordered: etcd lists incidents in the order they happened."""
+    return f"{int(now * 1000):013d}-{secrets.token_hex(3)}"
 
 
 def to_proto(record: IncidentRecord) -> common_pb2.Incident:

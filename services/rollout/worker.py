@@ -39,7 +39,7 @@ import torch
 from robustrl.v1 import coordinator_pb2, trainer_pb2, trainer_pb2_grpc
 from services.common.aio import cancel_and_wait
 from services.common.channels import open_channel
-from services.common.coordinator_client import CoordinatorClient
+from services.common.coordinator_client import NO_LEADER_ANSWER, CoordinatorClient
 from services.common.errors import InvalidArgument, Unavailable
 from services.common.etcd_client import ETCD_UNREACHABLE, until_etcd_answers
 from services.common.jobspec import JobSpec
@@ -62,10 +62,9 @@ RATE_WINDOW_S = 5.0
 """Span of the recent token rate (`tokens_per_s`)."""
 
 GAUGE_INTERVAL_S = 0.25
-RETRIED_CODES = frozenset(
-    {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.ABORTED}
-)
-"""Coordinator answers a completion is sent again after: no leader, or none in time."""
+RETRIED_CODES = NO_LEADER_ANSWER | {grpc.StatusCode.ABORTED}
+"""Coordinator answers a completion is sent again after: no leader, none in time, or the job
+changed under it (it says to retry)."""
 """How often the gauges that change with time alone (request age, token rate) are refreshed:
 a hung generation thread cannot refresh them."""
 
@@ -494,23 +493,16 @@ class RolloutWorker:
             generated_to=span[1],
         )
         # Sent again for as long as no leader answers (a failover, etcd unreachable): given up,
-        # the groups would stay leased to this rollout, delivered or not. A completion that
-        # timed out may have been applied; the coordinator ignores one sent again.
-        attempt = 0
-        while True:
-            try:
-                await self.coordinator.write(
-                    lambda s: s.CompleteWork(request, timeout=RPC_DEADLINE)
-                )
-                return
-            except (grpc.aio.AioRpcError, Unavailable) as exc:
-                if isinstance(exc, grpc.aio.AioRpcError) and exc.code() not in RETRIED_CODES:
-                    code = exc.code().name
-                    log.warning("rollout.complete_refused", code=code, error=exc.details())
-                    return
-                log.info("rollout.complete_failed", attempt=attempt, error=str(exc)[:200])
-                attempt += 1
-                await asyncio.sleep(min(0.5 * attempt, 2.0))
+        # the groups would stay leased to this rollout, delivered or not.
+        try:
+            await self.coordinator.write_until_answered(
+                lambda s: s.CompleteWork(request, timeout=RPC_DEADLINE),
+                retried=RETRIED_CODES,
+                doing="completing work",
+            )
+        except grpc.aio.AioRpcError as exc:
+            code = exc.code().name
+            log.warning("rollout.complete_refused", code=code, error=exc.details())
 
     # ------------------------------------------------------------------ the stream
 

@@ -18,13 +18,12 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import grpc
 import torch
 
 from robustrl.v1 import coordinator_pb2, trainer_pb2
 from services.common.aio import cancel_and_wait
 from services.common.coordinator_client import CoordinatorClient
-from services.common.errors import InvalidArgument, Unavailable
+from services.common.errors import InvalidArgument
 from services.common.etcd_client import until_etcd_answers
 from services.common.fences import FenceSet
 from services.common.heartbeat import Progress
@@ -550,34 +549,14 @@ async def report_to_coordinator(
     request: coordinator_pb2.ReportProgressRequest,
     on_wait: Callable[[], None] | None = None,
 ) -> bool:
-    """ReportProgress to the leader, for as long as no leader answers: after a leader change
-    (the new one is at another address, which only a fresh look in etcd finds), and while
-    etcd is unreachable (the leader can write nothing, and nobody can look it up). Training
-    cannot go on without its reports: the coordinator decides whether the job goes on.
-
-    A report that timed out may have been applied: sent again, the coordinator ignores the
-    groups it settled already. `on_wait` is called once, when the first try fails.
-    """
-    delay = 0.2
-    waited_from: float | None = None
-    while True:
-        try:
-            reply = await client.write(lambda s: s.ReportProgress(request, timeout=REPORT_DEADLINE))
-        except (grpc.aio.AioRpcError, Unavailable) as exc:
-            code = (
-                exc.code() if isinstance(exc, grpc.aio.AioRpcError) else grpc.StatusCode.UNAVAILABLE
-            )
-            if code not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
-                raise
-            if waited_from is None:
-                waited_from = time.monotonic()
-                log.warning("trainer.report_waiting", step=request.step, error=str(exc)[:200])
-                if on_wait is not None:
-                    on_wait()
-            await asyncio.sleep(delay)
-            delay = min(delay * 2, 2.0)
-            continue
-        if waited_from is not None:
-            waited = round(time.monotonic() - waited_from, 1)
-            log.info("trainer.report_sent", step=request.step, waited_s=waited)
-        return bool(reply.keep_going)
+    """ReportProgress to the leader, for as long as no leader answers
+    (`CoordinatorClient.write_until_answered`). Training cannot go on without its reports:
+    the coordinator decides whether the job goes on. A report sent again is safe: the
+    coordinator ignores the groups it settled already."""
+    reply = await client.write_until_answered(
+        lambda s: s.ReportProgress(request, timeout=REPORT_DEADLINE),
+        on_wait=on_wait,
+        doing="reporting progress",
+        step=request.step,
+    )
+    return bool(reply.keep_going)
