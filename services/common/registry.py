@@ -12,12 +12,11 @@ import time
 from collections.abc import AsyncIterator
 
 import aetcd
-import grpc
 from pydantic import BaseModel, Field
 
 from robustrl.v1 import common_pb2
 from services.common.keys import KeySpace
-from services.common.session import Session
+from services.common.session import Session, lease_gone
 from services.common.watch import Entry, WatchEvent, list_prefix, watch_prefix
 
 ROLES = ("coordinator", "monitor", "trainer", "rollout")
@@ -96,11 +95,7 @@ class Registry:
         try:
             await self.client.put(key, member.model_dump_json().encode(), lease=session.lease_id)
         except aetcd.exceptions.ClientError as exc:
-            cause = exc.__cause__
-            if (
-                isinstance(cause, grpc.aio.AioRpcError)
-                and cause.code() == grpc.StatusCode.NOT_FOUND
-            ):
+            if lease_gone(exc):
                 raise LeaseGone(f"lease {session.lease_id:x} expired") from exc
             raise
         return member

@@ -11,6 +11,7 @@ import asyncio
 import time
 
 import aetcd
+import grpc
 
 from services.common.aio import cancel_and_wait
 from services.common.logs import get_logger
@@ -68,3 +69,10 @@ class Session:
                 # The lease still expires by its TTL; peers only learn a little later.
                 log.warning("etcd.revoke_failed", lease=f"{self.lease_id:x}", error=repr(exc))
         self.done.set()
+
+
+def lease_gone(exc: BaseException) -> bool:
+    """Whether etcd refused a write because the lease it was made under no longer exists (it
+    expired while etcd was unreachable; the session's keepalive may not have noticed yet)."""
+    cause = exc.__cause__
+    return isinstance(cause, grpc.aio.AioRpcError) and cause.code() == grpc.StatusCode.NOT_FOUND

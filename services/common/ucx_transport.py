@@ -74,7 +74,7 @@ from services.common.checksums import (
 from services.common.errors import Aborted, Fenced
 from services.common.keys import KeySpace, WeightKeys
 from services.common.logs import get_logger
-from services.common.session import Session
+from services.common.session import Session, lease_gone
 from services.common.watch import (
     Delete,
     Entry,
@@ -1589,17 +1589,26 @@ class UcxTransport(WeightTransport):
             tx = self.client.transactions
             manifest_key = self.wkeys.manifest(self.job_id, version)
             record = self._record(held)
-            ok, _ = await self.client.transaction(
-                compare=[tx.mod(manifest_key) == held.manifest_revision],
-                success=[
-                    tx.put(
-                        self.wkeys.holder(self.job_id, version, self.instance_id),
-                        record.to_json(),
-                        lease=self._session.lease_id,
-                    )
-                ],
-                failure=[],
-            )
+            try:
+                ok, _ = await self.client.transaction(
+                    compare=[tx.mod(manifest_key) == held.manifest_revision],
+                    success=[
+                        tx.put(
+                            self.wkeys.holder(self.job_id, version, self.instance_id),
+                            record.to_json(),
+                            lease=self._session.lease_id,
+                        )
+                    ],
+                    failure=[],
+                )
+            except aetcd.exceptions.ClientError as exc:
+                if not lease_gone(exc):
+                    raise
+                # The session lapsed (etcd was unreachable past its TTL) and its keepalive has
+                # not noticed yet: `_keep_session` opens the next one and registers every held
+                # version under it, this one included.
+                log.info("weights.record_deferred", version=version, reason="lease gone")
+                return
             if ok:
                 held.recorded_pullers = record.active_pullers
                 self.counters.records_written += 1

@@ -33,6 +33,7 @@ from services.common.ucx_transport import (
     BucketManifest,
     HolderRecord,
     HostBuffers,
+    UcxTransport,
     VersionsView,
     allocate_buffer,
     choose_holder,
@@ -589,6 +590,39 @@ async def test_a_manifest_from_an_older_trainer_epoch_is_ignored(
 
     assert not result["ok"] and "older than epoch 2" in result["error"]
     assert latest["version"] == 2
+
+
+async def test_a_publish_whose_lease_lapsed_unnoticed_succeeds_and_registers_under_the_next(
+    etcd_client: Any, etcd_settings: EtcdSettings
+) -> None:
+    """etcd was unreachable past the session's TTL: its lease is gone, and the keepalive has
+    not noticed yet when the trainer publishes. The publish must not fail (once it did, and
+    the job with it); the holder record comes under the next session."""
+    wkeys = WeightKeys(KeySpace(etcd_settings.prefix))
+    trainer = UcxTransport(
+        etcd_client,
+        KeySpace(etcd_settings.prefix),
+        JOB,
+        instance_id="t",
+        epoch=1,
+        session_ttl=30,  # keepalives 10 s apart: the lapse goes unnoticed for a while
+    )
+    await trainer.start()
+    try:
+        assert trainer._session is not None
+        lapsed = trainer._session.lease_id
+        await asyncio.sleep(0.5)  # past the session's first refresh; the next is 10 s away
+        await etcd_client.revoke_lease(lapsed)
+        await trainer.publish(1, make_tensors(0))
+        holder = wkeys.holder(JOB, 1, "t")
+
+        async def registered_again() -> bool:
+            got = await etcd_client.get(holder)
+            return got is not None and got.lease != lapsed
+
+        await eventually(registered_again, timeout=30)
+    finally:
+        await trainer.close()
 
 
 async def test_make_transport_falls_back_to_grpc_when_asked_or_when_ucx_cannot_start(
