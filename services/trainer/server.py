@@ -21,6 +21,10 @@ from services.trainer.worker import TrainerWorker
 
 log = get_logger(__name__)
 
+StreamItem = trainer_pb2.TrajectoryAck | FailedPrecondition | None
+"""What a trajectory stream's outbox carries: an ack, the error that ends the stream, or None
+(the rollout closed its side)."""
+
 SERVICE_NAME = trainer_pb2.DESCRIPTOR.services_by_name["Trainer"].full_name
 
 
@@ -30,6 +34,18 @@ class TrainerServicer(RoleControl, trainer_pb2_grpc.TrainerServicer):
             return TrainerWorker(runtime, settings, job_id=job_id, epoch=epoch, spec=spec)
 
         super().__init__(runtime, make_worker)
+        self._streams: set[asyncio.Queue[StreamItem]] = set()
+        """The outboxes of the open trajectory streams."""
+
+    async def stop_worker(self) -> None:
+        """End every open trajectory stream first. A rollout re-sends what is not committed
+        only on a new stream: an open one to a trainer that was fenced while it lives (its step
+        loop stopped on an error, or hung) would otherwise hold the rollout's trajectories
+        until it writes again, and a rollout at its staleness bound never writes again."""
+        job = self.worker.job_id if self.worker is not None else self.binding.job_id
+        for outbox in self._streams:
+            outbox.put_nowait(FailedPrecondition(f"this trainer no longer works on job {job}"))
+        await super().stop_worker()
 
     def _worker_for(self, job_id: str) -> TrainerWorker:
         if self.binding.fenced:
@@ -45,7 +61,7 @@ class TrainerServicer(RoleControl, trainer_pb2_grpc.TrainerServicer):
         context: grpc.aio.ServicerContext,
     ) -> AsyncIterator[trainer_pb2.TrajectoryAck]:
         """Acks for each trajectory as it arrives, and commit/reject notices as they happen."""
-        outbox: asyncio.Queue[trainer_pb2.TrajectoryAck | None] = asyncio.Queue()
+        outbox: asyncio.Queue[StreamItem] = asyncio.Queue()
         subscribed: tuple[TrainerWorker, str, asyncio.Queue[trainer_pb2.TrajectoryAck]] | None = (
             None
         )
@@ -74,11 +90,15 @@ class TrainerServicer(RoleControl, trainer_pb2_grpc.TrainerServicer):
                 outbox.put_nowait(None)
 
         reader = asyncio.create_task(pump())
+        self._streams.add(outbox)
         try:
             while (ack := await outbox.get()) is not None:
+                if isinstance(ack, FailedPrecondition):
+                    raise ack  # the worker stopped (stop_worker)
                 yield ack
             reader.result()  # re-raise what ended the stream (e.g. FailedPrecondition)
         finally:
+            self._streams.discard(outbox)
             reader.cancel()
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await reader
@@ -99,8 +119,7 @@ class TrainerServicer(RoleControl, trainer_pb2_grpc.TrainerServicer):
 
 
 async def _forward(
-    source: asyncio.Queue[trainer_pb2.TrajectoryAck],
-    sink: asyncio.Queue[trainer_pb2.TrajectoryAck | None],
+    source: asyncio.Queue[trainer_pb2.TrajectoryAck], sink: asyncio.Queue[StreamItem]
 ) -> None:
     while True:
         sink.put_nowait(await source.get())
