@@ -56,6 +56,10 @@ class _IncidentKindEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_Incident
     INCIDENT_KIND_COLLECTIVE_HANG: _IncidentKind.ValueType  # 4
     INCIDENT_KIND_NON_FINITE: _IncidentKind.ValueType  # 5
     INCIDENT_KIND_DEGRADED: _IncidentKind.ValueType  # 6
+    INCIDENT_KIND_TRAINER_ERROR: _IncidentKind.ValueType  # 7
+    """The trainer stopped on an error of its own (an exception in its step loop) and said so;
+    recorded by the leading coordinator, not by the monitor.
+    """
 
 class IncidentKind(_IncidentKind, metaclass=_IncidentKindEnumTypeWrapper): ...
 
@@ -67,6 +71,10 @@ INCIDENT_KIND_TRAINER_HANG: IncidentKind.ValueType  # 3
 INCIDENT_KIND_COLLECTIVE_HANG: IncidentKind.ValueType  # 4
 INCIDENT_KIND_NON_FINITE: IncidentKind.ValueType  # 5
 INCIDENT_KIND_DEGRADED: IncidentKind.ValueType  # 6
+INCIDENT_KIND_TRAINER_ERROR: IncidentKind.ValueType  # 7
+"""The trainer stopped on an error of its own (an exception in its step loop) and said so;
+recorded by the leading coordinator, not by the monitor.
+"""
 Global___IncidentKind: _TypeAlias = IncidentKind  # noqa: Y015
 
 @_typing.final

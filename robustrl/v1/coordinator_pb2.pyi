@@ -650,6 +650,7 @@ class ReportProgressRequest(_message.Message):
     DISCARDED_GROUPS_FIELD_NUMBER: _builtins.int
     FINISHED_FIELD_NUMBER: _builtins.int
     ERROR_FIELD_NUMBER: _builtins.int
+    ERROR_IN_JOB_FIELD_NUMBER: _builtins.int
     REGENERATE_GROUPS_FIELD_NUMBER: _builtins.int
     DURABLE_STEP_FIELD_NUMBER: _builtins.int
     RESTORED_STEP_FIELD_NUMBER: _builtins.int
@@ -660,7 +661,12 @@ class ReportProgressRequest(_message.Message):
     weight_version: _builtins.int
     finished: _builtins.bool
     error: _builtins.str
-    """Set when the trainer cannot run the job (model missing, bad spec): the job fails."""
+    """Set when the trainer stopped on an error. An error in the job itself (error_in_job: its
+    reward plug-in, its data) fails the job. Any other is taken as this trainer's machine
+    failing: it is recovered on another trainer, and fails the job only when it comes back
+    with no step gained since an earlier trainer stopped on an error.
+    """
+    error_in_job: _builtins.bool
     durable_step: _builtins.int
     """Steps [0, durable_step) are in a durable checkpoint of this trainer (restored or written).
     Groups trained by a later step stay held by their rollouts: if this trainer is replaced,
@@ -697,13 +703,14 @@ class ReportProgressRequest(_message.Message):
         discarded_groups: _abc.Mapping[_builtins.str, _builtins.str] | None = ...,
         finished: _builtins.bool = ...,
         error: _builtins.str = ...,
+        error_in_job: _builtins.bool = ...,
         regenerate_groups: _abc.Mapping[_builtins.str, _builtins.str] | None = ...,
         durable_step: _builtins.int = ...,
         restored_step: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["discarded_groups", b"discarded_groups", "durable_step", b"durable_step", "epoch", b"epoch", "error", b"error", "finished", b"finished", "instance_id", b"instance_id", "job_id", b"job_id", "metrics", b"metrics", "regenerate_groups", b"regenerate_groups", "restored_step", b"restored_step", "step", b"step", "trained_group_ids", b"trained_group_ids", "weight_version", b"weight_version"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["discarded_groups", b"discarded_groups", "durable_step", b"durable_step", "epoch", b"epoch", "error", b"error", "error_in_job", b"error_in_job", "finished", b"finished", "instance_id", b"instance_id", "job_id", b"job_id", "metrics", b"metrics", "regenerate_groups", b"regenerate_groups", "restored_step", b"restored_step", "step", b"step", "trained_group_ids", b"trained_group_ids", "weight_version", b"weight_version"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

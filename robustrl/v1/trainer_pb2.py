@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from robustrl.v1 import common_pb2 as robustrl_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19robustrl/v1/trainer.proto\x12\x0brobustrl.v1\x1a\x18robustrl/v1/common.proto\"\x12\n\x10GetStatusRequest\"\xfd\x01\n\nRoleStatus\x12\x1f\n\x04role\x18\x01 \x01(\x0e\x32\x11.robustrl.v1.Role\x12\x13\n\x0binstance_id\x18\x02 \x01(\t\x12\r\n\x05\x65poch\x18\x03 \x01(\x03\x12\x0e\n\x06job_id\x18\x04 \x01(\t\x12\r\n\x05phase\x18\x05 \x01(\t\x12\x0c\n\x04step\x18\x06 \x01(\x03\x12\x16\n\x0eweight_version\x18\x07 \x01(\x03\x12\x35\n\x07metrics\x18\x08 \x03(\x0b\x32$.robustrl.v1.RoleStatus.MetricsEntry\x1a.\n\x0cMetricsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"\xca\x02\n\x0e\x43ontrolRequest\x12\x32\n\x06\x61\x63tion\x18\x01 \x01(\x0e\x32\".robustrl.v1.ControlRequest.Action\x12\x0e\n\x06job_id\x18\x02 \x01(\t\x12\r\n\x05\x65poch\x18\x03 \x01(\x03\x12\x33\n\x04\x61rgs\x18\x04 \x03(\x0b\x32%.robustrl.v1.ControlRequest.ArgsEntry\x1a+\n\tArgsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"\x82\x01\n\x06\x41\x63tion\x12\x16\n\x12\x41\x43TION_UNSPECIFIED\x10\x00\x12\x0f\n\x0b\x41\x43TION_BIND\x10\x01\x12\x12\n\x0e\x41\x43TION_RELEASE\x10\x02\x12\x10\n\x0c\x41\x43TION_FENCE\x10\x03\x12\x15\n\x11\x41\x43TION_INJECT_NAN\x10\x04\x12\x12\n\x0e\x41\x43TION_PREPARE\x10\x05\":\n\x0f\x43ontrolResponse\x12\'\n\x06status\x18\x01 \x01(\x0b\x32\x17.robustrl.v1.RoleStatus\"\x8a\x02\n\nTrajectory\x12\x15\n\rtrajectory_id\x18\x01 \x01(\t\x12\x0e\n\x06job_id\x18\x02 \x01(\t\x12\x1b\n\x13rollout_instance_id\x18\x03 \x01(\t\x12\x15\n\rrollout_epoch\x18\x04 \x01(\x03\x12\x10\n\x08group_id\x18\x05 \x01(\t\x12\x12\n\ngroup_size\x18\x06 \x01(\x05\x12\x16\n\x0eweight_version\x18\x07 \x01(\x03\x12\x12\n\nprompt_ids\x18\x08 \x03(\x05\x12\x16\n\x0e\x63ompletion_ids\x18\t \x03(\x05\x12\x10\n\x08logprobs\x18\n \x03(\x02\x12\x0e\n\x06reward\x18\x0b \x01(\x01\x12\x15\n\rfinish_reason\x18\x0c \x01(\t\"@\n\x0fTrajectoryBatch\x12-\n\x0ctrajectories\x18\x01 \x03(\x0b\x32\x17.robustrl.v1.Trajectory\"\xa9\x01\n\rTrajectoryAck\x12\x14\n\x0creceived_ids\x18\x01 \x03(\t\x12\x15\n\rcommitted_ids\x18\x02 \x03(\t\x12:\n\x08rejected\x18\x03 \x03(\x0b\x32(.robustrl.v1.TrajectoryAck.RejectedEntry\x1a/\n\rRejectedEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"X\n\nTensorInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\r\n\x05shape\x18\x03 \x03(\x03\x12\x0e\n\x06offset\x18\x04 \x01(\x03\x12\x0e\n\x06nbytes\x18\x05 \x01(\x03\"\x97\x01\n\x0eWeightManifest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\x03\x12\x15\n\rtrainer_epoch\x18\x03 \x01(\x03\x12(\n\x07tensors\x18\x04 \x03(\x0b\x32\x17.robustrl.v1.TensorInfo\x12\x13\n\x0btotal_bytes\x18\x05 \x01(\x03\x12\x0e\n\x06sha256\x18\x06 \x01(\t\"5\n\x12PullWeightsRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\x03\"Z\n\x0bWeightChunk\x12-\n\x08manifest\x18\x01 \x01(\x0b\x32\x1b.robustrl.v1.WeightManifest\x12\x0e\n\x06offset\x18\x02 \x01(\x03\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\x32\xb2\x02\n\x07Trainer\x12\x43\n\tGetStatus\x12\x1d.robustrl.v1.GetStatusRequest\x1a\x17.robustrl.v1.RoleStatus\x12\x44\n\x07\x43ontrol\x12\x1b.robustrl.v1.ControlRequest\x1a\x1c.robustrl.v1.ControlResponse\x12P\n\x10PushTrajectories\x12\x1c.robustrl.v1.TrajectoryBatch\x1a\x1a.robustrl.v1.TrajectoryAck(\x01\x30\x01\x12J\n\x0bPullWeights\x12\x1f.robustrl.v1.PullWeightsRequest\x1a\x18.robustrl.v1.WeightChunk0\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19robustrl/v1/trainer.proto\x12\x0brobustrl.v1\x1a\x18robustrl/v1/common.proto\"\x12\n\x10GetStatusRequest\"\xfd\x01\n\nRoleStatus\x12\x1f\n\x04role\x18\x01 \x01(\x0e\x32\x11.robustrl.v1.Role\x12\x13\n\x0binstance_id\x18\x02 \x01(\t\x12\r\n\x05\x65poch\x18\x03 \x01(\x03\x12\x0e\n\x06job_id\x18\x04 \x01(\t\x12\r\n\x05phase\x18\x05 \x01(\t\x12\x0c\n\x04step\x18\x06 \x01(\x03\x12\x16\n\x0eweight_version\x18\x07 \x01(\x03\x12\x35\n\x07metrics\x18\x08 \x03(\x0b\x32$.robustrl.v1.RoleStatus.MetricsEntry\x1a.\n\x0cMetricsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"\xe3\x02\n\x0e\x43ontrolRequest\x12\x32\n\x06\x61\x63tion\x18\x01 \x01(\x0e\x32\".robustrl.v1.ControlRequest.Action\x12\x0e\n\x06job_id\x18\x02 \x01(\t\x12\r\n\x05\x65poch\x18\x03 \x01(\x03\x12\x33\n\x04\x61rgs\x18\x04 \x03(\x0b\x32%.robustrl.v1.ControlRequest.ArgsEntry\x1a+\n\tArgsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"\x9b\x01\n\x06\x41\x63tion\x12\x16\n\x12\x41\x43TION_UNSPECIFIED\x10\x00\x12\x0f\n\x0b\x41\x43TION_BIND\x10\x01\x12\x12\n\x0e\x41\x43TION_RELEASE\x10\x02\x12\x10\n\x0c\x41\x43TION_FENCE\x10\x03\x12\x15\n\x11\x41\x43TION_INJECT_NAN\x10\x04\x12\x12\n\x0e\x41\x43TION_PREPARE\x10\x05\x12\x17\n\x13\x41\x43TION_INJECT_ERROR\x10\x06\":\n\x0f\x43ontrolResponse\x12\'\n\x06status\x18\x01 \x01(\x0b\x32\x17.robustrl.v1.RoleStatus\"\x8a\x02\n\nTrajectory\x12\x15\n\rtrajectory_id\x18\x01 \x01(\t\x12\x0e\n\x06job_id\x18\x02 \x01(\t\x12\x1b\n\x13rollout_instance_id\x18\x03 \x01(\t\x12\x15\n\rrollout_epoch\x18\x04 \x01(\x03\x12\x10\n\x08group_id\x18\x05 \x01(\t\x12\x12\n\ngroup_size\x18\x06 \x01(\x05\x12\x16\n\x0eweight_version\x18\x07 \x01(\x03\x12\x12\n\nprompt_ids\x18\x08 \x03(\x05\x12\x16\n\x0e\x63ompletion_ids\x18\t \x03(\x05\x12\x10\n\x08logprobs\x18\n \x03(\x02\x12\x0e\n\x06reward\x18\x0b \x01(\x01\x12\x15\n\rfinish_reason\x18\x0c \x01(\t\"@\n\x0fTrajectoryBatch\x12-\n\x0ctrajectories\x18\x01 \x03(\x0b\x32\x17.robustrl.v1.Trajectory\"\xa9\x01\n\rTrajectoryAck\x12\x14\n\x0creceived_ids\x18\x01 \x03(\t\x12\x15\n\rcommitted_ids\x18\x02 \x03(\t\x12:\n\x08rejected\x18\x03 \x03(\x0b\x32(.robustrl.v1.TrajectoryAck.RejectedEntry\x1a/\n\rRejectedEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"X\n\nTensorInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\r\n\x05shape\x18\x03 \x03(\x03\x12\x0e\n\x06offset\x18\x04 \x01(\x03\x12\x0e\n\x06nbytes\x18\x05 \x01(\x03\"\x97\x01\n\x0eWeightManifest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\x03\x12\x15\n\rtrainer_epoch\x18\x03 \x01(\x03\x12(\n\x07tensors\x18\x04 \x03(\x0b\x32\x17.robustrl.v1.TensorInfo\x12\x13\n\x0btotal_bytes\x18\x05 \x01(\x03\x12\x0e\n\x06sha256\x18\x06 \x01(\t\"5\n\x12PullWeightsRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\x03\"Z\n\x0bWeightChunk\x12-\n\x08manifest\x18\x01 \x01(\x0b\x32\x1b.robustrl.v1.WeightManifest\x12\x0e\n\x06offset\x18\x02 \x01(\x03\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\x32\xb2\x02\n\x07Trainer\x12\x43\n\tGetStatus\x12\x1d.robustrl.v1.GetStatusRequest\x1a\x17.robustrl.v1.RoleStatus\x12\x44\n\x07\x43ontrol\x12\x1b.robustrl.v1.ControlRequest\x1a\x1c.robustrl.v1.ControlResponse\x12P\n\x10PushTrajectories\x12\x1c.robustrl.v1.TrajectoryBatch\x1a\x1a.robustrl.v1.TrajectoryAck(\x01\x30\x01\x12J\n\x0bPullWeights\x12\x1f.robustrl.v1.PullWeightsRequest\x1a\x18.robustrl.v1.WeightChunk0\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -45,29 +45,29 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_ROLESTATUS_METRICSENTRY']._serialized_start=296
   _globals['_ROLESTATUS_METRICSENTRY']._serialized_end=342
   _globals['_CONTROLREQUEST']._serialized_start=345
-  _globals['_CONTROLREQUEST']._serialized_end=675
+  _globals['_CONTROLREQUEST']._serialized_end=700
   _globals['_CONTROLREQUEST_ARGSENTRY']._serialized_start=499
   _globals['_CONTROLREQUEST_ARGSENTRY']._serialized_end=542
   _globals['_CONTROLREQUEST_ACTION']._serialized_start=545
-  _globals['_CONTROLREQUEST_ACTION']._serialized_end=675
-  _globals['_CONTROLRESPONSE']._serialized_start=677
-  _globals['_CONTROLRESPONSE']._serialized_end=735
-  _globals['_TRAJECTORY']._serialized_start=738
-  _globals['_TRAJECTORY']._serialized_end=1004
-  _globals['_TRAJECTORYBATCH']._serialized_start=1006
-  _globals['_TRAJECTORYBATCH']._serialized_end=1070
-  _globals['_TRAJECTORYACK']._serialized_start=1073
-  _globals['_TRAJECTORYACK']._serialized_end=1242
-  _globals['_TRAJECTORYACK_REJECTEDENTRY']._serialized_start=1195
-  _globals['_TRAJECTORYACK_REJECTEDENTRY']._serialized_end=1242
-  _globals['_TENSORINFO']._serialized_start=1244
-  _globals['_TENSORINFO']._serialized_end=1332
-  _globals['_WEIGHTMANIFEST']._serialized_start=1335
-  _globals['_WEIGHTMANIFEST']._serialized_end=1486
-  _globals['_PULLWEIGHTSREQUEST']._serialized_start=1488
-  _globals['_PULLWEIGHTSREQUEST']._serialized_end=1541
-  _globals['_WEIGHTCHUNK']._serialized_start=1543
-  _globals['_WEIGHTCHUNK']._serialized_end=1633
-  _globals['_TRAINER']._serialized_start=1636
-  _globals['_TRAINER']._serialized_end=1942
+  _globals['_CONTROLREQUEST_ACTION']._serialized_end=700
+  _globals['_CONTROLRESPONSE']._serialized_start=702
+  _globals['_CONTROLRESPONSE']._serialized_end=760
+  _globals['_TRAJECTORY']._serialized_start=763
+  _globals['_TRAJECTORY']._serialized_end=1029
+  _globals['_TRAJECTORYBATCH']._serialized_start=1031
+  _globals['_TRAJECTORYBATCH']._serialized_end=1095
+  _globals['_TRAJECTORYACK']._serialized_start=1098
+  _globals['_TRAJECTORYACK']._serialized_end=1267
+  _globals['_TRAJECTORYACK_REJECTEDENTRY']._serialized_start=1220
+  _globals['_TRAJECTORYACK_REJECTEDENTRY']._serialized_end=1267
+  _globals['_TENSORINFO']._serialized_start=1269
+  _globals['_TENSORINFO']._serialized_end=1357
+  _globals['_WEIGHTMANIFEST']._serialized_start=1360
+  _globals['_WEIGHTMANIFEST']._serialized_end=1511
+  _globals['_PULLWEIGHTSREQUEST']._serialized_start=1513
+  _globals['_PULLWEIGHTSREQUEST']._serialized_end=1566
+  _globals['_WEIGHTCHUNK']._serialized_start=1568
+  _globals['_WEIGHTCHUNK']._serialized_end=1658
+  _globals['_TRAINER']._serialized_start=1661
+  _globals['_TRAINER']._serialized_end=1967
 # @@protoc_insertion_point(module_scope)

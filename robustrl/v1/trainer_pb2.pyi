@@ -117,7 +117,7 @@ class ControlRequest(_message.Message):
         """Stop accepting work from any caller: this instance has been replaced."""
         ACTION_INJECT_NAN: ControlRequest._Action.ValueType  # 4
         """Chaos: make the loss of trainer step args["step"] non-finite (default: the next step not
-        yet started), as one corrupt sample would; the reply's status.metrics["nan_step"] names
+        yet started), as one corrupt sample would; the reply's status.metrics["fault_step"] names
         the step. Trainers only; the binding does not change.
         """
         ACTION_PREPARE: ControlRequest._Action.ValueType  # 5
@@ -125,6 +125,11 @@ class ControlRequest(_message.Message):
         the model and the optimizer, so that a later BIND of the same job only restores the
         latest checkpoint. The binding does not change; the instance stays free and labels its
         registry record prepared=<job_id>. A PREPARE for another job replaces the earlier one.
+        """
+        ACTION_INJECT_ERROR: ControlRequest._Action.ValueType  # 6
+        """Chaos: make trainer step args["step"] (chosen as for INJECT_NAN) stop the trainer with an
+        error, as a failing device would; the reply's status.metrics["fault_step"] names the step.
+        Only this instance fails there, once: its replacement trains the step. Trainers only.
         """
 
     class Action(_Action, metaclass=_ActionEnumTypeWrapper): ...
@@ -137,7 +142,7 @@ class ControlRequest(_message.Message):
     """Stop accepting work from any caller: this instance has been replaced."""
     ACTION_INJECT_NAN: ControlRequest.Action.ValueType  # 4
     """Chaos: make the loss of trainer step args["step"] non-finite (default: the next step not
-    yet started), as one corrupt sample would; the reply's status.metrics["nan_step"] names
+    yet started), as one corrupt sample would; the reply's status.metrics["fault_step"] names
     the step. Trainers only; the binding does not change.
     """
     ACTION_PREPARE: ControlRequest.Action.ValueType  # 5
@@ -145,6 +150,11 @@ class ControlRequest(_message.Message):
     the model and the optimizer, so that a later BIND of the same job only restores the
     latest checkpoint. The binding does not change; the instance stays free and labels its
     registry record prepared=<job_id>. A PREPARE for another job replaces the earlier one.
+    """
+    ACTION_INJECT_ERROR: ControlRequest.Action.ValueType  # 6
+    """Chaos: make trainer step args["step"] (chosen as for INJECT_NAN) stop the trainer with an
+    error, as a failing device would; the reply's status.metrics["fault_step"] names the step.
+    Only this instance fails there, once: its replacement trains the step. Trainers only.
     """
 
     @_typing.final

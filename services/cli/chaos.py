@@ -1,10 +1,11 @@
-"""`robustrl chaos JOB`: inject failures into a running job — kill, hang, NaN.
+"""`robustrl chaos JOB`: inject failures into a running job — kill, hang, NaN, error.
 
 - kill: SIGKILL of the member's process; hang: SIGSTOP (with `--hang-for S`, SIGCONT after S
   seconds: a zombie that comes back, which recovery must survive); nan: the trainer's Control
-  INJECT_NAN, so one step's loss is non-finite.
+  INJECT_NAN, so one step's loss is non-finite; error: the trainer's Control INJECT_ERROR, so it
+  stops with an error at one step, as a failing device would.
 - Signals go only to processes on this host: the member's host is this machine's hostname and
-  its pid runs python. A NaN goes over gRPC, wherever the trainer runs.
+  its pid runs python. A NaN or an error goes over gRPC, wherever the trainer runs.
 - `--once` (the default) injects one fault now. `--every-pct P --seed S` plans one fault per
   P% of the job's `trainer.steps`, at steps drawn from the seed (`plan_schedule`, pure), then
   follows the job's step and injects each when its step comes. It ends when the job ends or
@@ -37,15 +38,20 @@ from services.common.channels import DEFAULT_DEADLINE, open_channel
 from services.common.coordinator_client import CoordinatorClient
 from services.common.registry import DATA_PLANE_ROLES as ROLES
 from services.common.registry import MemberRecord
-from services.common.role_server import NAN_STEP_KEY
+from services.common.role_server import FAULT_STEP_KEY
 
-FAULTS = ("kill", "hang", "nan")
+FAULTS = ("kill", "hang", "nan", "error")
+CONTROL_FAULTS = {
+    "nan": trainer_pb2.ControlRequest.ACTION_INJECT_NAN,
+    "error": trainer_pb2.ControlRequest.ACTION_INJECT_ERROR,
+}
+"""Faults sent to a trainer over gRPC (Control), for a step of its choosing or ours."""
 POLL_S = 0.2
 """How often a scheduled run reads the job's step."""
 
-NAN_LEAD = 2
-"""A planned NaN for step s is sent once the job reports step s - 2: the trainer cannot have
-taken step s's batch before it reports s - 1, so step s is still ahead. Sent later (a slow
+CONTROL_LEAD = 2
+"""A planned NaN or error for step s is sent once the job reports step s - 2: the trainer cannot
+have taken step s's batch before it reports s - 1, so step s is still ahead. Sent later (a slow
 poll), it goes into step s if the trainer has not taken that batch yet, else the next one."""
 
 _LIVE = (coordinator_pb2.JOB_PHASE_RUNNING, coordinator_pb2.JOB_PHASE_RECOVERING)
@@ -83,15 +89,15 @@ class Injected:
 
 
 def fault_choices(faults: Sequence[str], roles: Sequence[str]) -> list[tuple[str, str]]:
-    """Every (fault, role) pair the options allow: a NaN goes to a trainer only."""
+    """Every (fault, role) pair the options allow: a NaN or an error goes to a trainer only."""
     faults = list(FAULTS) if not faults or "random" in faults else list(dict.fromkeys(faults))
     roles = list(ROLES) if not roles or "random" in roles else list(dict.fromkeys(roles))
     unknown = [f for f in faults if f not in FAULTS] + [r for r in roles if r not in ROLES]
     if unknown:
         raise ChaosError(f"unknown fault or role: {', '.join(unknown)}")
-    pairs = [(f, r) for f in faults for r in roles if f != "nan" or r == "trainer"]
+    pairs = [(f, r) for f in faults for r in roles if f not in CONTROL_FAULTS or r == "trainer"]
     if not pairs:
-        raise ChaosError("a NaN can only be injected into a trainer (--role trainer)")
+        raise ChaosError("a NaN or an error can only be injected into a trainer (--role trainer)")
     return pairs
 
 
@@ -141,9 +147,14 @@ def choose(members: Sequence[MemberRecord], injection: Injection) -> MemberRecor
     return candidates[injection.pick % len(candidates)] if candidates else None
 
 
+def lead(fault: str) -> int:
+    """How many steps ahead of its step a planned fault is sent (Control faults: CONTROL_LEAD)."""
+    return CONTROL_LEAD if fault in CONTROL_FAULTS else 0
+
+
 def can_take(member: MemberRecord, fault: str) -> bool:
-    """A NaN goes through Control, which trainer follower ranks do not serve."""
-    return fault != "nan" or member.labels.get("follower") != "true"
+    """A NaN or an error goes through Control, which trainer follower ranks do not serve."""
+    return fault not in CONTROL_FAULTS or member.labels.get("follower") != "true"
 
 
 # ----------------------------------------------------------------------------- processes
@@ -278,7 +289,8 @@ class Chaos:
             if member.role not in ROLES:
                 raise ChaosError(f"{options.instance} is a {member.role}; chaos targets {ROLES}")
             roles = [member.role]
-            if options.faults != ["nan"] and (problem := local_problem(member)):
+            signalled = set(options.faults or ["random"]) - CONTROL_FAULTS.keys()
+            if signalled and (problem := local_problem(member)):
                 raise ChaosError(problem)
         pairs = fault_choices(faults, roles)
         served = [(f, r) for f, r in pairs if any(m.role == r and can_take(m, f) for m in members)]
@@ -297,7 +309,7 @@ class Chaos:
                 left = ", ".join(f"step {p.step} {p.fault}" for p in pending)
                 self.say(f"job {job.job_id} {phase} at step {job.step}; not injected: {left}")
                 return
-            due = [p for p in pending if job.step >= p.step - (NAN_LEAD if p.fault == "nan" else 0)]
+            due = [p for p in pending if job.step >= p.step - lead(p.fault)]
             if due:
                 members = await self._members()
                 for injection in due:
@@ -320,7 +332,7 @@ class Chaos:
             victim: MemberRecord | None = next(
                 (m for m in members if m.instance_id == options.instance), None
             )
-        elif injection.fault == "nan":
+        elif injection.fault in CONTROL_FAULTS:
             victim = choose(members, injection)
         else:
             # Only processes this host can signal are candidates.
@@ -333,8 +345,8 @@ class Chaos:
             self.say(f"step {injection.step}: no {what} to {injection.fault}; skipped")
             return
         step = int(job.step)
-        if injection.fault == "nan":
-            step = await self._nan(victim, injection, step)
+        if injection.fault in CONTROL_FAULTS:
+            step = await self._control(victim, injection, step)
         else:
             problem = local_problem(victim)
             if problem:
@@ -359,7 +371,7 @@ class Chaos:
         )
         self.injected.append(done)
         clock = time.strftime("%H:%M:%S", time.localtime(done.at))
-        where = f"into step {step}" if injection.fault == "nan" else f"at step {step}"
+        where = f"into step {step}" if injection.fault in CONTROL_FAULTS else f"at step {step}"
         after = ""
         if injection.fault == "hang":
             after = (
@@ -372,15 +384,15 @@ class Chaos:
             f"(pid {victim.pid}){after}"
         )
 
-    async def _nan(self, victim: MemberRecord, injection: Injection, job_step: int) -> int:
-        """INJECT_NAN; the trainer answers with the step it poisons. Never a step an earlier
-        injection of this run poisoned: a late fault would merge into it and be lost."""
+    async def _control(self, victim: MemberRecord, injection: Injection, job_step: int) -> int:
+        """INJECT_NAN or INJECT_ERROR; the trainer answers with the step it takes. Never a step
+        an earlier injection of this run took: a late fault would merge into it and be lost."""
         args: dict[str, str] = {}
-        poisoned = max((i.step for i in self.injected if i.fault == "nan"), default=0)
-        if injection.step or poisoned:
-            args["step"] = str(max(injection.step, job_step + 1, poisoned + 1))
+        taken = max((i.step for i in self.injected if i.fault in CONTROL_FAULTS), default=0)
+        if injection.step or taken:
+            args["step"] = str(max(injection.step, job_step + 1, taken + 1))
         request = trainer_pb2.ControlRequest(
-            action=trainer_pb2.ControlRequest.ACTION_INJECT_NAN,
+            action=CONTROL_FAULTS[injection.fault],
             job_id=self.options.job,
             epoch=victim.epoch,
             args=args,
@@ -395,7 +407,7 @@ class Chaos:
                 # The trainer got further than the job record said: its next step, then.
                 del request.args["step"]
                 reply = await stub.Control(request, timeout=DEFAULT_DEADLINE)
-        return int(reply.status.metrics[NAN_STEP_KEY])
+        return int(reply.status.metrics[FAULT_STEP_KEY])
 
     async def _resume_later(self, victim: MemberRecord, after: float) -> None:
         await asyncio.sleep(after)
@@ -430,8 +442,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--fault",
         action="append",
         choices=[*FAULTS, "random"],
-        help="kill (SIGKILL), hang (SIGSTOP) or nan (a non-finite loss); repeat to choose "
-        "among several (default: random)",
+        help="kill (SIGKILL), hang (SIGSTOP), nan (a non-finite loss) or error (the trainer "
+        "stops on an error at a step); repeat to choose among several (default: random)",
     )
     parser.add_argument(
         "--role", choices=[*ROLES, "random"], default="random", help="(default: random)"

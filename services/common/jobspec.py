@@ -10,7 +10,7 @@ import re
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, PositiveInt, ValidationError
 
 from services.common.errors import InvalidArgument, describe_validation_error
 
@@ -97,11 +97,17 @@ class RecoverySpec(_Strict):
 class FaultSpec(_Strict):
     """Deterministic failure injection for tests, demos and benchmarks; off by default."""
 
-    nan_loss_steps: list[int] = Field(default_factory=list)
+    nan_loss_steps: list[PositiveInt] = Field(default_factory=list)
     """Steps (1-based) whose loss is made non-finite on rank `nan_rank`, as a corrupt batch
     would: the step is skipped and the monitor reports NON_FINITE in that step."""
 
     nan_rank: int = Field(default=0, ge=0)
+
+    error_steps: list[PositiveInt] = Field(default_factory=list)
+    """Steps (1-based) at which the trainer stops with an error, every trainer of the job alike,
+    as a bug in the job would: the first is recovered on another trainer, and the same step
+    failing again there fails the job (a fault that one trainer alone has is injected with
+    `robustrl chaos --fault error`)."""
 
 
 class JobSpec(_Strict):

@@ -3,7 +3,8 @@
 BIND carries the job's spec; the role builds a worker for it (loading the model in a thread)
 and only then accepts the binding, so a bad spec or a missing model is refused with a clear
 error instead of failing later. RELEASE and FENCE stop the worker. INJECT_NAN (chaos) asks a
-trainer's worker to make one step's loss non-finite.
+trainer's worker to make one step's loss non-finite; INJECT_ERROR, to stop with an error at one
+step.
 
 RELEASE or FENCE with args["exit"] == "true" also ends the process once it has answered, as
 SIGTERM would (the full-restart baseline restarts every role as a new process).
@@ -60,8 +61,8 @@ WorkerFactory = Callable[[str, int, JobSpec], Worker]
 
 
 @runtime_checkable
-class NanTarget(Protocol):
-    """A worker that can poison a step's loss: the trainer's."""
+class FaultTarget(Protocol):
+    """A worker that chaos can make fail at a step: the trainer's."""
 
     step: int
     """Steps done so far."""
@@ -69,6 +70,8 @@ class NanTarget(Protocol):
     spec: JobSpec
 
     def inject_nan(self, step: int) -> None: ...
+
+    def inject_error(self, step: int) -> None: ...
 
 
 STEP_PHASES = frozenset({"forward_backward", "optimizer", "collective"})
@@ -83,13 +86,18 @@ EXIT_ARG = "exit"
 LEAVING_LABEL = "leaving"
 """Registry label of a member that is about to exit: never bound."""
 
-NAN_STEP_KEY = "nan_step"
-"""INJECT_NAN asks for a step in args["step"]; the reply's status.metrics[NAN_STEP_KEY] names
-the step taken (the caller may leave the choice to the trainer)."""
+FAULT_STEP_KEY = "fault_step"
+"""INJECT_NAN and INJECT_ERROR ask for a step in args["step"]; the reply's
+status.metrics[FAULT_STEP_KEY] names the step taken (the caller may leave the choice to the
+trainer)."""
+
+INJECTED_FAULTS = {Action.ACTION_INJECT_NAN: "nan", Action.ACTION_INJECT_ERROR: "error"}
+"""The chaos actions and the fault each injects."""
 
 
-def nan_step(worker_step: int, phase: str, last_step: int, asked: str | None) -> int:
-    """The step INJECT_NAN poisons: `asked`, or the next one whose batch is not taken yet."""
+def fault_step(worker_step: int, phase: str, last_step: int, asked: str | None) -> int:
+    """The step a chaos fault goes into: `asked`, or the next one whose batch is not taken
+    yet."""
     earliest = worker_step + (2 if phase in STEP_PHASES else 1)
     if asked is None or asked == "":
         step = earliest
@@ -101,7 +109,7 @@ def nan_step(worker_step: int, phase: str, last_step: int, asked: str | None) ->
         if step < earliest:
             raise InvalidArgument(
                 f"step {step} has started or is done (the trainer has done {worker_step}); "
-                f"the earliest step a NaN can go into is {earliest}"
+                f"the earliest step a fault can go into is {earliest}"
             )
     if step > last_step:
         raise InvalidArgument(f"step {step} is past the job's last step {last_step}")
@@ -168,8 +176,8 @@ class RoleControl:
     ) -> trainer_pb2.ControlResponse:
         before = self.binding
         after = apply_control(before, request.action, request.job_id, request.epoch)
-        if request.action == Action.ACTION_INJECT_NAN:
-            return self.inject_nan(request.args.get("step"))
+        if request.action in INJECTED_FAULTS:
+            return self.inject(INJECTED_FAULTS[request.action], request.args.get("step"))
         if request.action == Action.ACTION_PREPARE:
             await self.prepare(request.job_id, spec_from_args(dict(request.args)))
             return trainer_pb2.ControlResponse(status=self.status())
@@ -260,18 +268,20 @@ class RoleControl:
         other field in `changes` (job_id)."""
         await self.runtime.update_member(labels=labels, **changes)
 
-    def inject_nan(self, asked: str | None) -> trainer_pb2.ControlResponse:
+    def inject(self, fault: str, asked: str | None) -> trainer_pb2.ControlResponse:
+        """INJECT_NAN or INJECT_ERROR (`fault`: nan or error) into a step of a bound trainer."""
         worker = self.worker
-        if self.runtime.role != "trainer" or not isinstance(worker, NanTarget):
+        if self.runtime.role != "trainer" or not isinstance(worker, FaultTarget):
             raise FailedPrecondition(
                 f"{self.runtime.instance_id} is a {self.runtime.role} without a running trainer "
-                "step loop; only a bound trainer takes INJECT_NAN"
+                f"step loop; only a bound trainer takes INJECT_{fault.upper()}"
             )
-        step = nan_step(worker.step, self.runtime.progress.phase, worker.spec.trainer.steps, asked)
-        worker.inject_nan(step)
-        log.warning("trainer.chaos_nan", job=self.binding.job_id, step=step)
+        phase = self.runtime.progress.phase
+        step = fault_step(worker.step, phase, worker.spec.trainer.steps, asked)
+        (worker.inject_nan if fault == "nan" else worker.inject_error)(step)
+        log.warning(f"trainer.chaos_{fault}", job=self.binding.job_id, step=step)
         status = self.status()
-        status.metrics[NAN_STEP_KEY] = float(step)
+        status.metrics[FAULT_STEP_KEY] = float(step)
         return trainer_pb2.ControlResponse(status=status)
 
     def fenced(self) -> None:

@@ -30,7 +30,7 @@ from services.common.registry import MemberRecord, Registry
 from services.common.role_server import LEAVING_LABEL, PREPARED_LABEL
 from services.common.runtime import ServiceRuntime
 from services.common.tasks import TaskItem, UnknownTaskError, get_task, load_dataset
-from services.coordinator import jobs, work
+from services.coordinator import jobs, recovery, work
 from services.coordinator.ettr import EttrAccount
 from services.coordinator.executor import RecoveryExecutor
 from services.coordinator.jobs import JobRecord, Phase
@@ -373,6 +373,79 @@ class JobDriver:
             log.info("coordinator.groups_requeued", job=record.job_id, groups=len(changed))
             await self.save_ledger(ledger)
 
+    async def _trainer_error(
+        self, record: JobRecord, request: coordinator_pb2.ReportProgressRequest
+    ) -> None:
+        """The trainer stopped on an error and said so. An error in the job itself fails it.
+        Any other, the first time at a step, is recorded as a TRAINER_ERROR incident and
+        recovered as a lost trainer (another trainer restores the last checkpoint); the same
+        error again before any progress fails the job (recovery.trainer_error_recovered).
+        A report sent again changes nothing."""
+        message = f"trainer {request.instance_id}: {request.error}"
+        if request.error_in_job:
+            await self._fail(record.job_id, message)
+            return
+        incidents, _ = await self.executor.incident_log.list(record.job_id)
+        earlier = [i for i in incidents if i.kind == "TRAINER_ERROR"]
+        if any(i.instance_id == request.instance_id and i.epoch == record.epoch for i in earlier):
+            return  # recorded already: the trainer sent its report again
+        if not recovery.trainer_error_recovered(request.step, [i.step for i in earlier]):
+            before = max(i.step for i in earlier)
+            message += (
+                f" (at step {request.step}, after a trainer that stopped at step {before} was "
+                "replaced: the error is the job's, not a machine's)"
+            )
+            await self._fail(record.job_id, message)
+            return
+        await self._record_incident(
+            record,
+            request.instance_id,
+            "TRAINER_ERROR",
+            f"stopped at step {request.step} on an error: {request.error}",
+            confidence=1.0,
+            step=request.step,
+        )
+        log.warning(
+            "coordinator.trainer_error",
+            job=record.job_id,
+            member=request.instance_id,
+            step=request.step,
+            error=request.error,
+        )
+
+    async def _record_incident(
+        self,
+        record: JobRecord,
+        instance_id: str,
+        kind: str,
+        evidence: str,
+        *,
+        confidence: float,
+        step: int = 0,
+    ) -> None:
+        """An incident the leader found itself (not the monitor), about a member of `record`,
+        recorded where the monitor's go: the executor recovers it as any other."""
+        now = time.time()
+        await self.executor.incident_log.record(
+            IncidentRecord(
+                incident_id=incident_id_at(now),
+                job_id=record.job_id,
+                role=record.member_roles.get(instance_id, "trainer"),
+                instance_id=instance_id,
+                rank=0,
+                kind=kind,
+                evidence=evidence,
+                confidence=confidence,
+                detected_at=now,
+                epoch=record.epoch,
+                step=step,
+            )
+        )
+
+    async def _fail(self, job_id: str, message: str) -> None:
+        await self.update_job(job_id, {}, Phase.FAILED, message)
+        log.warning("coordinator.job_failed", job=job_id, reason=message)
+
     async def _unreported(self, record: JobRecord, members: list[MemberRecord]) -> None:
         """Record the loss of a bound member that has been missing from the registry for
         `unreported_loss_after` seconds. The monitor reports a loss within the session TTL,
@@ -385,22 +458,14 @@ class JobDriver:
             if now - since < self.unreported_loss_after:
                 continue
             role = record.member_roles[instance_id]
-            incident = IncidentRecord(
-                incident_id=incident_id_at(now),
-                job_id=record.job_id,
-                role=role,
-                instance_id=instance_id,
-                rank=0,
-                kind="MEMBER_LOST",
-                evidence=(
-                    f"bound to job {record.job_id} but missing from the registry for "
-                    f"{now - since:.0f}s, and no monitor reported it"
-                ),
+            await self._record_incident(
+                record,
+                instance_id,
+                "MEMBER_LOST",
+                f"bound to job {record.job_id} but missing from the registry for "
+                f"{now - since:.0f}s, and no monitor reported it",
                 confidence=0.9,
-                detected_at=now,
-                epoch=record.epoch,
             )
-            await self.executor.incident_log.record(incident)
             self._missing[(record.job_id, instance_id)] = now  # once per grace, at most
             log.warning(
                 "coordinator.unreported_loss", job=record.job_id, member=instance_id, role=role
@@ -671,9 +736,7 @@ class JobDriver:
                 return
             await self._bound_member(record, "rollout", request.instance_id)
             if request.error:
-                message = f"rollout {request.instance_id}: {request.error}"
-                await self.update_job(request.job_id, {}, Phase.FAILED, message)
-                log.warning("coordinator.job_failed", job=request.job_id, reason=message)
+                await self._fail(request.job_id, f"rollout {request.instance_id}: {request.error}")
                 return
             ledger = self.ledger(request.job_id)
             ignored = work.complete(ledger, request.instance_id, list(request.group_ids))
@@ -699,9 +762,7 @@ class JobDriver:
                 return False
             await self._bound_member(record, "trainer", request.instance_id)
             if request.error:
-                message = f"trainer {request.instance_id}: {request.error}"
-                await self.update_job(request.job_id, {}, Phase.FAILED, message)
-                log.warning("coordinator.job_failed", job=request.job_id, reason=message)
+                await self._trainer_error(record, request)
                 return False
             ledger = self.ledgers.get(request.job_id)
             if ledger is not None:

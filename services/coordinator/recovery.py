@@ -3,9 +3,11 @@
 Only the failed role is recovered; the living ones are left alone:
 
   rollout lost or hung      fence it, re-lease its open groups, ask for a replacement rollout
-  trainer lost, hung or     fence every trainer rank of the job, restore from the last per-step
+  trainer lost, hung,       fence every trainer rank of the job, restore from the last per-step
   stuck in a collective     checkpoint on a standby (or new) trainer; rollouts re-send what the
-                            trainer had not committed
+  or stopped on an error    trainer had not committed. An error that comes back at the same step
+                            on the replacement is the job's, not a machine's: the job fails
+                            (`trainer_error_recovered`)
   NaN/Inf                   roll back to the last good checkpoint and skip the batch; the same
                             rank again (others clean) marks its machine suspect: replace it
   degraded                  nothing (a warning for people)
@@ -23,7 +25,9 @@ import enum
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-FAILURES = frozenset({"MEMBER_LOST", "ROLLOUT_HANG", "TRAINER_HANG", "COLLECTIVE_HANG"})
+FAILURES = frozenset(
+    {"MEMBER_LOST", "ROLLOUT_HANG", "TRAINER_HANG", "COLLECTIVE_HANG", "TRAINER_ERROR"}
+)
 
 NAN_SUSPECT_REPEATS = 2
 """NaN on the same rank this many times, with the other ranks clean, marks its machine."""
@@ -120,3 +124,15 @@ def _nonfinite(incident: IncidentFacts, job: JobFacts) -> list[Action]:
                 Action(Do.RESTORE_TRAINER, incident.instance_id, suspect),
             ]
     return [Action(Do.ROLLBACK, incident.instance_id, why)]
+
+
+def trainer_error_recovered(step: int, earlier: Sequence[int]) -> bool:
+    """Whether a trainer's error at `step` (steps done) is recovered as a machine fault, on
+    another trainer, given the steps of the job's earlier trainer errors (other trainers').
+
+    A device that fails (an ECC or driver error, a full local disk) fails on one machine: the
+    replacement trains past the step. An error in the job itself (its data, a reward that
+    raises, a bug) fails every trainer at the same step: once a replacement stopped at or
+    before a step where an earlier trainer stopped, it made no progress, and another
+    replacement would fail the same way, so the job fails with the error instead."""
+    return all(before < step for before in earlier)

@@ -30,6 +30,8 @@ class IncidentRecord(BaseModel):
     confidence: float
     detected_at: float
     epoch: int
+    step: int = 0
+    """The job's step it came at, where that matters (a trainer's reported error)."""
 
 
 def from_finding(finding: Finding, now: float) -> IncidentRecord:

@@ -43,6 +43,10 @@ TokenCallback = Callable[[int], None]
 """Called with how many completions got a new token (see the module docstring)."""
 
 
+class ContextExceeded(ValueError):
+    """A prompt leaves no room for max_new_tokens in the model's context: the job's input."""
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     n: int = 1
@@ -120,11 +124,12 @@ class Engine(ABC):
         return dict(self._specs)
 
     def encode(self, prompt: str, max_new_tokens: int) -> list[int]:
-        """Token ids of ``prompt`` (with bos); ValueError if it leaves no room to generate."""
+        """Token ids of ``prompt`` (with bos); ContextExceeded if it leaves no room to
+        generate."""
         ids = list(self.tokenizer(prompt)["input_ids"])
         limit = self.max_positions - max_new_tokens
         if len(ids) > limit:
-            raise ValueError(
+            raise ContextExceeded(
                 f"prompt of {len(ids)} tokens exceeds the context: max_position_embeddings "
                 f"{self.max_positions} - max_new_tokens {max_new_tokens} = {limit}"
             )

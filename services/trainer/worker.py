@@ -33,7 +33,7 @@ from services.common.runtime import ServiceRuntime
 from services.common.tasks import TaskItem, UnknownTaskError, get_task
 from services.common.ucx_transport import make_transport, warm_up_ucxx
 from services.common.weights import WeightTransport
-from services.rollout.engine import SamplingParams, TorchEngine
+from services.rollout.engine import ContextExceeded, SamplingParams, TorchEngine
 from services.rollout.rewards import RewardError, RewardFn, load_reward, score
 from services.trainer import checkpoint, grpo
 from services.trainer.config import TrainerSettings
@@ -49,10 +49,22 @@ REPORT_DEADLINE = 10.0
 # budget would replace a healthy trainer for an etcd or coordinator outage).
 WAITING_ETCD = "waiting_etcd"
 WAITING_COORDINATOR = "waiting_coordinator"
+STOPPED_ON_ERROR = "stopped_on_error"
+"""Phase of a trainer whose step loop ended on an error: it waits to be fenced and replaced."""
 
 
 class NonFiniteWeights(RuntimeError):
     """The weights about to be published contain NaN/Inf."""
+
+
+class InjectedError(RuntimeError):
+    """A step made to fail by spec.faults.error_steps or chaos (INJECT_ERROR)."""
+
+
+JOB_ERRORS = (RewardError, InvalidArgument, UnknownTaskError, ContextExceeded)
+"""Errors in the job itself (its reward plug-in, its spec, its prompts): another trainer would
+stop the same way, so the job fails at once. Any other error is taken as this trainer's
+machine failing, and recovered on another trainer (coordinator/recovery.py)."""
 
 
 class TrainerWorker:
@@ -78,6 +90,7 @@ class TrainerWorker:
         self.restored_step = 0
         """The step of the checkpoint this trainer restored (0: it started afresh)."""
         self.nan_steps: set[int] = set(spec.faults.nan_loss_steps)
+        self.error_steps: set[int] = set(spec.faults.error_steps)
         self.data_arrived = asyncio.Event()
         self.outboxes: dict[str, list[asyncio.Queue[trainer_pb2.TrajectoryAck]]] = defaultdict(list)
         self.uncommitted: dict[str, list[str]] = defaultdict(list)
@@ -294,10 +307,19 @@ class TrainerWorker:
             log.info("trainer.finished", job=self.job_id, step=self.step)
         except asyncio.CancelledError:
             raise
-        except Exception as exc:  # the job cannot go on here: say why, then stop
-            log.error("trainer.failed", job=self.job_id, exc_info=exc)
+        except Exception as exc:  # this trainer cannot go on: say why, then stop
+            # The leader decides: recover on another trainer (a machine fault), or fail the job
+            # when the same error came back after a replacement (coordinator/recovery.py).
+            log.error("trainer.failed", job=self.job_id, step=self.step, exc_info=exc)
+            self.progress.enter(STOPPED_ON_ERROR)
             with contextlib.suppress(Exception):
-                await self._report({}, [], {}, error=f"{type(exc).__name__}: {exc}")
+                await self._report(
+                    {},
+                    [],
+                    {},
+                    error=f"{type(exc).__name__}: {exc}",
+                    error_in_job=isinstance(exc, JOB_ERRORS),
+                )
 
     async def _start_ranks(self) -> None:
         """Start ranks 1..N-1 on this host and give them this rank's (maybe restored) state."""
@@ -356,6 +378,11 @@ class TrainerWorker:
 
     async def _train(self, batch: list[Group]) -> dict[str, float]:
         assert self.trainer is not None
+        if self.step + 1 in self.error_steps:
+            log.warning(
+                "trainer.fault_injected", job=self.job_id, step=self.step + 1, fault="error"
+            )
+            raise InjectedError(f"step {self.step + 1} failed (injected fault)")
         samples: list[grpo.Sample] = []
         rewards: list[float] = []
         staleness: list[int] = []
@@ -518,6 +545,7 @@ class TrainerWorker:
         *,
         finished: bool = False,
         error: str = "",
+        error_in_job: bool = False,
     ) -> bool:
         finite = {k: v for k, v in metrics.items() if math.isfinite(v)}
         request = coordinator_pb2.ReportProgressRequest(
@@ -531,6 +559,7 @@ class TrainerWorker:
             discarded_groups=dropped,
             finished=finished,
             error=error,
+            error_in_job=error_in_job,
             regenerate_groups=self.intake.take_regenerate(),
             durable_step=self.durable_step,
             restored_step=self.restored_step,
@@ -542,6 +571,10 @@ class TrainerWorker:
     def inject_nan(self, step: int) -> None:
         """Chaos (Control INJECT_NAN): make `step`'s loss non-finite, as spec.faults would."""
         self.nan_steps.add(step)
+
+    def inject_error(self, step: int) -> None:
+        """Chaos (Control INJECT_ERROR): stop with an error at `step`, this trainer only."""
+        self.error_steps.add(step)
 
 
 async def report_to_coordinator(

@@ -18,7 +18,7 @@ from typing import Any
 
 import pytest
 
-from tests.e2e.test_chaos_cli import process_state
+from tests.e2e.test_chaos_cli import chaos, process_state
 from tests.e2e.test_cli_stack import EXAMPLE, REPO, Cli
 from tests.e2e.test_detection import (
     LEDGER_PAGE_SIZE,
@@ -419,3 +419,40 @@ def test_a_rollout_lost_while_no_monitor_runs_is_still_replaced(
     assert_nothing_lost_or_trained_twice(
         stack, "nm", tmp_path / "runs" / "nm", steps_run=NO_MONITOR_STEPS
     )
+
+
+def test_a_trainer_error_is_recovered_on_another_trainer_and_the_same_error_again_fails_the_job(
+    stack: Cli, model_dir: Path, tmp_path: Path
+) -> None:
+    # A fault of one trainer's machine (chaos INJECT_ERROR: that trainer alone stops on an
+    # error at one step): recovered as a lost trainer, and the job succeeds. Before, any error
+    # of the trainer failed the whole job.
+    submit(stack, model_dir, "te")
+    eventually_sync(lambda: step_of(stack, "te") >= 4, timeout=180)
+    rollout_pids = {int(member(stack, r)["pid"]) for r in ("rollout-0", "rollout-1")}
+    [injected] = chaos(stack, "te", "--fault", "error", "--role", "trainer")
+    assert (injected["fault"], injected["instance_id"]) == ("error", "trainer-0")
+    incident = wait_for_incident(stack, "TRAINER_ERROR", "trainer-0", timeout=60)
+    failed_at = injected["step"] - 1  # steps done when step `injected["step"]` failed
+    assert f"stopped at step {failed_at} on an error: InjectedError" in incident["evidence"]
+    finish(stack, "te")
+    [rec] = recoveries(stack, "te")
+    assert rec["kind"] == "TRAINER_ERROR"
+    assert rec["actions"] == ["FENCE trainer-0", "RESTORE_TRAINER trainer-0"]
+    assert rec["replacements"][0].startswith("trainer-p")
+    assert {int(member(stack, r)["pid"]) for r in ("rollout-0", "rollout-1")} == rollout_pids
+    assert_nothing_lost_or_trained_twice(stack, "te", tmp_path / "runs" / "te")
+
+    # An error of the job itself (spec.faults.error_steps: every trainer stops at step 5):
+    # recovered once, then the replacement stops at the same step and the job fails, saying
+    # why, instead of replacing trainers for ever.
+    submit(stack, model_dir, "tf", "faults.error_steps=[5]")
+    watch = stack.run("watch", "tf", check=False, timeout=240)
+    assert watch.returncode != 0
+    status = stack.json("status", "tf")
+    assert isinstance(status, dict) and status["phase"] == "FAILED", status
+    assert "InjectedError: step 5 failed" in status["message"], status["message"]
+    assert "the error is the job's" in status["message"], status["message"]
+    [first] = recoveries(stack, "tf")
+    assert first["kind"] == "TRAINER_ERROR" and first["done_at"]
+    assert [i["kind"] for i in incidents(stack, "tf")] == ["TRAINER_ERROR"]

@@ -25,7 +25,7 @@ from services.common.errors import FailedPrecondition, Fenced, InvalidArgument
 from services.common.heartbeat import Progress
 from services.common.jobspec import JobSpec
 from services.common.registry import MemberRecord
-from services.common.role_server import NAN_STEP_KEY, RoleControl, nan_step
+from services.common.role_server import FAULT_STEP_KEY, RoleControl, fault_step
 
 # ----------------------------------------------------------------------------- the plan
 
@@ -54,15 +54,16 @@ def test_the_steps_are_spread_by_the_seed_not_fixed() -> None:
     assert len(firsts) > 10
 
 
-def test_a_nan_is_planned_on_a_trainer_only() -> None:
+def test_a_nan_or_an_error_is_planned_on_a_trainer_only() -> None:
     plan = plan_schedule(1000, 1, 3, ["random"], ["random"])
-    assert {p.fault for p in plan} == {"kill", "hang", "nan"}
-    assert {p.role for p in plan if p.fault == "nan"} == {"trainer"}
+    assert {p.fault for p in plan} == {"kill", "hang", "nan", "error"}
+    assert {p.role for p in plan if p.fault in ("nan", "error")} == {"trainer"}
     assert {p.role for p in plan} == {"trainer", "rollout"}
-    # A rollout-only plan leaves NaN out rather than failing.
+    # A rollout-only plan leaves NaN and error out rather than failing.
     assert {p.fault for p in plan_schedule(1000, 5, 3, ["random"], ["rollout"])} <= {"kill", "hang"}
-    with pytest.raises(ChaosError, match="only be injected into a trainer"):
-        fault_choices(["nan"], ["rollout"])
+    for fault in ("nan", "error"):
+        with pytest.raises(ChaosError, match="only be injected into a trainer"):
+            fault_choices([fault], ["rollout"])
 
 
 @pytest.mark.parametrize("pct", [0, -5, 101, float("nan"), float("inf")])
@@ -131,19 +132,19 @@ def test_inject_nan_leaves_the_binding_alone_and_is_refused_like_everything_else
         apply_control(Binding(job_id="j", epoch=2, fenced=True), Action.ACTION_INJECT_NAN, "j", 3)
 
 
-def test_the_nan_step_is_the_next_one_not_yet_taken() -> None:
-    assert nan_step(4, "waiting_data", 10, None) == 5
-    assert nan_step(4, "publish", 10, "") == 5
-    assert nan_step(4, "forward_backward", 10, None) == 6  # step 5's batch is in already
-    assert nan_step(4, "waiting_data", 10, "9") == 9
-    with pytest.raises(InvalidArgument, match="earliest step a NaN can go into is 6"):
-        nan_step(4, "collective", 10, "5")
+def test_the_fault_step_is_the_next_one_not_yet_taken() -> None:
+    assert fault_step(4, "waiting_data", 10, None) == 5
+    assert fault_step(4, "publish", 10, "") == 5
+    assert fault_step(4, "forward_backward", 10, None) == 6  # step 5's batch is in already
+    assert fault_step(4, "waiting_data", 10, "9") == 9
+    with pytest.raises(InvalidArgument, match="earliest step a fault can go into is 6"):
+        fault_step(4, "collective", 10, "5")
     with pytest.raises(InvalidArgument, match="step number"):
-        nan_step(4, "waiting_data", 10, "five")
+        fault_step(4, "waiting_data", 10, "five")
     with pytest.raises(InvalidArgument, match="past the job's last step 10"):
-        nan_step(4, "waiting_data", 10, "11")
+        fault_step(4, "waiting_data", 10, "11")
     with pytest.raises(InvalidArgument, match="past the job's last step"):
-        nan_step(10, "waiting_data", 10, None)
+        fault_step(10, "waiting_data", 10, None)
 
 
 class FakeTrainerWorker:
@@ -154,9 +155,13 @@ class FakeTrainerWorker:
         self.step = step
         self.spec = JobSpec(name="j")
         self.nan_steps: set[int] = set()
+        self.error_steps: set[int] = set()
 
     def inject_nan(self, step: int) -> None:
         self.nan_steps.add(step)
+
+    def inject_error(self, step: int) -> None:
+        self.error_steps.add(step)
 
     def prepare(self) -> None: ...
 
@@ -182,15 +187,45 @@ def nan_request(**args: str) -> trainer_pb2.ControlRequest:
     )
 
 
+def error_request(**args: str) -> trainer_pb2.ControlRequest:
+    return trainer_pb2.ControlRequest(
+        action=trainer_pb2.ControlRequest.ACTION_INJECT_ERROR, job_id="j", epoch=1, args=args
+    )
+
+
 async def test_a_bound_trainer_poisons_the_step_and_names_it() -> None:
     control = role_control("trainer")
     worker = FakeTrainerWorker(step=3)
     control.worker = worker
     reply = await control.Control(nan_request(), context=None)
     assert worker.nan_steps == {4}
-    assert reply.status.metrics[NAN_STEP_KEY] == 4
+    assert reply.status.metrics[FAULT_STEP_KEY] == 4
     reply = await control.Control(nan_request(step="7"), context=None)
     assert worker.nan_steps == {4, 7} and control.binding == Binding(job_id="j", epoch=1)
+
+
+async def test_a_bound_trainer_takes_an_error_for_a_step_and_names_it() -> None:
+    control = role_control("trainer")
+    worker = FakeTrainerWorker(step=3)
+    control.worker = worker
+    control.runtime.progress.phase = "forward_backward"  # step 4's batch is in: step 5 then
+    reply = await control.Control(error_request(), context=None)
+    assert worker.error_steps == {5} and not worker.nan_steps
+    assert reply.status.metrics[FAULT_STEP_KEY] == 5
+    with pytest.raises(InvalidArgument, match="earliest step a fault can go into is 5"):
+        await control.Control(error_request(step="4"), context=None)
+    assert worker.error_steps == {5} and control.binding == Binding(job_id="j", epoch=1)
+    with pytest.raises(FailedPrecondition, match="only a bound trainer takes INJECT_ERROR"):
+        await role_control("trainer").Control(error_request(), context=None)
+
+
+def test_inject_error_is_checked_like_inject_nan() -> None:
+    bound = Binding(job_id="j", epoch=2)
+    assert apply_control(bound, Action.ACTION_INJECT_ERROR, "j", 2) == bound
+    with pytest.raises(FailedPrecondition, match="not bound"):
+        apply_control(Binding(), Action.ACTION_INJECT_ERROR, "j", 0)
+    with pytest.raises(Fenced):
+        apply_control(Binding(job_id="j", epoch=2, fenced=True), Action.ACTION_INJECT_ERROR, "j", 3)
 
 
 async def test_inject_nan_without_a_trainer_worker_is_a_failed_precondition() -> None:

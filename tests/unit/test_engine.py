@@ -12,7 +12,12 @@ from typing import Any
 import pytest
 import torch
 
-from services.rollout.engine import SamplingParams, TorchEngine, sampling_logprobs
+from services.rollout.engine import (
+    ContextExceeded,
+    SamplingParams,
+    TorchEngine,
+    sampling_logprobs,
+)
 from services.trainer.grpo import Sample, completion_logprobs
 from services.trainer.modelgen import init_model
 from tests.unit.tiny_model import TINY
@@ -185,7 +190,8 @@ def test_rejects_a_prompt_longer_than_the_context(engine: TorchEngine) -> None:
     limit = TINY.max_position_embeddings - 8  # tokens a prompt may have with 8 new tokens
     fits = "1" * (limit - 1)  # plus bos
     engine.generate([fits], SamplingParams(max_new_tokens=8))
-    with pytest.raises(ValueError, match="exceeds the context"):
+    # The job's input, not a fault of the machine: a trainer that meets it fails the job.
+    with pytest.raises(ContextExceeded, match="exceeds the context"):
         engine.generate([fits + "1"], SamplingParams(max_new_tokens=8))
 
 

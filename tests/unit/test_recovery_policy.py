@@ -2,7 +2,13 @@
 
 from __future__ import annotations
 
-from services.coordinator.recovery import Do, IncidentFacts, JobFacts, decide
+from services.coordinator.recovery import (
+    Do,
+    IncidentFacts,
+    JobFacts,
+    decide,
+    trainer_error_recovered,
+)
 
 MEMBERS = {
     "trainer-0": ("trainer", 1),
@@ -33,7 +39,7 @@ def test_a_lost_or_hung_rollout_is_fenced_requeued_and_replaced_alone() -> None:
 
 
 def test_a_trainer_failure_fences_every_rank_and_restores_without_touching_rollouts() -> None:
-    for kind in ("MEMBER_LOST", "TRAINER_HANG", "COLLECTIVE_HANG"):
+    for kind in ("MEMBER_LOST", "TRAINER_HANG", "COLLECTIVE_HANG", "TRAINER_ERROR"):
         actions = decide(incident(kind, "trainer-0-r1", "trainer", rank=1), job())
         assert {a.instance_id for a in actions if a.do is Do.FENCE} == {"trainer-0", "trainer-0-r1"}
         assert actions[-1].do is Do.RESTORE_TRAINER
@@ -49,6 +55,16 @@ def test_nan_rolls_back_and_a_rank_that_repeats_it_alone_is_replaced() -> None:
     # NaN on different ranks points at the data: roll back only.
     mixed = decide(incident("NON_FINITE", "trainer-0-r1", "trainer", rank=1), job(history=(0, 1)))
     assert [a.do for a in mixed] == [Do.ROLLBACK]
+
+
+def test_a_trainer_error_is_recovered_until_a_replacement_stops_no_further() -> None:
+    assert trainer_error_recovered(5, [])  # the first error: the machine is suspect
+    assert trainer_error_recovered(9, [5])  # the replacement got past step 5: again a machine
+    assert trainer_error_recovered(12, [5, 9])
+    # Stopped at or before a step where an earlier trainer stopped: the job's own error.
+    assert not trainer_error_recovered(5, [5])
+    assert not trainer_error_recovered(4, [5])
+    assert not trainer_error_recovered(9, [5, 9])
 
 
 def test_stale_unrelated_and_warning_incidents_change_nothing() -> None:
