@@ -185,23 +185,6 @@ def test_a_hung_rollout_is_replaced_and_its_zombie_changes_nothing(
     )
 
 
-def test_a_killed_trainer_is_restored_from_its_checkpoint_on_a_new_one(
-    stack: Cli, model_dir: Path, tmp_path: Path
-) -> None:
-    submit(stack, model_dir, "tc")
-    eventually_sync(lambda: step_of(stack, "tc") >= 8, timeout=180)
-    rollout_pids = {int(member(stack, r)["pid"]) for r in ("rollout-0", "rollout-1")}
-    os.kill(int(member(stack, "trainer-0")["pid"]), signal.SIGKILL)
-    wait_for_incident(stack, "MEMBER_LOST", "trainer-0", timeout=15)
-    finish(stack, "tc")
-    [rec] = recoveries(stack, "tc")
-    assert rec["actions"] == ["FENCE trainer-0", "RESTORE_TRAINER trainer-0"]
-    assert rec["replacements"][0].startswith("trainer-p")
-    # Only the trainer was replaced: the same rollout processes served the whole job.
-    assert {int(member(stack, r)["pid"]) for r in ("rollout-0", "rollout-1")} == rollout_pids
-    assert_nothing_lost_or_trained_twice(stack, "tc", tmp_path / "runs" / "tc")
-
-
 def test_a_trainer_and_a_rollout_killed_together_lose_no_group(
     stack: Cli, model_dir: Path, tmp_path: Path
 ) -> None:
@@ -214,7 +197,12 @@ def test_a_trainer_and_a_rollout_killed_together_lose_no_group(
     wait_for_incident(stack, "MEMBER_LOST", "trainer-0", timeout=15)
     wait_for_incident(stack, "MEMBER_LOST", "rollout-1", timeout=15)
     finish(stack, "tr")
-    assert sorted(r["instance_id"] for r in recoveries(stack, "tr")) == ["rollout-1", "trainer-0"]
+    recovered = {r["instance_id"]: r for r in recoveries(stack, "tr")}
+    assert sorted(recovered) == ["rollout-1", "trainer-0"]
+    # With no standby, the trainer's checkpoint is restored on a new one the provisioner starts.
+    trainer = recovered["trainer-0"]
+    assert trainer["actions"] == ["FENCE trainer-0", "RESTORE_TRAINER trainer-0"]
+    assert trainer["replacements"][0].startswith("trainer-p")
     assert_nothing_lost_or_trained_twice(
         stack, "tr", tmp_path / "runs" / "tr", steps_run=BOTH_KILLED_STEPS
     )
@@ -230,6 +218,7 @@ def test_a_killed_trainer_is_taken_over_by_a_standby_that_built_the_model_ahead(
             lambda: member(cli, "standby-0")["labels"].get("prepared") == "tw", timeout=120
         )
         eventually_sync(lambda: step_of(cli, "tw") >= 8, timeout=180)
+        rollout_pids = {int(member(cli, r)["pid"]) for r in ("rollout-0", "rollout-1")}
         os.kill(int(member(cli, "trainer-0")["pid"]), signal.SIGKILL)
         incident = wait_for_incident(cli, "MEMBER_LOST", "trainer-0", timeout=15)
         # Its address refused connections: reported without waiting out the reconnect grace.
@@ -241,6 +230,8 @@ def test_a_killed_trainer_is_taken_over_by_a_standby_that_built_the_model_ahead(
         log = (tmp_path / "home" / "logs" / "standby-0.log").read_text()
         assert "trainer.prepared" in log and "trainer.took_prepared" in log
         assert "trainer.restored" in log
+        # Only the trainer was replaced: the same rollout processes served the whole job.
+        assert {int(member(cli, r)["pid"]) for r in ("rollout-0", "rollout-1")} == rollout_pids
         assert_nothing_lost_or_trained_twice(cli, "tw", tmp_path / "runs" / "tw", STANDBY_STEPS)
 
 
