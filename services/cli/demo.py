@@ -8,6 +8,8 @@ seeded schedule and recovered role by role.
    - a rollout hang (SIGSTOP; it comes back as a zombie after its replacement, and is fenced);
    - the leader coordinator killed: a standby takes over, no data-plane role restarts;
    - the trainer killed: a new trainer restores the last checkpoint, rollouts keep going;
+   - the trainer (now the former standby) stopped by an error at one step, as a failing device
+     would: replaced the same way, the job goes on;
 5. print the eval curve, ETTR, each incident's recovery time, where the metrics and the plot
    are; stop the stack.
 
@@ -72,12 +74,15 @@ def schedule(steps: int, seed: int = SEED) -> list[tuple[int, str]]:
         (rng.randint(int(0.15 * steps), int(0.25 * steps)), "rollout-hang"),
         (rng.randint(int(0.35 * steps), int(0.45 * steps)), "leader-kill"),
         (rng.randint(int(0.55 * steps), int(0.65 * steps)), "trainer-kill"),
+        (rng.randint(int(0.75 * steps), int(0.85 * steps)), "trainer-error"),
     ]
 
 
 def inject(job_id: str, fault: str) -> None:
     if fault == "trainer-kill":
         robustrl("chaos", job_id, "--role", "trainer", "--fault", "kill", "--seed", str(SEED))
+    elif fault == "trainer-error":
+        robustrl("chaos", job_id, "--role", "trainer", "--fault", "error", "--seed", str(SEED))
     elif fault == "leader-kill":
         pid = leader_pid()
         if pid is not None:
