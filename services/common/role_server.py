@@ -181,6 +181,15 @@ class RoleControl:
         if request.action == Action.ACTION_PREPARE:
             await self.prepare(request.job_id, spec_from_args(dict(request.args)))
             return trainer_pb2.ControlResponse(status=self.status())
+        if request.action == Action.ACTION_FENCE:
+            # As when the monitor's beat says so (`fenced`): it also leaves the job in the
+            # registry, or the leader would go on finding it bound (and fail to release it).
+            self.binding = after
+            log.warning(f"{self.runtime.role}.fenced", job=after.job_id, by="control")
+            await self._stop_fenced()
+            if request.args.get(EXIT_ARG) == "true":
+                await self._exit_soon()
+            return trainer_pb2.ControlResponse(status=self.status())
         worker: Worker | None = None
         if request.action == Action.ACTION_BIND:
             if self.worker is not None:
@@ -205,7 +214,7 @@ class RoleControl:
             self.worker = worker
             self.runtime.progress.phase = "working"
             worker.start()
-        elif request.action in (Action.ACTION_RELEASE, Action.ACTION_FENCE):
+        elif request.action == Action.ACTION_RELEASE:
             await self.stop_worker()
             if request.args.get(EXIT_ARG) == "true":
                 await self._exit_soon()

@@ -432,6 +432,9 @@ def test_a_trainer_error_is_recovered_on_another_trainer_and_the_same_error_agai
     assert rec["actions"] == ["FENCE trainer-0", "RESTORE_TRAINER trainer-0"]
     assert rec["replacements"][0].startswith("trainer-p")
     assert {int(member(stack, r)["pid"]) for r in ("rollout-0", "rollout-1")} == rollout_pids
+    # The fenced trainer lives on, off the job: the leader does not find it bound any more.
+    fenced = member(stack, "trainer-0")
+    assert fenced["job_id"] == "" and fenced["labels"].get("fenced") == "true", fenced
     assert_nothing_lost_or_trained_twice(stack, "te", tmp_path / "runs" / "te")
 
     # An error of the job itself (spec.faults.error_steps: every trainer stops at step 5):
