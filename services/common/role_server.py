@@ -182,11 +182,9 @@ class RoleControl:
             await self.prepare(request.job_id, spec_from_args(dict(request.args)))
             return trainer_pb2.ControlResponse(status=self.status())
         if request.action == Action.ACTION_FENCE:
-            # As when the monitor's beat says so (`fenced`): it also leaves the job in the
-            # registry, or the leader would go on finding it bound (and fail to release it).
-            self.binding = after
-            log.warning(f"{self.runtime.role}.fenced", job=after.job_id, by="control")
-            await self._stop_fenced()
+            self.fenced(after)  # apply_control refused it if fenced already: it starts here
+            assert self._fencing is not None
+            await self._fencing
             if request.args.get(EXIT_ARG) == "true":
                 await self._exit_soon()
             return trainer_pb2.ControlResponse(status=self.status())
@@ -293,13 +291,14 @@ class RoleControl:
         status.metrics[FAULT_STEP_KEY] = float(step)
         return trainer_pb2.ControlResponse(status=status)
 
-    def fenced(self) -> None:
-        """The monitor says this instance was fenced (it was replaced while it was away):
-        stop working and accept nothing more."""
+    def fenced(self, binding: Binding | None = None) -> None:
+        """This instance was fenced (it was replaced): leave the job in the registry, stop
+        working and accept nothing more. Told by the monitor's beat (while it was away), or by
+        the leader's Control FENCE, which passes the binding it makes."""
         if self.binding.fenced:
             return
         log.warning(f"{self.runtime.role}.fenced", job=self.binding.job_id)
-        self.binding = replace(self.binding, fenced=True)
+        self.binding = binding or replace(self.binding, fenced=True)
         self._fencing = asyncio.get_running_loop().create_task(self._stop_fenced())
 
     async def _stop_fenced(self) -> None:

@@ -37,7 +37,8 @@ from services.coordinator.jobs import JobRecord, Phase
 from services.coordinator.leadership import Leadership
 from services.coordinator.provisioner import NoProvisioner, Provisioner
 from services.coordinator.store import JobStore, dropped_pages
-from services.monitor.incidents import IncidentRecord, incident_id_at
+from services.monitor.detectors import MemberView
+from services.monitor.incidents import new_incident
 
 log = get_logger(__name__)
 
@@ -385,8 +386,7 @@ class JobDriver:
         if request.error_in_job:
             await self._fail(record.job_id, message)
             return
-        incidents, _ = await self.executor.incident_log.list(record.job_id)
-        earlier = [i for i in incidents if i.kind == "TRAINER_ERROR"]
+        earlier, _ = await self.executor.incident_log.list(record.job_id, kind="TRAINER_ERROR")
         if any(i.instance_id == request.instance_id and i.epoch == record.epoch for i in earlier):
             return  # recorded already: the trainer sent its report again
         if not recovery.trainer_error_recovered(request.step, [i.step for i in earlier]):
@@ -425,22 +425,14 @@ class JobDriver:
     ) -> None:
         """An incident the leader found itself (not the monitor), about a member of `record`,
         recorded where the monitor's go: the executor recovers it as any other."""
-        now = time.time()
-        await self.executor.incident_log.record(
-            IncidentRecord(
-                incident_id=incident_id_at(now),
-                job_id=record.job_id,
-                role=record.member_roles.get(instance_id, "trainer"),
-                instance_id=instance_id,
-                rank=0,
-                kind=kind,
-                evidence=evidence,
-                confidence=confidence,
-                detected_at=now,
-                epoch=record.epoch,
-                step=step,
-            )
+        view = MemberView(
+            role=record.member_roles.get(instance_id, "trainer"),
+            instance_id=instance_id,
+            epoch=record.epoch,
+            job_id=record.job_id,
         )
+        incident = new_incident(view, kind, evidence, confidence, time.time(), step=step)
+        await self.executor.incident_log.record(incident)
 
     async def _fail(self, job_id: str, message: str) -> None:
         await self.update_job(job_id, {}, Phase.FAILED, message)

@@ -301,12 +301,8 @@ class RecoveryExecutor:
 
     async def _nan_history(self, incident: IncidentRecord) -> list[int]:
         """Ranks of the job's earlier NaN incidents, oldest first (this one left out)."""
-        records, _ = await self.incident_log.list(incident.job_id)
-        return [
-            r.rank
-            for r in records
-            if r.kind == "NON_FINITE" and r.incident_id != incident.incident_id
-        ]
+        records, _ = await self.incident_log.list(incident.job_id, kind="NON_FINITE")
+        return [r.rank for r in records if r.incident_id != incident.incident_id]
 
     async def _account(self, entry: RecoveryRecord) -> None:
         """The incident's timeline in the job's ETTR account."""

@@ -39,7 +39,7 @@ def from_finding(finding: Finding, now: float) -> IncidentRecord:
 
 
 def new_incident(
-    view: MemberView, kind: str, evidence: str, confidence: float, now: float
+    view: MemberView, kind: str, evidence: str, confidence: float, now: float, step: int = 0
 ) -> IncidentRecord:
     return IncidentRecord(
         incident_id=incident_id_at(now),
@@ -52,6 +52,7 @@ def new_incident(
         confidence=confidence,
         detected_at=now,
         epoch=view.epoch,
+        step=step,
     )
 
 
@@ -86,10 +87,15 @@ class IncidentLog:
             self.keys.incident(incident.incident_id), incident.model_dump_json().encode()
         )
 
-    async def list(self, job_id: str = "") -> tuple[list[IncidentRecord], int]:
+    async def list(self, job_id: str = "", kind: str = "") -> tuple[list[IncidentRecord], int]:
+        """The incidents recorded (of `job_id`, of `kind`: "" for all), oldest first."""
         entries, revision = await list_prefix(self.client, self.keys.incidents())
         records = [IncidentRecord.model_validate_json(e.value) for e in entries]
-        return [r for r in records if not job_id or r.job_id == job_id], revision
+        return [
+            r
+            for r in records
+            if (not job_id or r.job_id == job_id) and (not kind or r.kind == kind)
+        ], revision
 
     async def follow(self, job_id: str, after_revision: int) -> AsyncIterator[IncidentRecord]:
         """Incidents recorded after after_revision (0: from now on), as they are recorded."""

@@ -62,11 +62,12 @@ RATE_WINDOW_S = 5.0
 """Span of the recent token rate (`tokens_per_s`)."""
 
 GAUGE_INTERVAL_S = 0.25
+"""How often the gauges that change with time alone (request age, token rate) are refreshed:
+a hung generation thread cannot refresh them."""
+
 RETRIED_CODES = NO_LEADER_ANSWER | {grpc.StatusCode.ABORTED}
 """Coordinator answers a completion is sent again after: no leader, none in time, or the job
 changed under it (it says to retry)."""
-"""How often the gauges that change with time alone (request age, token rate) are refreshed:
-a hung generation thread cannot refresh them."""
 
 
 class JobError(Exception):
