@@ -10,7 +10,14 @@ import re
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, PositiveInt, ValidationError
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    NonNegativeInt,
+    PositiveInt,
+    ValidationError,
+)
 
 from services.common.errors import InvalidArgument, describe_validation_error
 
@@ -92,6 +99,11 @@ class RolloutSpec(_Strict):
 class RecoverySpec(_Strict):
     mode: Literal["role_based", "full_restart"] = "role_based"
     """role_based recovers only the failed role; full_restart is the comparison baseline."""
+    group_losses: int = Field(default=3, ge=1)
+    """A prompt group whose rollouts are lost this many times while they generate it is a
+    poison group (it takes down whatever generates it: a prompt that crashes or hangs the
+    engine) and is dropped instead of being leased again. After its first loss a group is
+    leased alone, so that groups leased beside it are not blamed for it."""
 
 
 class FaultSpec(_Strict):
@@ -108,6 +120,11 @@ class FaultSpec(_Strict):
     as a bug in the job would: the first is recovered on another trainer, and the same step
     failing again there fails the job (a fault that one trainer alone has is injected with
     `robustrl chaos --fault error`)."""
+
+    crash_groups: list[NonNegativeInt] = Field(default_factory=list)
+    """Prompt group indices (0-based, in lease order) whose lease makes the rollout that holds
+    it crash, every rollout alike, as a prompt that crashes the engine would: the group is
+    dropped as a poison group after `recovery.group_losses` crashes."""
 
 
 class JobSpec(_Strict):

@@ -368,11 +368,29 @@ class JobDriver:
         alive = {m.instance_id for m in members if m.job_id == record.job_id}
         changed = work.expire(ledger, time.time())
         for holder in {held.instance_id for held in ledger.open.values()} - alive:
-            changed += work.release_holder(ledger, holder, f"{holder} left the registry")
+            changed += self.release_holder(record, ledger, holder, f"{holder} left the registry")
         changed += work.release_lost(ledger, alive)
         if changed:
             log.info("coordinator.groups_requeued", job=record.job_id, groups=len(changed))
             await self.save_ledger(ledger)
+
+    def release_holder(
+        self, record: JobRecord, ledger: work.WorkLedger, holder: str, reason: str
+    ) -> list[str]:
+        """Take back what a lost rollout held (work.release_holder): the groups requeued or, a
+        poison group, dropped (logged). Mutates the ledger; the caller saves it."""
+        limit = self.spec(record).recovery.group_losses
+        requeued, dropped = work.release_holder(ledger, holder, reason, limit)
+        for group in dropped:
+            log.error(
+                "coordinator.group_poisoned",
+                job=record.job_id,
+                group=group,
+                holder=holder,
+                losses=limit,
+                then="dropped, not leased again",
+            )
+        return requeued + dropped
 
     async def _trainer_error(
         self, record: JobRecord, request: coordinator_pb2.ReportProgressRequest

@@ -78,6 +78,10 @@ class WorkLedger(BaseModel):
     """Delivered groups, and groups trained by a step not yet durable -> who holds them."""
     intake: int = 0
     """How many times the trainer was replaced (each time its intake was lost)."""
+    losses: dict[str, int] = Field(default_factory=dict)
+    """Group id -> how many of its holders were lost (died, hung, fenced) while it was out to
+    them, for groups not settled yet. Such a group is leased alone, so that a loss while it is
+    out is its own; one lost `max_losses` times is a poison group (see `release_holder`)."""
 
 
 class DroppedPage(BaseModel):
@@ -128,11 +132,16 @@ def lease(
     now: float,
     lease_seconds: float,
 ) -> list[str]:
-    """Lease up to max_groups (requeued first, then new ones) within the budget. Mutates."""
+    """Lease up to max_groups (requeued first, then new ones) within the budget. A group whose
+    holder was lost before goes out alone (see `WorkLedger.losses`). Mutates."""
     granted: list[str] = []
     room = budget - len(ledger.open) - len(ledger.delivered)
     while len(granted) < min(max_groups, room):
+        alone = False
         if ledger.requeued:
+            alone = ledger.requeued[0] in ledger.losses
+            if alone and granted:
+                break
             group = ledger.requeued.pop(0)
         else:
             group = group_id(ledger.job_id, ledger.next_index)
@@ -141,6 +150,8 @@ def lease(
             instance_id=instance_id, epoch=epoch, deadline=now + lease_seconds
         )
         granted.append(group)
+        if alone:
+            break
     return granted
 
 
@@ -175,6 +186,7 @@ def take_back(ledger: WorkLedger, group: str, reason: str) -> None:
 
 def _drop(ledger: WorkLedger, group: str, why: str) -> None:
     ledger.held.pop(group, None)
+    ledger.losses.pop(group, None)
     ledger.discarded[group] = why
     ledger.dropped += 1
 
@@ -192,12 +204,30 @@ def give_back(ledger: WorkLedger, instance_id: str, groups: dict[str, str]) -> l
     return ignored
 
 
-def release_holder(ledger: WorkLedger, instance_id: str, reason: str) -> list[str]:
-    """Requeue every open lease of instance_id (it died or was fenced). Mutates."""
+def release_holder(
+    ledger: WorkLedger, instance_id: str, reason: str, max_losses: int = 0
+) -> tuple[list[str], list[str]]:
+    """Take back every open lease of instance_id (it died, hung or was fenced): (requeued,
+    dropped). Each group counts the loss; one that has now lost `max_losses` holders (0: no
+    limit) is a poison group, one that takes down whatever generates it, and is dropped
+    instead of being leased again. Since a group lost once is leased alone after that, only
+    the first loss can be shared with the groups leased beside it. Mutates."""
     groups = [g for g, held in ledger.open.items() if held.instance_id == instance_id]
+    requeued, dropped = [], []
     for group in groups:
-        take_back(ledger, group, reason)
-    return groups
+        losses = ledger.losses[group] = ledger.losses.get(group, 0) + 1
+        if max_losses and losses >= max_losses:
+            del ledger.open[group]
+            _drop(
+                ledger,
+                group,
+                f"poison group: lost {losses} holders while out to them, the last one {reason}",
+            )
+            dropped.append(group)
+        else:
+            take_back(ledger, group, reason)
+            requeued.append(group)
+    return requeued, dropped
 
 
 def expire(ledger: WorkLedger, now: float) -> list[str]:
@@ -280,6 +310,7 @@ def record_progress(
             ledger.requeued.remove(group)
         if why is None:
             ledger.trained += 1
+            ledger.losses.pop(group, None)
             # Trained before its CompleteWork arrived: its lease names who sent it. Taken back
             # meanwhile: nobody known ("" is never alive), so it is generated again if lost.
             was = ledger.held.pop(group, None)
@@ -345,4 +376,5 @@ def settle_leftovers(ledger: WorkLedger, reason: str) -> list[str]:
     ledger.requeued.clear()
     ledger.delivered.clear()
     ledger.held.clear()  # no trainer will be replaced for this job any more
+    ledger.losses.clear()
     return left

@@ -220,6 +220,7 @@ class RolloutWorker:
         self.job_id = job_id
         self.epoch = epoch
         self.spec = spec
+        self.crash_groups = frozenset(spec.faults.crash_groups)
         self.engine: TorchEngine | None = None
         self.reward: RewardFn | None = None
         self.transport: WeightTransport | None = None
@@ -368,6 +369,9 @@ class RolloutWorker:
         """Generate and score the groups: the normal ones in one batch, long-tail ones in
         another (a batch runs as long as its longest row)."""
         out = Generated()
+        poison = [g.group_id for g in groups if group_index(g.group_id) in self.crash_groups]
+        if poison:
+            self.runtime.crash(f"faults.crash_groups: generating group {poison[0]}")
         normal = [g for g in groups if not self._is_long_tail(g.group_id)]
         long_tail = [g for g in groups if self._is_long_tail(g.group_id)]
         for batch, is_long_tail in ((normal, False), (long_tail, True)):

@@ -280,6 +280,32 @@ def test_a_nan_loss_is_rolled_back_without_replacing_anything(
     assert_nothing_lost_or_trained_twice(stack, "tn", tmp_path / "runs" / "tn")
 
 
+def test_a_group_that_crashes_every_rollout_is_dropped_and_the_job_goes_on(
+    stack: Cli, model_dir: Path, tmp_path: Path
+) -> None:
+    # A poison prompt (spec.faults.crash_groups: every rollout that generates group 12
+    # crashes): each crash is a lost rollout, replaced; after its third the group is dropped.
+    # Before, it was leased again for ever, taking down one rollout after another.
+    submit(stack, model_dir, "pg", "trainer.steps=40", "faults.crash_groups=[12]")
+    finish(stack, "pg")
+    poison = "pg-g000012"
+    lost = recoveries(stack, "pg")
+    assert len(lost) == 3 and all(r["kind"] == "MEMBER_LOST" for r in lost), lost
+    assert all(r["actions"][-1].startswith("REPLACE_ROLLOUT") for r in lost), lost
+    dropped = stack.json("dropped", "pg")
+    assert isinstance(dropped, dict)
+    assert dropped[poison].startswith("poison group: lost 3 holders"), dropped
+    # Leased alone after its first loss: no other group was dropped with it.
+    assert [g for g, why in dropped.items() if "poison" in why] == [poison]
+    crashed = [
+        log.name
+        for log in (tmp_path / "home" / "logs").glob("rollout-*.log")
+        if f"generating group {poison}" in log.read_text()
+    ]
+    assert len(crashed) == 3, crashed
+    assert_nothing_lost_or_trained_twice(stack, "pg", tmp_path / "runs" / "pg", steps_run=40)
+
+
 def test_a_killed_leader_coordinator_restarts_no_data_plane_role(
     stack: Cli, model_dir: Path, tmp_path: Path
 ) -> None:
