@@ -23,7 +23,7 @@ import grpc
 from robustrl.v1 import coordinator_pb2, rollout_pb2_grpc, trainer_pb2, trainer_pb2_grpc
 from services.common.aio import cancel_and_wait
 from services.common.channels import open_channel
-from services.common.errors import Aborted, FailedPrecondition, InvalidArgument
+from services.common.errors import Aborted, FailedPrecondition, InvalidArgument, Unavailable
 from services.common.jobspec import JobSpec
 from services.common.logs import get_logger
 from services.common.registry import MemberRecord, Registry
@@ -368,19 +368,19 @@ class JobDriver:
         alive = {m.instance_id for m in members if m.job_id == record.job_id}
         changed = work.expire(ledger, time.time())
         for holder in {held.instance_id for held in ledger.open.values()} - alive:
-            changed += self.release_holder(record, ledger, holder, f"{holder} left the registry")
+            changed += work.release_holder(ledger, holder, f"{holder} left the registry")
         changed += work.release_lost(ledger, alive)
         if changed:
             log.info("coordinator.groups_requeued", job=record.job_id, groups=len(changed))
             await self.save_ledger(ledger)
 
-    def release_holder(
+    def release_lost_holder(
         self, record: JobRecord, ledger: work.WorkLedger, holder: str, reason: str
     ) -> list[str]:
-        """Take back what a lost rollout held (work.release_holder): the groups requeued or, a
-        poison group, dropped (logged). Mutates the ledger; the caller saves it."""
+        """Take back what a lost rollout held (work.release_lost_holder): the groups requeued
+        or, a poison group, dropped (logged). Mutates the ledger; the caller saves it."""
         limit = self.spec(record).recovery.group_losses
-        requeued, dropped = work.release_holder(ledger, holder, reason, limit)
+        requeued, dropped = work.release_lost_holder(ledger, holder, reason, limit)
         for group in dropped:
             log.error(
                 "coordinator.group_poisoned",
@@ -663,6 +663,14 @@ class JobDriver:
                 f"{role} {instance_id} no longer serves job {record.job_id} (fenced or replaced)"
             )
         member = await self.registry.get(role, instance_id)
+        if member is None and instance_id in record.member_roles:
+            # Still the job's member, out of the registry: its session lapsed (an etcd outage)
+            # and it has not registered again yet, or it died and will be reported lost. Not a
+            # refusal: one would stop a live trainer for good.
+            raise Unavailable(
+                f"{role} {instance_id} of job {record.job_id} is not in the registry now; "
+                "retry once it has registered again"
+            )
         if member is None or member.job_id != record.job_id:
             raise FailedPrecondition(f"{role} {instance_id} is not bound to job {record.job_id}")
         return member

@@ -191,7 +191,9 @@ class RecoveryExecutor:
             elif action.do is Do.REQUEUE:
                 ledger = driver.ledgers.get(record.job_id)
                 if ledger is not None:
-                    taken = driver.release_holder(record, ledger, action.instance_id, action.reason)
+                    taken = driver.release_lost_holder(
+                        record, ledger, action.instance_id, action.reason
+                    )
                     await driver.save_ledger(ledger)
                     log.info("recovery.requeued", job=record.job_id, groups=len(taken))
             elif action.do is Do.REPLACE_ROLLOUT:

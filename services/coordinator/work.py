@@ -81,7 +81,7 @@ class WorkLedger(BaseModel):
     losses: dict[str, int] = Field(default_factory=dict)
     """Group id -> how many of its holders were lost (died, hung, fenced) while it was out to
     them, for groups not settled yet. Such a group is leased alone, so that a loss while it is
-    out is its own; one lost `max_losses` times is a poison group (see `release_holder`)."""
+    out is its own; one lost `max_losses` times is a poison group (see `release_lost_holder`)."""
 
 
 class DroppedPage(BaseModel):
@@ -204,14 +204,23 @@ def give_back(ledger: WorkLedger, instance_id: str, groups: dict[str, str]) -> l
     return ignored
 
 
-def release_holder(
+def release_holder(ledger: WorkLedger, instance_id: str, reason: str) -> list[str]:
+    """Requeue every open lease of instance_id, which left the registry (it may only have let
+    its session lapse: not counted as a loss). Mutates."""
+    groups = [g for g, held in ledger.open.items() if held.instance_id == instance_id]
+    for group in groups:
+        take_back(ledger, group, reason)
+    return groups
+
+
+def release_lost_holder(
     ledger: WorkLedger, instance_id: str, reason: str, max_losses: int = 0
 ) -> tuple[list[str], list[str]]:
-    """Take back every open lease of instance_id (it died, hung or was fenced): (requeued,
-    dropped). Each group counts the loss; one that has now lost `max_losses` holders (0: no
-    limit) is a poison group, one that takes down whatever generates it, and is dropped
-    instead of being leased again. Since a group lost once is leased alone after that, only
-    the first loss can be shared with the groups leased beside it. Mutates."""
+    """Take back every open lease of instance_id, which recovery found lost (died or hung):
+    (requeued, dropped). Each group counts the loss; one that has now lost `max_losses`
+    holders (0: no limit) is a poison group, one that takes down whatever generates it, and
+    is dropped instead of being leased again. Since a group lost once is leased alone after
+    that, only its first loss can be shared with the groups leased beside it. Mutates."""
     groups = [g for g, held in ledger.open.items() if held.instance_id == instance_id]
     requeued, dropped = [], []
     for group in groups:

@@ -18,11 +18,14 @@ from services.common.errors import (
     FailedPrecondition,
     NotFound,
     NotLeader,
+    Unavailable,
 )
+from services.common.registry import MemberRecord
 from services.common.runtime import ServiceRuntime
 from services.coordinator import work
 from services.coordinator.config import CoordinatorSettings
 from services.coordinator.driver import JobDriver
+from services.coordinator.jobs import new_job
 from services.coordinator.leadership import Leadership
 from services.coordinator.store import JobStore, dropped_pages
 from services.monitor.incidents import IncidentRecord
@@ -276,6 +279,30 @@ async def test_the_leader_pages_dropped_groups_out_of_the_ledger_in_the_same_wri
             assert len(await dropped_pages(runtime.client, runtime.keys, "pj")) == 1
         finally:
             await client.close()
+
+
+async def test_a_member_out_of_the_registry_is_told_to_retry_and_a_fenced_one_is_refused(
+    etcd_settings: EtcdSettings,
+) -> None:
+    """After an etcd outage a member's record is gone until it registers again: its reports
+    must be retried (UNAVAILABLE), not refused. Before, the trainer's first report after the
+    outage was refused ("not bound"), and the trainer stopped on it for good."""
+    async with lone_leader(etcd_settings, "bound") as (runtime, _, driver):
+        record = new_job("bj", {}, now=0.0)
+        record.member_roles = {"trainer-b": "trainer"}
+        with pytest.raises(Unavailable, match="not in the registry now"):
+            await driver._bound_member(record, "trainer", "trainer-b")
+        with pytest.raises(FailedPrecondition, match="no longer serves job bj"):
+            await driver._bound_member(record, "trainer", "trainer-fenced")
+        member = MemberRecord(
+            role="trainer", instance_id="trainer-b", address="x:1", pid=1, host="h"
+        )
+        assert runtime.session is not None
+        await driver.registry.register(runtime.session, member)
+        with pytest.raises(FailedPrecondition, match="not bound to job bj"):
+            await driver._bound_member(record, "trainer", "trainer-b")  # released: job_id ""
+        await driver.registry.register(runtime.session, member.model_copy(update={"job_id": "bj"}))
+        assert (await driver._bound_member(record, "trainer", "trainer-b")).job_id == "bj"
 
 
 async def test_delete_job_over_the_api_gets_the_right_codes(

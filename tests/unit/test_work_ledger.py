@@ -32,18 +32,26 @@ def test_a_dead_holders_groups_are_leased_again_first_with_the_same_ids() -> Non
     led = ledger()
     mine = lease(led, "r0", 2)
     lease(led, "r1", 1)
-    assert work.release_holder(led, "r0", "r0 left the registry") == (mine, [])
-    # First, and each alone: a group whose holder was lost is leased by itself.
+    assert work.release_holder(led, "r0", "r0 left the registry") == mine
+    assert lease(led, "r1", 3) == [*mine, "j-g000003"]
+    assert led.released == {g: ["r0 left the registry"] for g in mine}
+    assert not led.losses  # it may only have let its session lapse: not a loss
+
+
+def test_the_groups_of_a_lost_holder_come_back_first_and_each_alone() -> None:
+    led = ledger()
+    mine = lease(led, "r0", 2)
+    lease(led, "r1", 1)
+    assert work.release_lost_holder(led, "r0", "r0 died") == (mine, [])
     assert lease(led, "r1", 3) == [mine[0]]
     assert lease(led, "r1", 3) == [mine[1]]
     assert lease(led, "r1", 3) == ["j-g000003", "j-g000004", "j-g000005"]
-    assert led.released == {g: ["r0 left the registry"] for g in mine}
 
 
 def test_a_group_that_takes_down_every_holder_is_dropped_and_only_it() -> None:
     led = ledger()
     poison, beside = lease(led, "r0", 2)
-    assert work.release_holder(led, "r0", "r0 left the registry", 3) == ([poison, beside], [])
+    assert work.release_lost_holder(led, "r0", "r0 died", 3) == ([poison, beside], [])
     for lost, who in ((2, "r1"), (3, "r2")):
         assert lease(led, who, 4) == [poison]  # alone, so its losses are its own
         if lost == 2:
@@ -51,7 +59,7 @@ def test_a_group_that_takes_down_every_holder_is_dropped_and_only_it() -> None:
             work.complete(led, "r9", [beside])
             work.record_progress(led, [beside], {})
             assert beside not in led.losses  # settled: its loss is forgotten
-        requeued, dropped = work.release_holder(led, who, f"{who} hung", 3)
+        requeued, dropped = work.release_lost_holder(led, who, f"{who} hung", 3)
     assert (requeued, dropped) == ([], [poison])
     assert led.discarded[poison].startswith("poison group: lost 3 holders")
     assert "r2 hung" in led.discarded[poison]
@@ -63,7 +71,7 @@ def test_without_a_loss_limit_a_group_is_never_dropped() -> None:
     led = ledger()
     [group] = lease(led, "r0", 1)
     for n in range(10):
-        assert work.release_holder(led, f"r{n}", "lost") == ([group], [])
+        assert work.release_lost_holder(led, f"r{n}", "lost") == ([group], [])
         assert lease(led, f"r{n + 1}", 1) == [group]
     assert led.losses == {group: 10} and not led.discarded
 
@@ -209,7 +217,7 @@ def test_dropped_groups_and_take_backs_move_to_pages_and_none_is_lost() -> None:
     led = ledger()
     pages: list[work.DroppedPage] = []
     groups = lease(led, "r0", 20, budget=20)
-    work.expire(led, now=11.0)  # 20 take-backs
+    work.release_holder(led, "r0", "r0 left the registry")  # 20 take-backs
     groups = lease(led, "r1", 20, budget=20)
     work.complete(led, "r1", groups)
     for i, group in enumerate(groups):
