@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from services.cli.stack import etcd_healthy, find_etcd, free_port
+from services.cli.stack import etcd_healthy, find_etcd, free_ports
 from services.common.config import EtcdSettings
 
 
@@ -43,8 +43,7 @@ def _cuda_available() -> bool:
 
 class EtcdProcess:
     def __init__(self, data_dir: Path) -> None:
-        self.client_port = free_port()
-        self.peer_port = free_port()
+        self.client_port, self.peer_port = free_ports(2)
         self.endpoints = f"127.0.0.1:{self.client_port}"
         self.proc = subprocess.Popen(
             [

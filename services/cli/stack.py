@@ -71,9 +71,20 @@ class StackState:
 
 
 def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
+    return free_ports(1)[0]
+
+
+def free_ports(count: int) -> list[int]:
+    """`count` distinct free ports: each socket stays bound until all are chosen (a port
+    freed at once may be handed out again at the next bind, as etcd's client and peer ports
+    once were, and etcd then failed to start)."""
+    with contextlib.ExitStack() as stack:
+        ports = []
+        for _ in range(count):
+            sock = stack.enter_context(socket.socket(socket.AF_INET, socket.SOCK_STREAM))
+            sock.bind(("127.0.0.1", 0))
+            ports.append(int(sock.getsockname()[1]))
+        return ports
 
 
 def port_is_free(port: int) -> bool:
@@ -171,7 +182,7 @@ def start_etcd(state: StackState, history: str = ETCD_HISTORY_RETENTION) -> Proc
         # New ports mean a new member URL; start the data over rather than fight etcd.
         if data_dir.exists():
             shutil.rmtree(data_dir)
-        client, peer = free_port(), free_port()
+        client, peer = free_ports(2)
     state.etcd_client_port, state.etcd_peer_port = client, peer
     state.etcd_endpoints = f"127.0.0.1:{client}"
     argv = [
