@@ -79,9 +79,10 @@ class WorkLedger(BaseModel):
     intake: int = 0
     """How many times the trainer was replaced (each time its intake was lost)."""
     losses: dict[str, int] = Field(default_factory=dict)
-    """Group id -> how many of its holders were lost (died, hung, fenced) while it was out to
-    them, for groups not settled yet. Such a group is leased alone, so that a loss while it is
-    out is its own; one lost `max_losses` times is a poison group (see `release_lost_holder`)."""
+    """Group id -> how many of its holders recovery found lost (died or hung) while it was out
+    to them, for groups not settled yet (settling removes its entry). Such a group is leased
+    alone, so that a loss while it is out is its own; one lost `max_losses` times is a poison
+    group (see `release_lost_holder`)."""
 
 
 class DroppedPage(BaseModel):
@@ -204,10 +205,14 @@ def give_back(ledger: WorkLedger, instance_id: str, groups: dict[str, str]) -> l
     return ignored
 
 
+def _leased_to(ledger: WorkLedger, instance_id: str) -> list[str]:
+    return [g for g, held in ledger.open.items() if held.instance_id == instance_id]
+
+
 def release_holder(ledger: WorkLedger, instance_id: str, reason: str) -> list[str]:
     """Requeue every open lease of instance_id, which left the registry (it may only have let
     its session lapse: not counted as a loss). Mutates."""
-    groups = [g for g, held in ledger.open.items() if held.instance_id == instance_id]
+    groups = _leased_to(ledger, instance_id)
     for group in groups:
         take_back(ledger, group, reason)
     return groups
@@ -221,9 +226,8 @@ def release_lost_holder(
     holders (0: no limit) is a poison group, one that takes down whatever generates it, and
     is dropped instead of being leased again. Since a group lost once is leased alone after
     that, only its first loss can be shared with the groups leased beside it. Mutates."""
-    groups = [g for g, held in ledger.open.items() if held.instance_id == instance_id]
     requeued, dropped = [], []
-    for group in groups:
+    for group in _leased_to(ledger, instance_id):
         losses = ledger.losses[group] = ledger.losses.get(group, 0) + 1
         if max_losses and losses >= max_losses:
             del ledger.open[group]
@@ -385,5 +389,4 @@ def settle_leftovers(ledger: WorkLedger, reason: str) -> list[str]:
     ledger.requeued.clear()
     ledger.delivered.clear()
     ledger.held.clear()  # no trainer will be replaced for this job any more
-    ledger.losses.clear()
     return left

@@ -220,7 +220,6 @@ class RolloutWorker:
         self.job_id = job_id
         self.epoch = epoch
         self.spec = spec
-        self.crash_groups = frozenset(spec.faults.crash_groups)
         self.engine: TorchEngine | None = None
         self.reward: RewardFn | None = None
         self.transport: WeightTransport | None = None
@@ -369,7 +368,8 @@ class RolloutWorker:
         """Generate and score the groups: the normal ones in one batch, long-tail ones in
         another (a batch runs as long as its longest row)."""
         out = Generated()
-        poison = [g.group_id for g in groups if group_index(g.group_id) in self.crash_groups]
+        crash = self.spec.faults.crash_groups
+        poison = [g.group_id for g in groups if group_index(g.group_id) in crash]
         if poison:
             self.runtime.crash(f"faults.crash_groups: generating group {poison[0]}")
         normal = [g for g in groups if not self._is_long_tail(g.group_id)]
