@@ -97,6 +97,10 @@ class RecoverySpec(_Strict):
     poison group (it takes down whatever generates it: a prompt that crashes or hangs the
     engine) and is dropped instead of being leased again. After its first loss a group is
     leased alone, so that groups leased beside it are not blamed for it."""
+    poison_groups: int = Field(default=5, ge=0)
+    """The job fails once this many of its prompt groups were dropped as poison groups: what
+    takes down every rollout is then the job's own (its model, engine or data), and replacing
+    rollouts would go on forever, one poison group at a time. 0: never."""
 
 
 class FaultSpec(_Strict):

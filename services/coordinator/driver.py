@@ -392,6 +392,20 @@ class JobDriver:
             )
         return requeued + dropped
 
+    def poison_verdict(self, record: JobRecord, ledger: work.WorkLedger) -> str:
+        """Why the job fails, once `recovery.poison_groups` of its groups were dropped as
+        poison groups; empty until then (and always, with no limit)."""
+        policy = self.spec(record).recovery
+        if not policy.poison_groups or ledger.poisoned < policy.poison_groups:
+            return ""
+        return (
+            f"{ledger.poisoned} prompt groups were dropped as poison groups (each took down "
+            f"{policy.group_losses} rollouts that generated it; recovery.poison_groups is "
+            f"{policy.poison_groups}): what takes down the rollouts is the job's own "
+            "(its model, engine or data), not a machine's; `robustrl dropped "
+            f"{record.job_id}` lists them"
+        )
+
     async def _trainer_error(
         self, record: JobRecord, request: coordinator_pb2.ReportProgressRequest
     ) -> None:
@@ -402,7 +416,7 @@ class JobDriver:
         A report sent again changes nothing."""
         message = f"trainer {request.instance_id}: {request.error}"
         if request.error_in_job:
-            await self._fail(record.job_id, message)
+            await self.fail(record.job_id, message)
             return
         earlier, _ = await self.executor.incident_log.list(record.job_id, kind="TRAINER_ERROR")
         if any(i.instance_id == request.instance_id and i.epoch == record.epoch for i in earlier):
@@ -413,7 +427,7 @@ class JobDriver:
                 f" (at step {request.step}, after a trainer that stopped at step {before} was "
                 "replaced: the error is the job's, not a machine's)"
             )
-            await self._fail(record.job_id, message)
+            await self.fail(record.job_id, message)
             return
         await self._record_incident(
             record,
@@ -452,7 +466,7 @@ class JobDriver:
         incident = new_incident(view, kind, evidence, confidence, time.time(), step=step)
         await self.executor.incident_log.record(incident)
 
-    async def _fail(self, job_id: str, message: str) -> None:
+    async def fail(self, job_id: str, message: str) -> None:
         await self.update_job(job_id, {}, Phase.FAILED, message)
         log.warning("coordinator.job_failed", job=job_id, reason=message)
 
@@ -754,7 +768,7 @@ class JobDriver:
                 return
             await self._bound_member(record, "rollout", request.instance_id)
             if request.error:
-                await self._fail(request.job_id, f"rollout {request.instance_id}: {request.error}")
+                await self.fail(request.job_id, f"rollout {request.instance_id}: {request.error}")
                 return
             ledger = self.ledger(request.job_id)
             ignored = work.complete(ledger, request.instance_id, list(request.group_ids))

@@ -196,6 +196,10 @@ class RecoveryExecutor:
                     )
                     await driver.save_ledger(ledger)
                     log.info("recovery.requeued", job=record.job_id, groups=len(taken))
+                    verdict = driver.poison_verdict(record, ledger)
+                    if verdict:
+                        await driver.fail(record.job_id, verdict)
+                        return
             elif action.do is Do.REPLACE_ROLLOUT:
                 entry.waiting_for.append("rollout")
             elif action.do is Do.RESTORE_TRAINER:

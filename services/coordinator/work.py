@@ -83,6 +83,8 @@ class WorkLedger(BaseModel):
     to them, for groups not settled yet (settling removes its entry). Such a group is leased
     alone, so that a loss while it is out is its own; one lost `max_losses` times is a poison
     group (see `release_lost_holder`)."""
+    poisoned: int = 0
+    """How many groups were dropped as poison groups."""
 
 
 class DroppedPage(BaseModel):
@@ -236,6 +238,7 @@ def release_lost_holder(
                 group,
                 f"poison group: lost {losses} holders while out to them, the last one {reason}",
             )
+            ledger.poisoned += 1
             dropped.append(group)
         else:
             take_back(ledger, group, reason)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import time
 from collections.abc import AsyncIterator
 
 import grpc
@@ -25,7 +26,7 @@ from services.common.runtime import ServiceRuntime
 from services.coordinator import work
 from services.coordinator.config import CoordinatorSettings
 from services.coordinator.driver import JobDriver
-from services.coordinator.jobs import new_job
+from services.coordinator.jobs import Phase, new_job, transition
 from services.coordinator.leadership import Leadership
 from services.coordinator.store import JobStore, dropped_pages
 from services.monitor.incidents import IncidentRecord
@@ -303,6 +304,94 @@ async def test_a_member_out_of_the_registry_is_told_to_retry_and_a_fenced_one_is
             await driver._bound_member(record, "trainer", "trainer-b")  # released: job_id ""
         await driver.registry.register(runtime.session, member.model_copy(update={"job_id": "bj"}))
         assert (await driver._bound_member(record, "trainer", "trainer-b")).job_id == "bj"
+
+
+async def test_the_job_fails_once_poison_groups_reach_the_limit_and_not_before(
+    etcd_settings: EtcdSettings,
+) -> None:
+    """A real leader and etcd, the leader's own recovery of two lost rollouts: the first poison
+    group is dropped and the job goes on; the second, at recovery.poison_groups, fails the job
+    with why (a bug that crashes every rollout would otherwise replace rollouts forever)."""
+    spec: dict[str, object] = {"name": "pg", "recovery": {"group_losses": 1, "poison_groups": 2}}
+    async with lone_leader(etcd_settings, "poison") as (runtime, leadership, driver):
+        record = new_job("pg", spec, now=0.0)
+        record.member_roles = {
+            "trainer-p": "trainer",
+            "rollout-a": "rollout",
+            "rollout-b": "rollout",
+        }
+        record.members = list(record.member_roles)
+        record.epoch = 1
+        record = transition(record, Phase.RUNNING, "running", now=0.0)
+        await driver.store.create(record, leadership.guard())
+        ledger = driver.ledgers["pg"] = work.WorkLedger(job_id="pg")
+        leased = {
+            holder: work.lease(
+                ledger,
+                instance_id=holder,
+                epoch=1,
+                max_groups=1,
+                budget=2,
+                now=time.time(),
+                lease_seconds=600,
+            )
+            for holder in ("rollout-a", "rollout-b")
+        }
+        await driver.save_ledger(ledger)
+        assert runtime.session is not None
+        for holder in record.member_roles:  # alive: the leader's rounds leave their leases
+            await driver.registry.register(
+                runtime.session,
+                MemberRecord(
+                    role=record.member_roles[holder],
+                    instance_id=holder,
+                    address="x:1",
+                    pid=1,
+                    host="h",
+                    job_id="pg",
+                ),
+            )
+
+        def lost(holder: str, at: float) -> IncidentRecord:
+            return IncidentRecord(
+                incident_id=f"i-{holder}",
+                job_id="pg",
+                role="rollout",
+                instance_id=holder,
+                rank=0,
+                kind="MEMBER_LOST",
+                evidence="its session lapsed",
+                confidence=1.0,
+                detected_at=at,
+                epoch=1,
+            )
+
+        await driver.executor.handle(lost("rollout-a", 1.0))
+        after_one, _ = await driver.store.get("pg")
+        assert after_one.phase is Phase.RUNNING
+        assert "rollout-a" not in after_one.member_roles
+        assert ledger.poisoned == 1 and set(ledger.discarded) == set(leased["rollout-a"])
+        assert driver.poison_verdict(after_one, ledger) == ""
+
+        await driver.executor.handle(lost("rollout-b", 2.0))
+        failed, _ = await driver.store.get("pg")
+        assert failed.phase is Phase.FAILED, failed
+        assert "2 prompt groups were dropped as poison groups" in failed.message
+        assert "recovery.poison_groups is 2" in failed.message
+        assert ledger.poisoned == 2 and set(ledger.discarded) == {
+            *leased["rollout-a"],
+            *leased["rollout-b"],
+        }
+        assert runtime.client is not None
+        stored = await runtime.client.get(runtime.keys.work("pg"))
+        assert stored is not None
+        assert work.WorkLedger.model_validate_json(stored.value).poisoned == 2
+
+        unbounded = failed.model_copy(
+            update={"spec": {**spec, "recovery": {"group_losses": 1, "poison_groups": 0}}}
+        )
+        driver.specs.pop("pg")
+        assert driver.poison_verdict(unbounded, ledger) == ""  # 0: no limit
 
 
 async def test_delete_job_over_the_api_gets_the_right_codes(

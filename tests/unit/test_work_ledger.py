@@ -64,6 +64,7 @@ def test_a_group_that_takes_down_every_holder_is_dropped_and_only_it() -> None:
     assert led.discarded[poison].startswith("poison group: lost 3 holders")
     assert "r2 hung" in led.discarded[poison]
     assert poison not in led.open and poison not in led.requeued and not led.losses
+    assert led.poisoned == 1
     assert led.trained == 1 and led.dropped == 1
 
 
