@@ -64,6 +64,7 @@ import aetcd
 import numpy as np
 import torch
 
+from services.common import ucx_progress
 from services.common.checksums import (
     CHECKSUM_ALGORITHMS,
     XXH3_128,
@@ -110,6 +111,10 @@ PULLERS_RECORD_DELAY_S = 0.05
 ALIGN_BYTES = 64  # every tensor starts aligned, so views of the buffer are valid for any dtype
 MAX_CONTROL_BYTES = 1 << 16  # requests and replies are small JSON; refuse anything bigger
 MAX_IDLE_CONNECTIONS = 4  # endpoints kept open between pulls, to the holders used last
+PARK_SECONDS = 2.0
+"""How long a puller keeps an endpoint it does not use. The holder waits for the next request
+with a receive posted, which keeps its event loop busy (ucx_progress): a job that pulls every
+step keeps its endpoints, an idle one lets its holders sleep."""
 PROTOCOL_VERSION = 1
 ABORT_NS = 500_000_000  # how long closing an endpoint may wait for in-flight operations
 
@@ -486,7 +491,8 @@ def load_ucxx(progress_mode: str | None = None) -> ModuleType:
     """Import and initialise ucxx once per process; UcxUnavailable if it cannot start.
 
     Progress defaults to 'blocking' (driven by the event loop on the worker's epoll fd): on
-    small hosts the 'thread' mode measured 5-20x slower and 'polling' burns a core.
+    small hosts the 'thread' mode measured 5-20x slower and 'polling' burns a core. ucxx's
+    blocking mode spins once a message has come; `ucx_progress.install` mends it.
     """
     _ucx_env_defaults()
     try:
@@ -494,6 +500,7 @@ def load_ucxx(progress_mode: str | None = None) -> ModuleType:
     except Exception as exc:  # ImportError, or a missing libucx underneath it
         raise UcxUnavailable(f"cannot import ucxx: {exc!r}") from exc
     mode = progress_mode or os.environ.get("UCXPY_PROGRESS_MODE", "blocking")
+    ucx_progress.install()  # before init: it makes the worker's progress task
     try:
         ucxx.init(progress_mode=mode)
     except RuntimeError:
@@ -816,6 +823,7 @@ class UcxTransport(WeightTransport):
         checksum_algorithm: str | None = None,
         progress_mode: str | None = None,
         record_delay: float = PULLERS_RECORD_DELAY_S,
+        park_seconds: float = PARK_SECONDS,
         faults: HolderFaults | None = None,
         seed: int | None = None,
     ) -> None:
@@ -839,6 +847,7 @@ class UcxTransport(WeightTransport):
         self.connect_timeout = connect_timeout
         self.progress_mode = progress_mode
         self.record_delay = record_delay
+        self.park_seconds = park_seconds
         if checksum_algorithm not in (None, *CHECKSUM_ALGORITHMS):
             raise ValueError(f"checksum_algorithm must be one of {CHECKSUM_ALGORITHMS}")
         # None: by where the published buffer lives (checksums.algorithm_for).
@@ -1441,6 +1450,14 @@ class UcxTransport(WeightTransport):
         self._idle[conn.address] = conn
         while len(self._idle) > MAX_IDLE_CONNECTIONS:
             await self._idle.pop(next(iter(self._idle))).close()
+        self._background(self._unpark_later(conn))
+
+    async def _unpark_later(self, conn: HolderConnection) -> None:
+        """Close a parked endpoint that no pull has taken back within park_seconds."""
+        await asyncio.sleep(self.park_seconds)
+        if self._idle.get(conn.address) is conn:
+            del self._idle[conn.address]
+            await conn.close()
 
     # ------------------------------------------------------------------ serve
 

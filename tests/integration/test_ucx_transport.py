@@ -312,6 +312,32 @@ async def test_a_relay_serves_the_next_puller_instead_of_the_trainer(peers: Any)
     assert served == N_BUCKETS  # only the relay's pull touched the trainer
 
 
+def cpu_seconds(pid: int) -> float:
+    """User plus system CPU time a process has used (/proc/<pid>/stat, fields 14 and 15)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+async def test_processes_that_moved_weights_sleep_while_idle(peers: Any) -> None:
+    """ucxx's blocking progress mode spun once a message had come (services.common.ucx_progress):
+    every process that had moved weights once used 50-100% of a core for the rest of its life,
+    taken from the trainer and rollouts beside it. A holder also spins while a puller keeps an
+    endpoint to it, so the puller closes one it has not used for park_seconds."""
+    trainer, puller = await peers(("trainer",), ("puller",))
+    await trainer.call("publish", version=1, seed=4)
+    assert (await puller.call("pull", version=1))["ok"]
+
+    async def unparked() -> bool:
+        return (await trainer.call("state"))["serving"] == 0
+
+    await eventually(unparked, timeout=10)
+    before = {peer.name: cpu_seconds(peer.proc.pid) for peer in (trainer, puller)}
+    await asyncio.sleep(2.0)  # the window measured, not a wait for a condition
+    used = {peer.name: cpu_seconds(peer.proc.pid) - before[peer.name] for peer in (trainer, puller)}
+
+    assert all(seconds < 0.3 for seconds in used.values()), f"CPU seconds used in 2 s idle: {used}"
+
+
 async def test_a_process_holding_the_tensors_relays_them_and_wrong_ones_are_refused(
     peers: Any,
 ) -> None:

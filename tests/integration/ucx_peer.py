@@ -183,6 +183,7 @@ async def _handle(
             "counters": transport.counters.as_dict(),
             "held": transport.held_versions(),
             "listed": transport.listed_versions(),
+            "serving": len(transport._endpoints),  # pullers' endpoints open on this holder
         }
     if op == "lag":
         # The view is the transport's own; no production path edits it from outside.
