@@ -648,6 +648,7 @@ class HolderConnection:
         self._ep = endpoint
         self.address = address
         self._seq = 0
+        self.parks = 0  # times a puller kept it between pulls
 
     @classmethod
     async def open(cls, ucxx: ModuleType, address: str, timeout: float) -> HolderConnection:
@@ -1450,12 +1451,13 @@ class UcxTransport(WeightTransport):
         self._idle[conn.address] = conn
         while len(self._idle) > MAX_IDLE_CONNECTIONS:
             await self._idle.pop(next(iter(self._idle))).close()
-        self._background(self._unpark_later(conn))
+        conn.parks += 1
+        self._background(self._unpark_later(conn, conn.parks))
 
-    async def _unpark_later(self, conn: HolderConnection) -> None:
-        """Close a parked endpoint that no pull has taken back within park_seconds."""
+    async def _unpark_later(self, conn: HolderConnection, park: int) -> None:
+        """Close a parked endpoint that no pull has taken since this park, park_seconds on."""
         await asyncio.sleep(self.park_seconds)
-        if self._idle.get(conn.address) is conn:
+        if self._idle.get(conn.address) is conn and conn.parks == park:
             del self._idle[conn.address]
             await conn.close()
 
