@@ -459,12 +459,21 @@ def progress_line(job: dict[str, Any]) -> str:
     return "  ".join(parts)
 
 
+WATCH_PATIENCE_S = 60.0
+"""How long `watch` waits for a coordinator to answer again before it gives up: longer than a
+failover or an etcd outage that the stack rides out."""
+UNAVAILABLE = grpc.StatusCode.UNAVAILABLE
+
+
 def cmd_watch(args: argparse.Namespace) -> int:
-    """Follow a job until it ends, one live line; exit 0 only if it succeeded."""
+    """Follow a job until it ends, one live line; exit 0 only if it succeeded. A coordinator
+    that goes away (a failover), or none registered (their registrations lapse in an etcd
+    outage), is waited out for up to --patience seconds since the last answer."""
     request = coordinator_pb2.WatchJobRequest(job_id=args.job)
+    from services.common.errors import Unavailable
 
     async def run(client: StackClient) -> int:
-        started = time.monotonic()
+        started = answered = time.monotonic()
         last: dict[str, Any] | None = None
         while True:
             try:
@@ -472,6 +481,7 @@ def cmd_watch(args: argparse.Namespace) -> int:
                 async with grpc.aio.insecure_channel(address) as channel:
                     stream = coordinator_pb2_grpc.CoordinatorStub(channel).WatchJob(request)
                     async for event in stream:
+                        answered = time.monotonic()
                         last = job_dict(event.job)
                         if args.json:
                             print(json.dumps(last, sort_keys=True), flush=True)
@@ -481,9 +491,10 @@ def cmd_watch(args: argparse.Namespace) -> int:
                             )
                         if last["phase"] in ("SUCCEEDED", "FAILED", "CANCELLED"):
                             break
-            except grpc.aio.AioRpcError as exc:
-                # The replica we watched went away (a failover): watch on from another one.
-                if exc.code() != grpc.StatusCode.UNAVAILABLE:
+            except (grpc.aio.AioRpcError, Unavailable) as exc:
+                if isinstance(exc, grpc.aio.AioRpcError) and exc.code() != UNAVAILABLE:
+                    raise
+                if time.monotonic() - answered > args.patience:
                     raise
                 await asyncio.sleep(0.3)
                 continue
@@ -621,6 +632,12 @@ def build_parser() -> argparse.ArgumentParser:
     watch = sub.add_parser("watch", help="follow a job until it ends (exit 0 if it succeeded)")
     watch.add_argument("job")
     watch.add_argument("--json", action="store_true", help="one JSON line per change")
+    watch.add_argument(
+        "--patience",
+        type=float,
+        default=WATCH_PATIENCE_S,
+        help=f"seconds to wait for a coordinator to answer again (default {WATCH_PATIENCE_S:.0f})",
+    )
     watch.set_defaults(func=cmd_watch)
 
     incidents = sub.add_parser("incidents", help="incidents the monitor recorded")

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
+import os
+import sys
 import time
 from collections.abc import AsyncIterator
 
@@ -30,6 +33,7 @@ from services.coordinator.jobs import Phase, new_job, transition
 from services.coordinator.leadership import Leadership
 from services.coordinator.store import JobStore, dropped_pages
 from services.monitor.incidents import IncidentRecord
+from tests.e2e.test_cli_stack import REPO
 from tests.integration.conftest import accepts_writes, leader_of
 from tests.support import eventually
 
@@ -392,6 +396,36 @@ async def test_the_job_fails_once_poison_groups_reach_the_limit_and_not_before(
         )
         driver.specs.pop("pg")
         assert driver.poison_verdict(unbounded, ledger) == ""  # 0: no limit
+
+
+async def test_watch_waits_for_a_coordinator_then_gives_up_with_why(
+    etcd_settings: EtcdSettings,
+) -> None:
+    """Right after an etcd outage no coordinator is registered for a moment (their leases
+    lapsed): `robustrl watch` waits for one instead of failing at once (an etcd-outage chaos
+    run failed so), and gives up after --patience with the reason when none comes."""
+    began = time.monotonic()
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable,
+        "-m",
+        "services.cli.main",
+        "--etcd",
+        etcd_settings.endpoints,
+        "watch",
+        "nojob",
+        "--patience",
+        "1.5",
+        cwd=REPO,
+        env={**os.environ, "ROBUSTRL_ETCD_PREFIX": etcd_settings.prefix},
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+    )
+    _, err = await asyncio.wait_for(proc.communicate(), 60)
+    took = time.monotonic() - began
+
+    assert proc.returncode == 1
+    assert "no coordinator is registered in etcd" in err.decode()
+    assert took >= 1.5, f"gave up after {took:.1f}s, before its patience ran out"
 
 
 async def test_delete_job_over_the_api_gets_the_right_codes(
