@@ -424,6 +424,7 @@ class TransferCounters:
     refusals: int = 0  # holders that answered with an error (busy, not held, ...)
     etcd_reads: int = 0  # range reads by pulls; a first look at a version seen by the watch is free
     pulls_completed: int = 0
+    endpoints_opened: int = 0  # to holders, by pulls; a parked endpoint taken back is not new
     buckets_served: int = 0
     bytes_served: int = 0
     requests_refused: int = 0
@@ -1440,7 +1441,9 @@ class UcxTransport(WeightTransport):
         if kept is not None:
             return kept
         assert self._ucxx is not None
-        return await HolderConnection.open(self._ucxx, address, self.connect_timeout)
+        conn = await HolderConnection.open(self._ucxx, address, self.connect_timeout)
+        self.counters.endpoints_opened += 1
+        return conn
 
     async def _park(self, conn: HolderConnection) -> None:
         """Keep an endpoint for the next pull; only one whose exchanges all completed, so no

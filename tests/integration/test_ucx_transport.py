@@ -338,6 +338,21 @@ async def test_processes_that_moved_weights_sleep_while_idle(peers: Any) -> None
     assert all(seconds < 0.3 for seconds in used.values()), f"CPU seconds used in 2 s idle: {used}"
 
 
+async def test_a_puller_that_pulls_every_second_keeps_its_endpoint(peers: Any) -> None:
+    """An endpoint is closed park_seconds (2 s) after its latest park, not its first: pulls
+    0.8 s apart over 2.4 s reuse one endpoint (before, the first park's timer closed it)."""
+    trainer, puller = await peers(("trainer",), ("puller",))
+    for version in range(1, 5):
+        await trainer.call("publish", version=version, seed=version)
+        assert (await puller.call("pull", version=version))["ok"]
+        if version < 4:
+            await asyncio.sleep(0.8)  # the spacing under test, not a wait for a condition
+
+    counters = (await puller.call("state"))["counters"]
+    assert counters["pulls_completed"] == 4
+    assert counters["endpoints_opened"] == 1
+
+
 async def test_a_process_holding_the_tensors_relays_them_and_wrong_ones_are_refused(
     peers: Any,
 ) -> None:
