@@ -25,6 +25,7 @@ from rich.table import Table
 from robustrl.v1 import coordinator_pb2, coordinator_pb2_grpc
 from services.cli import chaos, provider, stack
 from services.cli.client import DEFAULT_DEADLINE, StackClient
+from services.common.coordinator_client import unanswered
 
 console = Console(soft_wrap=True)
 err_console = Console(stderr=True, soft_wrap=True)
@@ -459,10 +460,11 @@ def progress_line(job: dict[str, Any]) -> str:
     return "  ".join(parts)
 
 
+WATCH_RETRIED = frozenset({grpc.StatusCode.UNAVAILABLE})
+"""Statuses `watch` waits out: the replica it watched went away (a failover)."""
 WATCH_PATIENCE_S = 60.0
 """How long `watch` waits for a coordinator to answer again before it gives up: longer than a
 failover or an etcd outage that the stack rides out."""
-UNAVAILABLE = grpc.StatusCode.UNAVAILABLE
 
 
 def cmd_watch(args: argparse.Namespace) -> int:
@@ -470,7 +472,6 @@ def cmd_watch(args: argparse.Namespace) -> int:
     that goes away (a failover), or none registered (their registrations lapse in an etcd
     outage), is waited out for up to --patience seconds since the last answer."""
     request = coordinator_pb2.WatchJobRequest(job_id=args.job)
-    from services.common.errors import Unavailable
 
     async def run(client: StackClient) -> int:
         started = answered = time.monotonic()
@@ -491,10 +492,11 @@ def cmd_watch(args: argparse.Namespace) -> int:
                             )
                         if last["phase"] in ("SUCCEEDED", "FAILED", "CANCELLED"):
                             break
-            except (grpc.aio.AioRpcError, Unavailable) as exc:
-                if isinstance(exc, grpc.aio.AioRpcError) and exc.code() != UNAVAILABLE:
-                    raise
-                if time.monotonic() - answered > args.patience:
+            except Exception as exc:
+                if (
+                    not unanswered(exc, WATCH_RETRIED)
+                    or time.monotonic() - answered > args.patience
+                ):
                     raise
                 await asyncio.sleep(0.3)
                 continue

@@ -30,6 +30,14 @@ NO_LEADER_ANSWER = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADL
 """Statuses a write is sent again after: no leader, or none in time."""
 
 
+def unanswered(exc: BaseException, codes: frozenset[grpc.StatusCode] = NO_LEADER_ANSWER) -> bool:
+    """No coordinator answered, for now: a gRPC status in `codes`, or none to be found in
+    etcd (`addresses` raised Unavailable). Worth trying again."""
+    if isinstance(exc, grpc.aio.AioRpcError):
+        return exc.code() in codes
+    return isinstance(exc, Unavailable)
+
+
 class CoordinatorClient:
     def __init__(self, client: aetcd.Client, keys: KeySpace) -> None:
         self.etcd = client
@@ -100,15 +108,9 @@ class CoordinatorClient:
 
         A write that timed out may have been applied: its caller must be one the coordinator
         ignores when sent again (completions and progress reports are)."""
-
-        def transient(exc: BaseException) -> bool:
-            if isinstance(exc, grpc.aio.AioRpcError):
-                return exc.code() in retried
-            return isinstance(exc, Unavailable)
-
         return await retry_while(
             lambda: self.write(call),
-            transient,
+            lambda exc: unanswered(exc, retried),
             waiting="coordinator.unanswered",
             answered="coordinator.answered",
             on_wait=on_wait,
