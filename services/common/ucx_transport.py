@@ -112,9 +112,9 @@ ALIGN_BYTES = 64  # every tensor starts aligned, so views of the buffer are vali
 MAX_CONTROL_BYTES = 1 << 16  # requests and replies are small JSON; refuse anything bigger
 MAX_IDLE_CONNECTIONS = 4  # endpoints kept open between pulls, to the holders used last
 PARK_SECONDS = 2.0
-"""How long a puller keeps an endpoint it does not use. The holder waits for the next request
-with a receive posted, which keeps its event loop busy (ucx_progress): a job that pulls every
-step keeps its endpoints, an idle one lets its holders sleep."""
+"""How long a puller keeps an endpoint it does not use: a job that pulls every step keeps its
+endpoints, an idle one gives its holders theirs back. A kept endpoint costs the holder nothing
+while it waits (ucx_progress.receive_obj)."""
 PROTOCOL_VERSION = 1
 ABORT_NS = 500_000_000  # how long closing an endpoint may wait for in-flight operations
 
@@ -1475,7 +1475,7 @@ class UcxTransport(WeightTransport):
         try:
             while not self._closed:
                 try:
-                    raw = await endpoint.recv_obj(allocator=_bounded_bytearray)
+                    raw = await ucx_progress.receive_obj(endpoint, _bounded_bytearray)
                 except Exception:
                     return  # the puller closed or died: nothing to answer
                 try:

@@ -321,8 +321,7 @@ def cpu_seconds(pid: int) -> float:
 async def test_processes_that_moved_weights_sleep_while_idle(peers: Any) -> None:
     """ucxx's blocking progress mode spun once a message had come (services.common.ucx_progress):
     every process that had moved weights once used 50-100% of a core for the rest of its life,
-    taken from the trainer and rollouts beside it. A holder also spins while a puller keeps an
-    endpoint to it, so the puller closes one it has not used for park_seconds."""
+    taken from the trainer and rollouts beside it."""
     trainer, puller = await peers(("trainer",), ("puller",))
     await trainer.call("publish", version=1, seed=4)
     assert (await puller.call("pull", version=1))["ok"]
@@ -331,11 +330,35 @@ async def test_processes_that_moved_weights_sleep_while_idle(peers: Any) -> None
         return (await trainer.call("state"))["serving"] == 0
 
     await eventually(unparked, timeout=10)
-    before = {peer.name: cpu_seconds(peer.proc.pid) for peer in (trainer, puller)}
-    await asyncio.sleep(2.0)  # the window measured, not a wait for a condition
-    used = {peer.name: cpu_seconds(peer.proc.pid) - before[peer.name] for peer in (trainer, puller)}
+    used = await _cpu_seconds_in(2.0, trainer, puller)
 
     assert all(seconds < 0.3 for seconds in used.values()), f"CPU seconds used in 2 s idle: {used}"
+
+
+async def test_a_holder_waiting_for_a_parked_pullers_next_request_sleeps(peers: Any) -> None:
+    """A holder waits for the next request of every puller that kept its endpoint. ucxx's own
+    receive polled that wait on every turn of the loop: a trainer whose rollouts pulled every
+    step spun a core between pulls (ucx_progress.receive_obj waits without polling)."""
+    trainer, puller = await peers(("trainer",), ("puller", "--park-seconds", "60"))
+    await trainer.call("publish", version=1, seed=4)
+    assert (await puller.call("pull", version=1))["ok"]
+
+    assert (await trainer.call("state"))["serving"] == 1
+    used = await _cpu_seconds_in(2.0, trainer, puller)
+    assert (await trainer.call("state"))["serving"] == 1  # parked all along
+    assert all(seconds < 0.3 for seconds in used.values()), f"CPU seconds used in 2 s: {used}"
+
+    # And it still answers: the next pull is served over the kept endpoint.
+    await trainer.call("publish", version=2, seed=5)
+    result = await puller.call("pull", version=2)
+    assert result["ok"] and result["digest"] == tensors_digest(make_tensors(5))
+    assert result["counters"]["endpoints_opened"] == 1
+
+
+async def _cpu_seconds_in(window: float, *peers: Any) -> dict[str, float]:
+    before = {peer.name: cpu_seconds(peer.proc.pid) for peer in peers}
+    await asyncio.sleep(window)  # the window measured, not a wait for a condition
+    return {peer.name: cpu_seconds(peer.proc.pid) - before[peer.name] for peer in peers}
 
 
 async def test_a_puller_that_pulls_every_second_keeps_its_endpoint(peers: Any) -> None:

@@ -39,6 +39,7 @@ from services.common.etcd_client import connect_etcd
 from services.common.keys import KeySpace, WeightKeys
 from services.common.logs import configure_logging
 from services.common.ucx_transport import (
+    PARK_SECONDS,
     PULLERS_RECORD_DELAY_S,
     HolderFaults,
     HolderRefused,
@@ -92,6 +93,7 @@ def _parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--stall-timeout", type=float, default=15.0)
     parser.add_argument("--record-delay", type=float, default=PULLERS_RECORD_DELAY_S)
     parser.add_argument("--max-pullers", type=int, default=0, help="0: no limit")
+    parser.add_argument("--park-seconds", type=float, default=PARK_SECONDS)
     parser.add_argument("--device", default="cpu", help="where published and pulled tensors live")
     parser.add_argument(
         "--checksum", default=None, help="the publisher's checksum algorithm (default: by device)"
@@ -221,6 +223,7 @@ async def main(argv: list[str]) -> None:
         stall_timeout=args.stall_timeout,
         record_delay=args.record_delay,
         max_pullers=args.max_pullers,
+        park_seconds=args.park_seconds,
         checksum_algorithm=args.checksum,
         faults=HolderFaults(corrupt_buckets=corrupt, stall_after_buckets=args.stall_after),
     )
