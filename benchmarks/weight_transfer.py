@@ -15,6 +15,8 @@ One run measures, per payload size, side by side:
                 again": the same version pulled a second time; "ours cold": the first pull
                 at this size, into a new buffer, and at the first size over a new endpoint)
   grpc stream   GrpcStreamTransport.fetch through a real gRPC server (the fallback/baseline)
+and the sender's CPU seconds per GB it served, plain ucxx and ours: what serving costs a
+trainer that trains at the same time,
 and then fans one version out to N pullers: all from the trainer (serving them all at once, or
 one at a time), and with relays (the trainer serves one puller at a time; pullers that are
 done serve the others). One at a time stands for a trainer whose link is the bottleneck.
@@ -189,6 +191,10 @@ class Worker:
                 for i, start in enumerate(range(0, int(request["bytes"]), bucket)):
                     view = self.plain_buffer[start : start + bucket]
                     await ep.send(ucx_buffer(view), tag=i)
+
+    async def do_cpu(self, cmd: dict[str, Any]) -> dict[str, Any]:
+        """CPU seconds this process has used so far, all threads."""
+        return {"seconds": time.process_time()}
 
     async def do_state(self, cmd: dict[str, Any]) -> dict[str, Any]:
         return {"counters": self.ucx.counters.as_dict(), "held": self.ucx.held_versions()}
@@ -452,6 +458,8 @@ async def point_to_point(driver: Driver, sizes_mib: list[int]) -> list[dict[str,
                 key: [] for key in ("plain", "plain_verified", "ucx", "ucx_again", "grpc")
             }
             publish_s: list[float] = []
+            # The sender's CPU seconds while it served each kind of pull, summed over repeats.
+            serving_cpu = dict.fromkeys(("plain", "plain_verified", "ucx", "ucx_again"), 0.0)
             await receiver.call("plain_reset")
             version += 1
             published = await sender.call("publish", bytes=nbytes, version=version, grpc=False)
@@ -464,13 +472,17 @@ async def point_to_point(driver: Driver, sizes_mib: list[int]) -> list[dict[str,
                 published = await sender.call("publish", bytes=nbytes, version=version, plain=False)
                 publish_s.append(published["publish_s"])
                 for key, verify in (("plain", False), ("plain_verified", True)):
+                    sender_cpu = (await sender.call("cpu"))["seconds"]
                     plain = await receiver.call(
                         "plain", address=plain_address, bytes=nbytes, bucket=bucket, verify=verify
                     )
                     times[key].append(plain["seconds"])
+                    serving_cpu[key] += (await sender.call("cpu"))["seconds"] - sender_cpu
                 for key in ("ucx", "ucx_again"):
+                    sender_cpu = (await sender.call("cpu"))["seconds"]
                     pulled = await receiver.call("ucx_pull", version=version)
                     times[key].append(pulled["seconds"])
+                    serving_cpu[key] += (await sender.call("cpu"))["seconds"] - sender_cpu
                 times["grpc"].append(
                     (await receiver.call("grpc_fetch", version=version))["seconds"]
                 )
@@ -483,6 +495,8 @@ async def point_to_point(driver: Driver, sizes_mib: list[int]) -> list[dict[str,
             row["samples_s"] = times
             row["ucx_cold"] = nbytes / cold / 1e9
             row["publish"] = nbytes / pick(publish_s) / 1e9
+            served_gb = nbytes * args.repeat / 1e9
+            row["serving_cpu_per_gb"] = {k: v / served_gb for k, v in serving_cpu.items()}
             rows.append(row)
             print(f"  measured {size_mib} MiB", file=sys.stderr, flush=True)
     finally:
@@ -568,6 +582,12 @@ def print_report(
         " from the same holder;\nours cold: one pull, the first at this size (a new receive"
         " buffer; at the first size a new endpoint)"
     )
+    serving = ", ".join(
+        f"{r['size_mib']} MiB {r['serving_cpu_per_gb']['plain']:.3f} and"
+        f" {r['serving_cpu_per_gb']['ucx']:.3f}"
+        for r in rows
+    )
+    print(f"sender CPU seconds per GB served, plain ucxx and ours: {serving}")
     publish = ", ".join(f"{r['size_mib']} MiB {r['publish']:.2f}" for r in rows)
     print(f"UcxTransport.publish (pack, {algorithm}, etcd), GB/s: {publish}")
     pool_threads = max(checksum)

@@ -34,6 +34,8 @@ def test_the_weight_benchmark_measures_every_column(tmp_path: Path) -> None:
     for row in report["rows"]:
         assert all(row[column] > 0 for column in COLUMNS), row
         assert len(row["samples_s"]["ucx"]) == 1
+        # Serving costs the sender some CPU: a zero would mean nothing was read.
+        assert all(row["serving_cpu_per_gb"][key] > 0 for key in ("plain", "ucx")), row
     modes = [fan["mode"] for fan in report["fan_out"]]
     assert modes == [
         "all from the trainer, at once",
