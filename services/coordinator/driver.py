@@ -466,8 +466,11 @@ class JobDriver:
         incident = new_incident(view, kind, evidence, confidence, time.time(), step=step)
         await self.executor.incident_log.record(incident)
 
-    async def fail(self, job_id: str, message: str) -> None:
-        await self.update_job(job_id, {}, Phase.FAILED, message)
+    async def fail(
+        self, job_id: str, message: str, changes: dict[str, object] | None = None
+    ) -> None:
+        """End the job as FAILED with `message`, applying `changes` to its record too."""
+        await self.update_job(job_id, changes or {}, Phase.FAILED, message)
         log.warning("coordinator.job_failed", job=job_id, reason=message)
 
     async def _unreported(self, record: JobRecord, members: list[MemberRecord]) -> None:

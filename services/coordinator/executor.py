@@ -184,7 +184,10 @@ class RecoveryExecutor:
         roles = dict(record.member_roles)
         fenced: list[str] = []
         phase: Phase | None = None
+        failure = ""  # the job's own fault: it fails, with this message
         for action in actions:
+            if failure:
+                break
             if action.do is Do.FENCE:
                 await self._fence(record, action.instance_id, action.reason)
                 fenced.append(action.instance_id)
@@ -196,10 +199,7 @@ class RecoveryExecutor:
                     )
                     await driver.save_ledger(ledger)
                     log.info("recovery.requeued", job=record.job_id, groups=len(taken))
-                    verdict = driver.poison_verdict(record, ledger)
-                    if verdict:
-                        await driver.fail(record.job_id, verdict)
-                        return
+                    failure = driver.poison_verdict(record, ledger)
             elif action.do is Do.REPLACE_ROLLOUT:
                 entry.waiting_for.append("rollout")
             elif action.do is Do.RESTORE_TRAINER:
@@ -219,6 +219,9 @@ class RecoveryExecutor:
         members = [m for m in record.members if m not in fenced]
         for gone in fenced:
             roles.pop(gone, None)
+        if failure:
+            await driver.fail(record.job_id, failure, {"members": members, "member_roles": roles})
+            return
         message = f"recovering from {entry.kind} of {entry.instance_id}"
         await driver.update_job(
             record.job_id,

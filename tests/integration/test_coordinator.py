@@ -382,6 +382,7 @@ async def test_the_job_fails_once_poison_groups_reach_the_limit_and_not_before(
         assert failed.phase is Phase.FAILED, failed
         assert "2 prompt groups were dropped as poison groups" in failed.message
         assert "recovery.poison_groups is 2" in failed.message
+        assert "rollout-b" not in failed.members and "rollout-b" not in failed.member_roles
         assert ledger.poisoned == 2 and set(ledger.discarded) == {
             *leased["rollout-a"],
             *leased["rollout-b"],
