@@ -10,10 +10,10 @@ and pipeline bubbles leave on this machine. It prints, side by
 side, each run's ETTR (kept progress / wall time, from the coordinator's account), the
 end-to-end time, the recovery times, and the ratios.
 
-Two standbys, because at 300 steps the schedule kills the trainer every 7-9 s, and on two
+Two standbys, because at 300 steps the schedule kills the trainer every 4-9 s, and on two
 busy cores a new standby takes about 10 s to start and build the model: with one, most
-takeovers find the next standby still starting (measured: ETTR 68.5% with one, 90.4% with
-two, seed 11). `--standby-trainers 1` runs the one-standby case.
+takeovers find the next standby still starting (measured when kills came every 7-9 s: ETTR
+68.5% with one, 90.4% with two, seed 11). `--standby-trainers 1` runs the one-standby case.
 
     python benchmarks/ettr.py                      # 300 steps per mode
     python benchmarks/ettr.py --steps 150 --seed 3

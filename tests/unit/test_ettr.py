@@ -109,6 +109,30 @@ def test_a_wait_longer_than_usual_counts_only_up_to_the_bound() -> None:
     assert account.effective(41.0) == pytest.approx(0.8 + 9.0 + STALL_FACTOR + 10.0)
 
 
+def test_steps_that_alternate_short_and_long_waits_count_whole() -> None:
+    """A pipelined job: every other batch is ready at once (0.05 s intervals), the others are
+    waited for (0.2 s), as on the local stack. All of it is the usual wait and counts; a 20 s
+    wait after that still counts only STALL_FACTOR typical (long) intervals."""
+    account = EttrAccount(started_at=0.0)
+    t = 0.0
+
+    def alternate(steps: range) -> None:
+        nonlocal t
+        for step in steps:
+            interval = 0.05 if step % 2 else 0.2
+            account.add_step(step, t, t + interval, work_start=t + interval - 0.04)
+            t += interval
+
+    alternate(range(1, 11))  # a few intervals in: the typical one is known
+    warm_t, warm_effective, warm_stalled = t, account.effective(t), account.stalled_s
+    alternate(range(11, 61))
+    assert account.effective(t) - warm_effective == pytest.approx(t - warm_t)
+    assert account.stalled_s == pytest.approx(warm_stalled)
+
+    account.add_step(61, t, t + 20.0, work_start=t + 19.96)
+    assert account.stalled_s == pytest.approx(warm_stalled + 20.0 - STALL_FACTOR * 0.2)
+
+
 def test_a_stall_is_covered_only_by_generation_that_was_used() -> None:
     """The same 20 s trainer wait: role-based recovery kept rollouts generating used groups
     through it, a full restart had no rollouts for 15 s of it."""
