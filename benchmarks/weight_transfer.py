@@ -58,7 +58,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -440,6 +440,15 @@ def checksum_gbps(nbytes: int, bucket: int, device: torch.device, threads: int) 
         return nbytes / (time.perf_counter() - started) / 1e9
 
 
+async def while_serving(
+    sender: Proc, pull: Awaitable[dict[str, Any]]
+) -> tuple[dict[str, Any], float]:
+    """A receiver's reply to `pull`, and the CPU seconds the sender used while serving it."""
+    before = (await sender.call("cpu"))["seconds"]
+    reply = await pull
+    return reply, (await sender.call("cpu"))["seconds"] - before
+
+
 async def point_to_point(driver: Driver, sizes_mib: list[int]) -> list[dict[str, Any]]:
     """Per size, a first version warms plain ucxx (untimed) and times our first pull at that
     size ("cold"). Then each repeat publishes a new version (untimed) and times, side by side:
@@ -472,17 +481,24 @@ async def point_to_point(driver: Driver, sizes_mib: list[int]) -> list[dict[str,
                 published = await sender.call("publish", bytes=nbytes, version=version, plain=False)
                 publish_s.append(published["publish_s"])
                 for key, verify in (("plain", False), ("plain_verified", True)):
-                    sender_cpu = (await sender.call("cpu"))["seconds"]
-                    plain = await receiver.call(
-                        "plain", address=plain_address, bytes=nbytes, bucket=bucket, verify=verify
+                    plain, cpu = await while_serving(
+                        sender,
+                        receiver.call(
+                            "plain",
+                            address=plain_address,
+                            bytes=nbytes,
+                            bucket=bucket,
+                            verify=verify,
+                        ),
                     )
                     times[key].append(plain["seconds"])
-                    serving_cpu[key] += (await sender.call("cpu"))["seconds"] - sender_cpu
+                    serving_cpu[key] += cpu
                 for key in ("ucx", "ucx_again"):
-                    sender_cpu = (await sender.call("cpu"))["seconds"]
-                    pulled = await receiver.call("ucx_pull", version=version)
+                    pulled, cpu = await while_serving(
+                        sender, receiver.call("ucx_pull", version=version)
+                    )
                     times[key].append(pulled["seconds"])
-                    serving_cpu[key] += (await sender.call("cpu"))["seconds"] - sender_cpu
+                    serving_cpu[key] += cpu
                 times["grpc"].append(
                     (await receiver.call("grpc_fetch", version=version))["seconds"]
                 )

@@ -30,7 +30,7 @@ NO_LEADER_ANSWER = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADL
 """Statuses a write is sent again after: no leader, or none in time."""
 
 
-def unanswered(exc: BaseException, codes: frozenset[grpc.StatusCode] = NO_LEADER_ANSWER) -> bool:
+def unanswered(exc: BaseException, codes: frozenset[grpc.StatusCode]) -> bool:
     """No coordinator answered, for now: a gRPC status in `codes`, or none to be found in
     etcd (`addresses` raised Unavailable). Worth trying again."""
     if isinstance(exc, grpc.aio.AioRpcError):

@@ -186,8 +186,6 @@ class RecoveryExecutor:
         phase: Phase | None = None
         failure = ""  # the job's own fault: it fails, with this message
         for action in actions:
-            if failure:
-                break
             if action.do is Do.FENCE:
                 await self._fence(record, action.instance_id, action.reason)
                 fenced.append(action.instance_id)
@@ -200,6 +198,8 @@ class RecoveryExecutor:
                     await driver.save_ledger(ledger)
                     log.info("recovery.requeued", job=record.job_id, groups=len(taken))
                     failure = driver.poison_verdict(record, ledger)
+                    if failure:
+                        break  # the job fails: nothing is replaced
             elif action.do is Do.REPLACE_ROLLOUT:
                 entry.waiting_for.append("rollout")
             elif action.do is Do.RESTORE_TRAINER:
