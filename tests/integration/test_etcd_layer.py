@@ -20,7 +20,7 @@ from services.common.runtime import ServiceRuntime
 from services.common.session import Session
 from services.common.watch import Delete, Put, Resync, list_prefix, next_change, watch_prefix
 from tests.conftest import EtcdProcess
-from tests.support import eventually
+from tests.support import eventually, stop_process
 
 
 def member(name: str, role: str = "rollout") -> MemberRecord:
@@ -320,7 +320,7 @@ async def test_a_watch_creation_that_timed_out_cannot_hand_its_watch_to_the_next
         await client.put(b"/c/1", b"before the stall")
         early = await asyncio.wait_for(first, 5)
         assert isinstance(early, Put) and early.entry.key == b"/c/1"
-        os.kill(private_etcd.proc.pid, signal.SIGSTOP)
+        stop_process(private_etcd.proc.pid)
         try:
             with pytest.raises(aetcd.exceptions.WatchTimeoutError):
                 await _open_watch(client, b"/a/", revision + 1)
@@ -438,7 +438,7 @@ async def test_work_waiting_on_an_unreachable_etcd_goes_on_once_it_answers(
             assert got is not None
             return bytes(got.value)
 
-        os.kill(private_etcd.proc.pid, signal.SIGSTOP)
+        stop_process(private_etcd.proc.pid)
         try:
             waiting = asyncio.ensure_future(
                 until_etcd_answers(read, "reading", on_wait=lambda: waits.append(1.0))

@@ -12,7 +12,6 @@ import contextlib
 import json
 import os
 import random
-import signal
 import sys
 import time
 from collections.abc import AsyncIterator
@@ -44,7 +43,7 @@ from services.common.ucx_transport import (
 from services.common.watch import Delete, Entry, Put, Resync
 from services.common.weights import GrpcStreamTransport, WeightIntegrityError
 from tests.integration.ucx_peer import make_tensors, tensors_digest
-from tests.support import eventually
+from tests.support import eventually, stop_process
 
 JOB = "job-1"
 REPO = Path(__file__).resolve().parents[2]
@@ -462,7 +461,7 @@ async def test_a_stopped_source_is_left_once_its_holder_record_goes(peers: Any) 
 
     pulling = puller.send("pull", version=1)  # prefers the relay; it stalls after 2 buckets
     await relay.call("wait_served", buckets=2)
-    os.kill(relay.proc.pid, signal.SIGSTOP)  # frozen: its socket and endpoint stay open
+    stop_process(relay.proc.pid)  # frozen: its socket and endpoint stay open
     try:
         began = time.monotonic()
         result = await puller.reply(pulling, timeout=60)
@@ -493,7 +492,7 @@ async def test_fencing_withdraws_only_the_fenced_instances_holder_records(
 
     pulling = puller.send("pull", version=2)
     await relay.call("wait_served", buckets=2)
-    os.kill(relay.proc.pid, signal.SIGSTOP)
+    stop_process(relay.proc.pid)
     try:
         began = time.monotonic()
         withdrawn = await withdraw_holder_records(etcd_client, keys, JOB, "relay")
