@@ -62,6 +62,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=0,
         help="failure injection: SIGSTOP this process in step N's forward_backward (1-based)",
     )
+    parser.add_argument(
+        "--fail-at-step",
+        type=int,
+        default=0,
+        help="failure injection: raise in step N's forward_backward (1-based), as a device "
+        "error would",
+    )
     args = parser.parse_args(argv)
     if not 0 < args.rank < args.world_size:
         parser.error(f"--rank must be in 1..{args.world_size - 1}")
@@ -131,6 +138,12 @@ def run_rank(args: argparse.Namespace, spec: JobSpec, progress: Progress, thread
                 progress.enter("forward_backward")
                 log.warning("trainer.fault_injected", step=order.step + 1, fault="sigstop")
                 os.kill(os.getpid(), signal.SIGSTOP)
+            if order.step + 1 == args.fail_at_step:
+                progress.enter("forward_backward")
+                log.warning("trainer.fault_injected", step=order.step + 1, fault="error")
+                raise RuntimeError(
+                    f"failure injection: rank {args.rank} fails in step {order.step + 1}"
+                )
             outcome = ranks.run_step(
                 group, trainer, order, inject=_nan_injector(spec, args.rank, order.step)
             )

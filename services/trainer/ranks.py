@@ -73,6 +73,10 @@ IDLE_WAIT = timedelta(days=365)
 """How long a follower waits for rank 0's next batch: as long as it takes. Rank 0 going away
 ends the wait at once (the store's connection drops, or the follower is orphaned)."""
 
+RANK_EXIT_GRACE = 2.0
+"""How long rank 0, its collective broken, waits for a follower to exit to name it as the
+cause (a follower that failed closes its connections, then exits)."""
+
 _JOINED = "robustrl/joined/{rank}"
 _GO = "robustrl/go/{n}"
 
@@ -86,6 +90,10 @@ def shard(samples: Sequence[T], rank: int, world_size: int) -> list[T]:
     if not 0 <= rank < world_size:
         raise ValueError(f"rank {rank} is outside a world of {world_size}")
     return list(samples[rank::world_size])
+
+
+class RankExited(RuntimeError):
+    """A follower rank ended while rank 0 worked with it: the step (or start) cannot finish."""
 
 
 class RanksDiverged(RuntimeError):
@@ -610,10 +618,25 @@ class LeaderRanks:
         self.group = group
 
     def _check_followers(self) -> None:
-        for rank, proc in enumerate(self.procs, start=1):
-            code = proc.poll()
-            if code is not None:
-                raise RuntimeError(f"trainer rank {rank} exited with code {code} before joining")
+        exited = self._exited()
+        if exited:
+            raise RankExited(f"{exited} before joining")
+
+    def _exited(self, wait_s: float = 0.0) -> str:
+        """Which followers have exited, and how ("trainer rank 1 exited with code 1"); empty if
+        none has. Waits up to `wait_s` for one to: a rank that failed exits just after its
+        connections close, and the other ranks learn of it from those."""
+        deadline = time.monotonic() + wait_s
+        while True:
+            codes = [(rank, proc.poll()) for rank, proc in enumerate(self.procs, start=1)]
+            exited = [
+                f"trainer rank {rank} exited with code {code}"
+                for rank, code in codes
+                if code is not None
+            ]
+            if exited or time.monotonic() >= deadline:
+                return ", ".join(exited)
+            time.sleep(0.05)
 
     def step(self, trainer: GRPOTrainer, samples: Sequence[Sample], *, step: int) -> StepMetrics:
         """`trainer.step(samples)` across every rank; the batch's metrics.
@@ -627,8 +650,17 @@ class LeaderRanks:
         if not samples:
             raise ValueError("cannot train on an empty batch")
         order = StepOrder(step, list(samples))
-        self.group.broadcast_batch(order)
-        outcome = run_step(self.group, trainer, order)
+        try:
+            self.group.broadcast_batch(order)
+            outcome = run_step(self.group, trainer, order)
+        except Exception as exc:
+            # gloo says only that a connection broke; name the rank that went away (its own
+            # log, trainer.follower_failed, says why) so the recovery record does too.
+            exited = self._exited(wait_s=RANK_EXIT_GRACE)
+            if exited:
+                first = str(exc).splitlines()[0] if str(exc) else repr(exc)
+                raise RankExited(f"in step {step + 1}: {exited} ({first})") from exc
+            raise
         self.fingerprints = outcome.fingerprints
         if any(fp != outcome.fingerprints[0] for fp in outcome.fingerprints):
             raise RanksDiverged(

@@ -26,9 +26,10 @@ from services.monitor.config import MonitorSettings
 from services.monitor.incidents import IncidentLog
 from services.monitor.server import serve as serve_monitor
 from services.trainer.config import TrainerSettings
-from services.trainer.follower import load_trainer
+from services.trainer.follower import EXIT_FAILED, load_trainer
 from services.trainer.grpo import GRPOTrainer, Sample, StepMetrics, completion_logprobs
-from services.trainer.ranks import LeaderRanks, fingerprint
+from services.trainer.ranks import LeaderRanks, RankExited, fingerprint
+from services.trainer.worker import JOB_ERRORS
 from tests.support import eventually
 
 JOB = "ranks-job"
@@ -214,7 +215,7 @@ async def test_a_follower_that_dies_before_joining_fails_the_start_at_once(
     progress = Progress(phase="loading")
     leader = LeaderRanks(progress, timeout_s=60)
     started = time.monotonic()
-    with pytest.raises(RuntimeError, match="rank 1 exited with code 1 before joining"):
+    with pytest.raises(RankExited, match="rank 1 exited with code 1 before joining"):
         await asyncio.to_thread(
             leader.start,
             trainer,
@@ -227,3 +228,66 @@ async def test_a_follower_that_dies_before_joining_fails_the_start_at_once(
     assert time.monotonic() - started < 30  # not the 60 s join timeout
     assert progress.phase == "loading" and "collective_seq" not in progress.counters
     assert await asyncio.to_thread(leader.close) == []
+
+
+@pytest.mark.timeout(120)
+async def test_a_follower_that_fails_in_a_step_fails_rank_0s_step_at_once(
+    etcd_settings: EtcdSettings, tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    """Rank 1 raises inside step 2 (as a device error would): it logs why and exits, and rank
+    0's step fails as soon as rank 1's connections close, not at the 60 s collective timeout,
+    with an error that names rank 1 (gloo's own says only that a connection broke). It is the
+    trainer's machine failing, not the job's: the coordinator recovers the trainer elsewhere."""
+    spec = JobSpec(name="ranks", model=ModelSpec(path=str(tiny_model_dir)))
+    spec_path = tmp_path / "spec.json"
+    spec_path.write_text(spec.model_dump_json())
+    settings = TrainerSettings(instance_id="trainer-0", heartbeat_interval=0.1)
+    runtime = ServiceRuntime("trainer", settings, etcd_settings, service_names=[])
+    await runtime.start()
+    trainer = load_trainer(spec)
+    leader = LeaderRanks(runtime.progress, timeout_s=60)
+    try:
+        await asyncio.to_thread(
+            leader.start,
+            trainer,
+            spec_path=spec_path,
+            job_id=JOB,
+            world_size=2,
+            etcd=etcd_settings,
+            instance_id=runtime.instance_id,
+            settings=settings,
+            follower_args={1: ["--fail-at-step=2"]},
+        )
+        [follower] = leader.procs
+        first = await asyncio.to_thread(leader.step, trainer, _batch(trainer, 0), step=0)
+        assert first.stepped
+        before = fingerprint(trainer.model)
+
+        started = time.monotonic()
+        with pytest.raises(
+            RankExited, match=r"in step 2: trainer rank 1 exited with code 1 \("
+        ) as raised:
+            await asyncio.to_thread(leader.step, trainer, _batch(trainer, 1), step=1)
+        took = time.monotonic() - started
+        assert took < 15, f"rank 0 learnt of rank 1's failure after {took:.1f}s"
+        assert not isinstance(raised.value, JOB_ERRORS)
+        assert await asyncio.to_thread(follower.wait, 10) == EXIT_FAILED
+        # The failed step changed nothing on rank 0: no optimizer step without rank 1's part.
+        assert fingerprint(trainer.model) == before
+
+        closing = time.monotonic()
+        assert await asyncio.to_thread(leader.close) == [EXIT_FAILED]
+        assert time.monotonic() - closing < 5  # the broken group is not asked to stop again
+        assert runtime.registry is not None
+
+        async def follower_deregistered() -> bool:
+            assert runtime.registry is not None
+            return await runtime.registry.get("trainer", "trainer-0-rank1") is None
+
+        await eventually(follower_deregistered, timeout=10)
+    finally:
+        for proc in leader.procs:
+            with contextlib.suppress(ProcessLookupError):
+                proc.kill()
+        await asyncio.to_thread(leader.close, 2.0)
+        await runtime.shutdown()
