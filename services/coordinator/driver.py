@@ -632,10 +632,16 @@ class JobDriver:
         if account is not None and account.ended_at is None:
             account.end(time.time())
             await self.save_account(job_id)
-        self.accounts.pop(job_id, None)
-        self.generated.pop(job_id, None)
-        self.ledgers.pop(job_id, None)
-        self.datasets.pop(job_id, None)
+        self._forget(job_id)
+
+    def _forget(self, job_id: str) -> None:
+        """Drop what this leader keeps in memory for a job that has ended (its records stay
+        in etcd): a leader that runs for months must not grow with every job it ran."""
+        for table in (self.ledgers, self.accounts, self.generated, self.datasets):
+            table.pop(job_id, None)
+        for keyed in (self._missing, self._provisioning):
+            for key in [k for k in keyed if k[0] == job_id]:
+                del keyed[key]
 
     async def control(
         self,
@@ -713,8 +719,7 @@ class JobDriver:
                     f"release ({', '.join(bound)}); retry once they are released or gone"
                 )
             deleted = await self.store.delete(job_id, revision, guard)
-            for table in (self.ledgers, self.accounts, self.generated, self.datasets):
-                table.pop(job_id, None)
+            self._forget(job_id)
         log.info("coordinator.job_deleted", job=job_id, keys=deleted)
         return deleted
 

@@ -398,6 +398,15 @@ async def test_the_job_fails_once_poison_groups_reach_the_limit_and_not_before(
         driver.specs.pop("pg")
         assert driver.poison_verdict(unbounded, ledger) == ""  # 0: no limit
 
+        # Once released, the leader keeps nothing of the ended job in memory.
+        driver._missing[("pg", "rollout-b")] = 2.0
+        driver._provisioning[("pg", "rollout")] = [2.0]
+        driver._missing[("other", "rollout-c")] = 2.0
+        await driver._release("pg", [])
+        assert "pg" not in driver.ledgers and "pg" not in driver.accounts
+        assert [k for k in (*driver._missing, *driver._provisioning) if k[0] == "pg"] == []
+        assert ("other", "rollout-c") in driver._missing
+
 
 async def test_watch_waits_for_a_coordinator_then_gives_up_with_why(
     etcd_settings: EtcdSettings,
