@@ -40,10 +40,14 @@ DETECTION_ENV = {
 
 
 @contextlib.contextmanager
-def detection_stack(tmp_path: Path, *up_args: str) -> Iterator[Cli]:
-    """A local stack (1 trainer, 2 rollouts) with fast detection settings; `down` at the end."""
+def detection_stack(
+    tmp_path: Path, *up_args: str, env: dict[str, str] | None = None
+) -> Iterator[Cli]:
+    """A local stack (1 trainer, 2 rollouts) with fast detection settings (and `env`); `down`
+    at the end."""
     cli = Cli(tmp_path / "home")
     cli.env.update(DETECTION_ENV)
+    cli.env.update(env or {})
     cli.env["ROBUSTRL_TRAINER_RUNS_DIR"] = str(tmp_path / "runs")
     cli.run("up", "--trainers", "1", "--rollouts", "2", *up_args)
     try:
