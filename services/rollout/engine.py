@@ -46,6 +46,9 @@ TokenCallback = Callable[[int], None]
 class ContextExceeded(ValueError):
     """A prompt leaves no room for max_new_tokens in the model's context: the job's input."""
 
+    index: int = 0
+    """Which prompt of the batch (`Engine.encode_all`)."""
+
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -122,6 +125,17 @@ class Engine(ABC):
     def weight_specs(self) -> dict[str, TensorSpec]:
         """Name -> shape and dtype of every weight load_weights expects."""
         return dict(self._specs)
+
+    def encode_all(self, prompts: Sequence[str], max_new_tokens: int) -> list[list[int]]:
+        """`encode` of each prompt; a ContextExceeded says which prompt in its `index`."""
+        encoded = []
+        for index, prompt in enumerate(prompts):
+            try:
+                encoded.append(self.encode(prompt, max_new_tokens))
+            except ContextExceeded as exc:
+                exc.index = index
+                raise
+        return encoded
 
     def encode(self, prompt: str, max_new_tokens: int) -> list[int]:
         """Token ids of ``prompt`` (with bos); ContextExceeded if it leaves no room to
@@ -210,7 +224,7 @@ class TorchEngine(Engine):
         params: SamplingParams,
         on_tokens: TokenCallback | None = None,
     ) -> list[list[Completion]]:
-        encoded = [self.encode(p, params.max_new_tokens) for p in prompts]
+        encoded = self.encode_all(prompts, params.max_new_tokens)
         if not encoded:
             return []
         rows = [ids for ids in encoded for _ in range(params.n)]

@@ -156,7 +156,7 @@ class VLLMEngine(Engine):
         params: SamplingParams,
         on_tokens: TokenCallback | None = None,
     ) -> list[list[Completion]]:
-        encoded = [self.encode(p, params.max_new_tokens) for p in prompts]
+        encoded = self.encode_all(prompts, params.max_new_tokens)
         if not encoded:
             return []
         sampling = self._vllm.SamplingParams(

@@ -49,7 +49,7 @@ from services.common.ucx_transport import make_transport
 from services.common.weights import WeightIntegrityError, WeightTransport, latest_announcement
 from services.coordinator.work import group_index
 from services.rollout.config import RolloutSettings
-from services.rollout.engine import SamplingParams, TorchEngine
+from services.rollout.engine import ContextExceeded, SamplingParams, TorchEngine
 from services.rollout.rewards import RewardError, RewardFn, load_reward, score
 
 log = get_logger(__name__)
@@ -400,7 +400,12 @@ class RolloutWorker:
                 outputs = await asyncio.to_thread(
                     self.engine.generate, [g.prompt for g in groups], params, self.meter.on_tokens
                 )
-        except ValueError as exc:  # e.g. a prompt longer than the context
+        except ContextExceeded as exc:  # the job's input: name the row to fix
+            group = groups[exc.index]
+            raise JobError(
+                f"cannot generate group {group.group_id} (dataset item {group.item_id!r}): {exc}"
+            ) from exc
+        except ValueError as exc:
             raise JobError(f"cannot generate: {exc}") from exc
         for group, completions in zip(groups, outputs, strict=True):
             nonfinite = sum(not math.isfinite(lp) for c in completions for lp in c.logprobs)

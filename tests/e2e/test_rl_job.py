@@ -123,6 +123,10 @@ def test_bad_job_input_fails_the_job_with_a_clear_message_and_no_crash(
         "def raises(prompt, completion, answer):\n    raise ValueError('boom')\n\n"
         "def text(prompt, completion, answer):\n    return 'high'\n"
     )
+    dataset = tmp_path / "rows.jsonl"
+    rows = [{"id": f"row-{i}", "prompt": f"{i}+{i}=", "answer": str(2 * i)} for i in range(4)]
+    rows.insert(2, {"id": "row-huge", "prompt": "+".join(["1"] * 400) + "=", "answer": "400"})
+    dataset.write_text("".join(json.dumps(row) + "\n" for row in rows))
     cases = {
         "no-model": (["model.path=/nonexistent/model"], "model.path"),
         "no-task": ([f"model.path={model_dir}", "task.name=chess"], "unknown task"),
@@ -133,6 +137,11 @@ def test_bad_job_input_fails_the_job_with_a_clear_message_and_no_crash(
             "expected a float",
         ),
         "too-long": ([f"model.path={model_dir}", "rollout.max_new_tokens=100000"], "context"),
+        # One row of the dataset is longer than the model's context: the failure names it.
+        "long-row": (
+            [f"model.path={model_dir}", f"task.dataset={dataset}"],
+            "dataset item 'row-huge'): prompt of",
+        ),
     }
     for job, (overrides, text) in cases.items():
         stack.run("submit", str(EXAMPLE), "--id", job, "trainer.steps=3", *overrides)

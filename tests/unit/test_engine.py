@@ -191,8 +191,9 @@ def test_rejects_a_prompt_longer_than_the_context(engine: TorchEngine) -> None:
     fits = "1" * (limit - 1)  # plus bos
     engine.generate([fits], SamplingParams(max_new_tokens=8))
     # The job's input, not a fault of the machine: a trainer that meets it fails the job.
-    with pytest.raises(ContextExceeded, match="exceeds the context"):
-        engine.generate([fits + "1"], SamplingParams(max_new_tokens=8))
+    with pytest.raises(ContextExceeded, match="exceeds the context") as raised:
+        engine.generate([fits, fits + "1"], SamplingParams(max_new_tokens=8))
+    assert raised.value.index == 1  # which prompt of the batch: the rollout names its row
 
 
 def test_bad_sampling_params_are_rejected() -> None:
