@@ -73,12 +73,13 @@ async def _health(monitor: ServiceRuntime) -> dict[str, monitor_pb2.MemberHealth
     return {m.instance_id: m for m in reply.members}
 
 
-@pytest.mark.slow
-@pytest.mark.timeout(120)
-async def test_ranks_train_alike_and_a_rank_stopped_in_a_step_is_named(
-    etcd_settings: EtcdSettings, fast_monitor: ServiceRuntime, tiny_model_dir: Path, tmp_path: Path
-) -> None:
-    spec = JobSpec(name="ranks", model=ModelSpec(path=str(tiny_model_dir)))
+RankZero = tuple[ServiceRuntime, GRPOTrainer, LeaderRanks, Path]
+
+
+async def _rank_0(etcd_settings: EtcdSettings, model_dir: Path, tmp_path: Path) -> RankZero:
+    """Rank 0 as the trainer worker runs it: its runtime (registered, bound to JOB, beating
+    every 0.1 s), its model, its LeaderRanks, and the spec file the followers load."""
+    spec = JobSpec(name="ranks", model=ModelSpec(path=str(model_dir)))
     spec_path = tmp_path / "spec.json"
     spec_path.write_text(spec.model_dump_json())
     settings = TrainerSettings(instance_id="trainer-0", heartbeat_interval=0.1)
@@ -86,22 +87,37 @@ async def test_ranks_train_alike_and_a_rank_stopped_in_a_step_is_named(
     await runtime.start()
     runtime.progress.job_id = JOB
     await runtime.update_member(job_id=JOB)
-    trainer = load_trainer(spec)
-    leader = LeaderRanks(runtime.progress, timeout_s=60)
+    return runtime, load_trainer(spec), LeaderRanks(runtime.progress, timeout_s=60), spec_path
+
+
+async def _start_rank_1(rank_0: RankZero, etcd_settings: EtcdSettings, *args: str) -> None:
+    """Start rank 1 (a real follower process, with `args` for failure injection) and form
+    the group."""
+    runtime, trainer, leader, spec_path = rank_0
+    await asyncio.to_thread(
+        leader.start,
+        trainer,
+        spec_path=spec_path,
+        job_id=JOB,
+        world_size=2,
+        etcd=etcd_settings,
+        instance_id=runtime.instance_id,
+        settings=runtime.settings,
+        follower_args={1: list(args)},
+    )
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+async def test_ranks_train_alike_and_a_rank_stopped_in_a_step_is_named(
+    etcd_settings: EtcdSettings, fast_monitor: ServiceRuntime, tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    rank_0 = await _rank_0(etcd_settings, tiny_model_dir, tmp_path)
+    runtime, trainer, leader, _ = rank_0
     stepping: asyncio.Task[StepMetrics] | None = None
     follower_pid = 0
     try:
-        await asyncio.to_thread(
-            leader.start,
-            trainer,
-            spec_path=spec_path,
-            job_id=JOB,
-            world_size=2,
-            etcd=etcd_settings,
-            instance_id=runtime.instance_id,
-            settings=settings,
-            follower_args={1: [f"--stop-at-step={STOP_AT}"]},
-        )
+        await _start_rank_1(rank_0, etcd_settings, f"--stop-at-step={STOP_AT}")
         [follower] = leader.procs
         follower_pid = follower.pid
         assert runtime.registry is not None
@@ -238,26 +254,10 @@ async def test_a_follower_that_fails_in_a_step_fails_rank_0s_step_at_once(
     0's step fails as soon as rank 1's connections close, not at the 60 s collective timeout,
     with an error that names rank 1 (gloo's own says only that a connection broke). It is the
     trainer's machine failing, not the job's: the coordinator recovers the trainer elsewhere."""
-    spec = JobSpec(name="ranks", model=ModelSpec(path=str(tiny_model_dir)))
-    spec_path = tmp_path / "spec.json"
-    spec_path.write_text(spec.model_dump_json())
-    settings = TrainerSettings(instance_id="trainer-0", heartbeat_interval=0.1)
-    runtime = ServiceRuntime("trainer", settings, etcd_settings, service_names=[])
-    await runtime.start()
-    trainer = load_trainer(spec)
-    leader = LeaderRanks(runtime.progress, timeout_s=60)
+    rank_0 = await _rank_0(etcd_settings, tiny_model_dir, tmp_path)
+    runtime, trainer, leader, _ = rank_0
     try:
-        await asyncio.to_thread(
-            leader.start,
-            trainer,
-            spec_path=spec_path,
-            job_id=JOB,
-            world_size=2,
-            etcd=etcd_settings,
-            instance_id=runtime.instance_id,
-            settings=settings,
-            follower_args={1: ["--fail-at-step=2"]},
-        )
+        await _start_rank_1(rank_0, etcd_settings, "--fail-at-step=2")
         [follower] = leader.procs
         first = await asyncio.to_thread(leader.step, trainer, _batch(trainer, 0), step=0)
         assert first.stepped
