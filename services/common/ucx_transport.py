@@ -555,6 +555,18 @@ class _Held:
         return _bucket_view(self.manifest, self.buffer, index)
 
 
+def changes_held_manifest(held_revision: int, event: Put | Delete) -> bool:
+    """Whether a watched event on the manifest of a version we hold (written or read at
+    `held_revision`) means what is published is no longer what we hold: a write or a delete
+    after it. An earlier event is history that the held revision already replaced. It does
+    come: a manifest write that timed out (etcd stalled) can still land, and the publish
+    retried writes it again; the first write's event then arrives after the second was held.
+    Treated as a change, it once made the trainer drop the version it had just published
+    after an etcd outage, leaving no holder of it and every rollout waiting for it."""
+    revision = event.revision if isinstance(event, Delete) else event.entry.mod_revision
+    return revision > held_revision
+
+
 def _bucket_view(manifest: BucketManifest, buffer: torch.Tensor, index: int) -> torch.Tensor:
     bucket = manifest.buckets[index]
     return buffer[bucket.offset : bucket.offset + bucket.nbytes]
@@ -1734,6 +1746,8 @@ class UcxTransport(WeightTransport):
                     if (parsed := self.wkeys.parse(self.job_id, e.key)) and parsed[1] == "manifest"
                 }
                 for version, held in list(self._held.items()):
+                    if held.manifest_revision > event.revision:
+                        continue  # written after this listing: the events after it tell
                     if (version, held.manifest_revision) not in alive:
                         self._drop(version, "manifest_changed")
                 continue
@@ -1747,10 +1761,9 @@ class UcxTransport(WeightTransport):
             if parsed is None or parsed[1] != "manifest" or parsed[0] not in self._held:
                 continue
             version = parsed[0]
-            if isinstance(event, Delete):
-                self._drop(version, "superseded")
-            elif event.entry.mod_revision != self._held[version].manifest_revision:
-                self._drop(version, "manifest_changed")
+            if not changes_held_manifest(self._held[version].manifest_revision, event):
+                continue
+            self._drop(version, "superseded" if isinstance(event, Delete) else "manifest_changed")
 
     async def _keep_session(self) -> None:
         """If the lease is lost (etcd away longer than its TTL), open a new one and register

@@ -1,10 +1,13 @@
-"""Packing weight versions: bitwise round trip; corruption is caught before loading."""
+"""Packing weight versions: bitwise round trip; corruption is caught before loading. Which
+watched manifest events take a held version away."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
+from services.common.ucx_transport import changes_held_manifest
+from services.common.watch import Delete, Entry, Put
 from services.common.weights import WeightIntegrityError, pack, unpack
 
 
@@ -34,3 +37,17 @@ def test_a_flipped_byte_or_a_short_buffer_is_rejected() -> None:
         unpack(manifest, bytes(corrupt))
     with pytest.raises(WeightIntegrityError, match="bytes"):
         unpack(manifest, blob[:-1])
+
+
+def test_only_a_later_write_or_delete_of_the_manifest_takes_a_held_version_away() -> None:
+    def put(revision: int) -> Put:
+        return Put(Entry(b"/w/manifest", b"{}", 5, revision, 0))
+
+    held = 12  # the revision our publish wrote (or our pull read)
+    # Our own earlier write of it, which timed out and landed anyway before the retry wrote
+    # revision 12: its event may come after we hold 12, and must not drop it.
+    assert not changes_held_manifest(held, put(11))
+    assert not changes_held_manifest(held, put(held))
+    assert not changes_held_manifest(held, Delete(b"/w/manifest", 9))  # an older incarnation's
+    assert changes_held_manifest(held, put(13))  # re-published by a newer trainer epoch
+    assert changes_held_manifest(held, Delete(b"/w/manifest", 13))  # garbage-collected
