@@ -33,6 +33,13 @@ def eventually_sync(predicate: Callable[[], bool], timeout: float, interval: flo
         time.sleep(interval)
 
 
+def process_state(pid: int, thread: int | None = None) -> str:
+    """The state letter in /proc (R, S, T for stopped, Z for a zombie, ...) of pid, or of one
+    of its threads."""
+    stat = Path(f"/proc/{pid}/task/{thread}/stat" if thread else f"/proc/{pid}/stat")
+    return stat.read_text().rsplit(")", 1)[-1].split()[0]
+
+
 def stop_process(pid: int, timeout: float = 10.0) -> None:
     """SIGSTOP pid and return once every thread of it is stopped.
 
@@ -41,13 +48,12 @@ def stop_process(pid: int, timeout: float = 10.0) -> None:
     milliseconds meanwhile (measured: etcd answered a request sent 0.1 ms after the signal),
     which a test that acts on "etcd is stopped" must not mistake for the code under test."""
     os.kill(pid, signal.SIGSTOP)
-    tasks = Path(f"/proc/{pid}/task")
     deadline = time.monotonic() + timeout
     while True:
         states = []
-        for stat in tasks.glob("*/stat"):
+        for task in Path(f"/proc/{pid}/task").iterdir():
             try:
-                states.append(stat.read_text().rsplit(")", 1)[1].split()[0])
+                states.append(process_state(pid, int(task.name)))
             except (OSError, IndexError):
                 continue  # the thread ended meanwhile
         if states and all(state in ("T", "t") for state in states):

@@ -18,7 +18,7 @@ from typing import Any
 
 import pytest
 
-from tests.e2e.test_chaos_cli import chaos, process_state
+from tests.e2e.test_chaos_cli import chaos
 from tests.e2e.test_cli_stack import EXAMPLE, REPO, Cli
 from tests.e2e.test_detection import (
     LEDGER_PAGE_SIZE,
@@ -29,7 +29,7 @@ from tests.e2e.test_detection import (
     wait_for_incident,
 )
 from tests.e2e.test_rl_job import etcd_json
-from tests.support import eventually_sync
+from tests.support import eventually_sync, process_state
 
 STEPS = 80
 # Jobs that must outlast a recovery: at 80 steps the surviving rollout finished the job before
@@ -50,6 +50,8 @@ NO_MONITOR_GRACE_S = 6.0
 """The leader's `unreported_loss_after` in that test (15 s by default): more than the session
 TTL (5 s). With 15 s and 320 steps the job ended 2 s after the loss was recorded, before the
 replacement was up (the recovery then never completes); now it completes near step 200."""
+ROLLOUT_1_REPLACED = ["FENCE rollout-1", "REQUEUE rollout-1", "REPLACE_ROLLOUT rollout-1"]
+"""The recovery of a lost rollout-1: fenced, its leases taken back, a new rollout asked for."""
 # 2.5 x the stack's session TTL: every lease lapses.
 ETCD_OUTAGE_S = 20.0
 
@@ -144,7 +146,7 @@ def test_a_killed_rollout_is_replaced_and_the_trainer_never_pauses(
     wait_for_incident(stack, "MEMBER_LOST", "rollout-1", timeout=15)
     finish(stack, "rc")
     [rec] = recoveries(stack, "rc")
-    assert rec["actions"] == ["FENCE rollout-1", "REQUEUE rollout-1", "REPLACE_ROLLOUT rollout-1"]
+    assert rec["actions"] == ROLLOUT_1_REPLACED
     assert rec["done_at"] and rec["replacements"][0].startswith("rollout-p")
     assert member(stack, "trainer-0")  # the trainer was never replaced
     run = tmp_path / "runs" / "rc"
@@ -360,11 +362,7 @@ def test_an_external_scheduler_supplies_the_replacement_rollout(
             eventually_sync(lambda: bool(recoveries(cli, "ex")[0]["done_at"]), timeout=120)
             finish(cli, "ex")
             [rec] = recoveries(cli, "ex")
-            assert rec["actions"] == [
-                "FENCE rollout-1",
-                "REQUEUE rollout-1",
-                "REPLACE_ROLLOUT rollout-1",
-            ]
+            assert rec["actions"] == ROLLOUT_1_REPLACED
             [replacement] = rec["replacements"]
             # The member that joined is the very process the scheduler's command started.
             pid = int((started / f"{replacement}.pid").read_text())
@@ -438,11 +436,7 @@ def test_a_rollout_lost_while_no_monitor_runs_is_still_replaced(
         os.kill(int(member(stack, "rollout-1")["pid"]), signal.SIGKILL)
         finish(stack, "nm")
         [rec] = recoveries(stack, "nm")
-        assert rec["actions"] == [
-            "FENCE rollout-1",
-            "REQUEUE rollout-1",
-            "REPLACE_ROLLOUT rollout-1",
-        ]
+        assert rec["actions"] == ROLLOUT_1_REPLACED
         assert rec["done_at"] and rec["replacements"][0].startswith("rollout-p")
         [incident] = incidents(stack, "nm")
         assert (

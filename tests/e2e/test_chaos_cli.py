@@ -25,7 +25,7 @@ from tests.e2e.test_detection import (
     submit,
     wait_for_incident,
 )
-from tests.support import eventually_sync
+from tests.support import eventually_sync, process_state
 
 JOB = "chaos"
 
@@ -41,10 +41,6 @@ def chaos(cli: Cli, job: str, *args: str, timeout: float = 60) -> list[dict[str,
     out = json.loads(cli.run("chaos", job, *args, "--json", timeout=timeout).stdout)
     assert isinstance(out, list)
     return out
-
-
-def process_state(pid: int) -> str:
-    return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[-1].split()[0]
 
 
 @pytest.mark.slow

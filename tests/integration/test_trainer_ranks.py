@@ -30,7 +30,7 @@ from services.trainer.follower import EXIT_FAILED, load_trainer
 from services.trainer.grpo import GRPOTrainer, Sample, StepMetrics, completion_logprobs
 from services.trainer.ranks import LeaderRanks, RankExited, fingerprint
 from services.trainer.worker import JOB_ERRORS
-from tests.support import eventually
+from tests.support import eventually, process_state
 
 JOB = "ranks-job"
 BUDGET = 1.0
@@ -58,11 +58,6 @@ def _batch(trainer: GRPOTrainer, step: int) -> list[Sample]:
         Sample(p.prompt_ids, p.completion_ids, lp, a)
         for p, lp, a in zip(probes, logprobs, advantages, strict=True)
     ]
-
-
-def _stopped(pid: int) -> bool:
-    state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    return state in ("T", "t")
 
 
 async def _health(monitor: ServiceRuntime) -> dict[str, monitor_pb2.MemberHealth]:
@@ -148,7 +143,7 @@ async def test_ranks_train_alike_and_a_rank_stopped_in_a_step_is_named(
         )
 
         async def rank1_stopped() -> bool:
-            return _stopped(follower.pid)
+            return process_state(follower.pid) in ("T", "t")
 
         await eventually(rank1_stopped, timeout=10)
         stopped_at = time.time()
