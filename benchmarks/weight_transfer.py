@@ -180,12 +180,17 @@ class Worker:
         self.grpc_server, self.grpc_address = await start_weight_server(serve)
 
     async def _plain_serve(self, ep: Any) -> None:
-        """Plain ucxx: on each request, send the buffer in bucket-sized tagged messages."""
+        """Plain ucxx: on each request, send the buffer in bucket-sized tagged messages.
+
+        It waits for the next request as the transport's holder does (ucx_progress.receive_obj):
+        ucxx's own recv_obj polls on every turn of the loop, and the spinning would be charged
+        to whatever is measured meanwhile (our pulls, and the sender CPU they cost)."""
+        from services.common import ucx_progress
         from services.common.ucx_transport import ucx_buffer
 
         with contextlib.suppress(Exception):
             while True:
-                request = json.loads(bytes(await ep.recv_obj()))
+                request = json.loads(bytes(await ucx_progress.receive_obj(ep, bytearray)))
                 assert self.plain_buffer is not None
                 bucket = int(request["bucket"])
                 for i, start in enumerate(range(0, int(request["bytes"]), bucket)):
@@ -221,6 +226,7 @@ class Worker:
         return {"seconds": seconds}
 
     async def do_plain(self, cmd: dict[str, Any]) -> dict[str, Any]:
+        from services.common import ucx_progress
         from services.common.checksums import algorithm_for, checksum_landed
         from services.common.ucx_transport import allocate_buffer, load_ucxx, ucx_buffer
 
@@ -237,13 +243,14 @@ class Worker:
         algorithm = algorithm_for(self.device)
         checks = []
         started = time.perf_counter()
-        await self.plain_ep.send_obj(json.dumps({"bytes": nbytes, "bucket": bucket}).encode())
-        for i, start in enumerate(range(0, nbytes, bucket)):
-            view = self.plain_recv[start : start + bucket]
-            await self.plain_ep.recv(ucx_buffer(view), tag=i)
-            if verify:
-                checks.append(checksum_landed(view, algorithm, self.ucx._pool))
-        await asyncio.gather(*checks)
+        with ucx_progress.pulling():  # the worker kept hot as for our pulls
+            await self.plain_ep.send_obj(json.dumps({"bytes": nbytes, "bucket": bucket}).encode())
+            for i, start in enumerate(range(0, nbytes, bucket)):
+                view = self.plain_recv[start : start + bucket]
+                await self.plain_ep.recv(ucx_buffer(view), tag=i)
+                if verify:
+                    checks.append(checksum_landed(view, algorithm, self.ucx._pool))
+            await asyncio.gather(*checks)
         return {"seconds": time.perf_counter() - started}
 
     async def do_plain_reset(self, cmd: dict[str, Any]) -> dict[str, Any]:

@@ -1139,7 +1139,8 @@ class UcxTransport(WeightTransport):
         manifest, revision, holders = await self._read_version(version)
         timings = PullTimings(manifest_s=time.perf_counter() - started)
         buffer = self._buffers.take(manifest.total_bytes, device)
-        await self._pull_buckets(manifest, revision, buffer, timings, holders)
+        with ucx_progress.pulling():
+            await self._pull_buckets(manifest, revision, buffer, timings, holders)
         self.counters.pulls_completed += 1
         if self.relay and not self._closed:
             self._held[version] = _Held(manifest, buffer, ROLE_RELAY, revision)
@@ -1574,7 +1575,7 @@ class UcxTransport(WeightTransport):
                         view = view.clone()
                         view[0] ^= 0xFF
                     send = asyncio.ensure_future(
-                        endpoint.send(ucx_buffer(view), tag=_data_tag(seq, index))
+                        ucx_progress.send(endpoint, ucx_buffer(view), _data_tag(seq, index))
                     )
                     send.add_done_callback(functools.partial(self._count_sent, int(view.numel())))
                     sends.append(send)
@@ -1583,8 +1584,8 @@ class UcxTransport(WeightTransport):
                 while sends:
                     await sends.popleft()
             finally:
-                for send in sends:
-                    send.cancel()
+                for unsent in sends:
+                    unsent.cancel()
                 await asyncio.gather(*sends, return_exceptions=True)
         finally:
             held.active_pullers -= 1

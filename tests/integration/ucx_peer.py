@@ -5,9 +5,10 @@ It starts a UcxTransport, prints {"event": "ready", "address": ...} on stdout, t
 one JSON command per stdin line with one JSON reply line carrying the command's "id".
 Stdout carries only those lines; logs go to stderr. Commands:
 
-    publish {version, seed}        pack and publish make_tensors(seed) (trainer)
+    publish {version, seed, bulk_mib?}  pack and publish make_tensors(seed, bulk_mib) (trainer)
     hold {version, seed}           serve make_tensors(seed) as a relay of version
-    pull {version, save?, keep?}   pull and verify; reply with the tensors' digest, counters;
+    pull {version, save?, keep?}   pull and verify; reply with the tensors' digest, counters,
+                                   the pull's seconds;
                                    keep: hold on to the tensors (as a slow caller would)
     kept {}                        the digest of each kept pull's tensors, now
     fetch_latest {}                the existing flow: latest Announcement, then fetch()
@@ -29,6 +30,7 @@ import asyncio
 import hashlib
 import json
 import sys
+import time
 from typing import Any
 
 import torch
@@ -52,10 +54,13 @@ from services.common.weights import NamedTensors, WeightIntegrityError, latest_a
 from tests.support import eventually
 
 
-def make_tensors(seed: int) -> NamedTensors:
-    """A small model-like set: several dtypes, a 0-d, an empty and a non-contiguous tensor."""
+def make_tensors(seed: int, bulk_mib: int = 0) -> NamedTensors:
+    """A small model-like set: several dtypes, a 0-d, an empty and a non-contiguous tensor;
+    with bulk_mib, one more tensor of that many MiB, for pulls that take a while."""
     gen = torch.Generator().manual_seed(seed)
+    bulk = [("bulk", torch.full((bulk_mib << 20,), seed, dtype=torch.uint8))] if bulk_mib else []
     return [
+        *bulk,
         ("embed.weight", torch.randn(4096, 128, generator=gen)),
         ("layers.0.attn.bf16", torch.randn(256, 96, generator=gen).to(torch.bfloat16)),
         ("layers.0.mlp.half_t", torch.randn(64, 48, generator=gen).to(torch.float16).t()),
@@ -116,7 +121,8 @@ async def _handle(
 ) -> dict[str, Any]:
     op, job = cmd["cmd"], args.job
     if op == "publish":
-        tensors = [(n, t.to(args.device)) for n, t in make_tensors(int(cmd["seed"]))]
+        made = make_tensors(int(cmd["seed"]), int(cmd.get("bulk_mib", 0)))
+        tensors = [(n, t.to(args.device)) for n, t in made]
         try:
             await transport.publish(int(cmd["version"]), tensors)
         except RobustrlError as exc:
@@ -132,7 +138,9 @@ async def _handle(
     if op in ("pull", "fetch_latest"):
         try:
             if op == "pull":
+                started = time.perf_counter()
                 tensors = await transport.pull(job, int(cmd["version"]), device=args.device)
+                pull_s = time.perf_counter() - started
             else:
                 announcement = await latest_announcement(client, keys, job)
                 if announcement is None:
@@ -158,6 +166,7 @@ async def _handle(
             "device": tensors[0][1].device.type,
             "digest": tensors_digest(tensors),
             "counters": transport.counters.as_dict(),
+            **({"seconds": pull_s} if op == "pull" else {}),
         }
     if op == "ask":
         try:
