@@ -42,7 +42,9 @@ def test_the_weight_benchmark_measures_every_column(tmp_path: Path) -> None:
         "all from the trainer, 1 at a time",
         "relays, trainer serves 1 at a time",
     ]
-    assert all(0 < fan["trainer_share"] <= 1 and fan["seconds"] > 0 for fan in report["fan_out"])
+    for fan in report["fan_out"]:
+        assert 0 < fan["trainer_share"] <= 1 and fan["seconds"] > 0 and fan["first_seconds"] > 0
+        assert len(fan["samples_s"]) == 2  # the first version, then --repeat warm ones
     assert (
         "+verify/plain, the ceiling of ours/plain once every byte is verified: 1 MiB" in done.stdout
     )
