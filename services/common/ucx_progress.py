@@ -18,8 +18,9 @@ two-endpoint ucxx program used 1.45 s of CPU in 3 s idle; 0.00 s with `install`.
   the loop was idle, halved 256 MiB pulls here: 5.7 GB/s against 10.8. A holder does not
   need the window: within one host the puller moves the bytes (CMA), and the holder only
   hears that a bucket is done. Kept hot, a trainer spun a core for as long as it served;
-  arming at once, it used 0.014-0.027 s of CPU per GB served instead of 0.09-0.12, and the
-  pulls it served were as fast (measured side by side on 2 cores, 64 MiB to 1 GiB).
+  arming at once (and sending with `send`), it used 0.007-0.017 s of CPU per GB served
+  instead of 0.11-0.14, and the pulls it served were as fast (measured side by side on 2
+  cores, 64 MiB to 1 GiB).
 - **The watchdog.** Some completions raise no event; a receive failed by aborting its
   endpoint is one. ucxx's watchdog progressed an idle worker once a second. Ours does so
   every `PROGRESS_INTERVAL`, then arms it again. Before, a puller took 1.9 s to leave a
