@@ -85,7 +85,9 @@ class LocalProvisioner(Provisioner):
         self.client = client
         self.keys = keys
         self.etcd = etcd
-        self.log_dir = Path(log_dir or tempfile.mkdtemp(prefix="robustrl-provisioned-"))
+        # Without a log_dir, a temporary one is made when the first member starts: a
+        # coordinator that never provisions leaves no empty directory behind.
+        self.log_dir = Path(log_dir) if log_dir else None
         # Held so asyncio keeps reaping them; nothing else reads it.
         self._procs: list[asyncio.subprocess.Process] = []
 
@@ -102,6 +104,8 @@ class LocalProvisioner(Provisioner):
         if standby:
             env["ROBUSTRL_TRAINER_STANDBY"] = "true"
         argv = member_argv(role)
+        if self.log_dir is None:
+            self.log_dir = Path(tempfile.mkdtemp(prefix="robustrl-provisioned-"))
         self.log_dir.mkdir(parents=True, exist_ok=True)
         log_path = self.log_dir / f"{instance_id}.log"
         fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)

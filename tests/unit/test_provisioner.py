@@ -1,15 +1,20 @@
 """The external provisioner's bookkeeping: which scheduler gets a request, and that nothing
 asked for is dropped when schedulers come and go (the gRPC stream around it is tested in
-tests/integration/test_provisioning.py and end to end in tests/chaos/test_recovery.py)."""
+tests/integration/test_provisioning.py and end to end in tests/chaos/test_recovery.py), and
+that the local provisioner leaves no directory behind before it starts anyone."""
 
 from __future__ import annotations
+
+import tempfile
+from pathlib import Path
 
 import pytest
 
 from robustrl.v1 import common_pb2, provisioning_pb2
 from services.common.config import EtcdSettings
 from services.common.errors import AlreadyExists, InvalidArgument, NotFound
-from services.coordinator.provisioner import ExternalProvisioner, Scheduler
+from services.common.keys import KeySpace
+from services.coordinator.provisioner import ExternalProvisioner, LocalProvisioner, Scheduler
 
 
 def hello(name: str, *roles: common_pb2.Role.ValueType) -> provisioning_pb2.ProvisionerHello:
@@ -98,3 +103,16 @@ async def test_a_role_nobody_provisions_is_refused(provisioner: ExternalProvisio
     with pytest.raises(ValueError, match="cannot provision a monitor"):
         await provisioner.request("monitor", "job-1", "r")
     assert provisioner.pending == {}
+
+
+def test_a_local_provisioner_makes_its_log_directory_only_for_a_member(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Every coordinator started one at construction: make test left hundreds of empty
+    # directories in /tmp.
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    etcd = EtcdSettings(endpoints="127.0.0.1:1", prefix="/rl")
+    local = LocalProvisioner(None, KeySpace("/rl"), etcd)
+    assert local.log_dir is None and list(tmp_path.iterdir()) == []
+    named = LocalProvisioner(None, KeySpace("/rl"), etcd, str(tmp_path / "logs"))
+    assert named.log_dir == tmp_path / "logs" and list(tmp_path.iterdir()) == []
