@@ -429,6 +429,7 @@ class TransferCounters:
     bytes_served: int = 0
     requests_refused: int = 0
     records_written: int = 0  # holder records this process wrote to etcd
+    versions_kept: int = 0  # held copies a same-contents re-publish did not make us drop
 
     def as_dict(self) -> dict[str, Any]:
         out = asdict(self)
@@ -1132,6 +1133,8 @@ class UcxTransport(WeightTransport):
         if job_id != self.job_id:
             raise ValueError(f"this transport serves job {self.job_id}, not {job_id}")
         held = self._held.get(version)
+        if held is not None and held.manifest.trainer_epoch < self._highest_epoch:
+            held = await self._current(held)
         if held is not None:
             return unpack_views(held.manifest, held.buffer)
         started = time.perf_counter()
@@ -1161,6 +1164,21 @@ class UcxTransport(WeightTransport):
         )
         return unpack_views(manifest, buffer)
 
+    async def _current(self, held: _Held) -> _Held | None:
+        """Our copy of a version once checked against its manifest in etcd: the announcement
+        of a newer trainer epoch can come before our watch's event of the manifest written
+        with it, and the copy of the older epoch is returned only if it has the same contents
+        (see _republished)."""
+        version = held.manifest.version
+        current = await self.client.get(self.wkeys.manifest(self.job_id, version))
+        if self._held.get(version) is not held:
+            return self._held.get(version)  # the watch acted meanwhile
+        if current is None:
+            self._drop(version, "superseded")
+        elif current.mod_revision > held.manifest_revision:
+            self._republished(version, current.value, current.mod_revision)
+        return self._held.get(version)
+
     async def _read_version(
         self, version: int
     ) -> tuple[BucketManifest, int, tuple[list[HolderRecord], int]]:
@@ -1171,16 +1189,23 @@ class UcxTransport(WeightTransport):
 
         The view can hold a manifest a moment before its publisher's holder record: a pull
         that took that for the whole listing would wait for a holder, or give the version up
-        as stranded if a newer one exists (a benchmark run in make test did).
+        as stranded if a newer one exists (a benchmark run in make test did). It can also hold
+        a manifest a moment after a newer trainer epoch replaced it; etcd is read then too.
         """
         seen = self._view.version(version)
+        if seen is not None:
+            try:
+                manifest, revision, (holders, listed_at) = self._parse_version(version, *seen)
+            except WeightUnavailable:
+                # From an older trainer epoch than announced: the view has not had the event
+                # of a restored trainer's manifest yet, and etcd may have it already.
+                seen = None
         if seen is None:
             entries, listed_at = await list_prefix(
                 self.client, self.wkeys.version(self.job_id, version)
             )
             self.counters.etcd_reads += 1
             return self._parse_version(version, entries, listed_at)
-        manifest, revision, (holders, listed_at) = self._parse_version(version, *seen)
         if not any(not h.full for h in holders):
             holders, listed_at = await self._list_holders(manifest)
         return manifest, revision, (holders, listed_at)
@@ -1741,16 +1766,19 @@ class UcxTransport(WeightTransport):
                 for version, instance_id in self._departures.watched():
                     if (version, f"holders/{instance_id}") not in present:
                         self._departures.left(version, instance_id, event.revision)
-                alive = {
-                    (parsed[0], e.mod_revision)
+                manifests = {
+                    parsed[0]: e
                     for e in event.entries
                     if (parsed := self.wkeys.parse(self.job_id, e.key)) and parsed[1] == "manifest"
                 }
                 for version, held in list(self._held.items()):
                     if held.manifest_revision > event.revision:
                         continue  # written after this listing: the events after it tell
-                    if (version, held.manifest_revision) not in alive:
-                        self._drop(version, "manifest_changed")
+                    now = manifests.get(version)
+                    if now is None:
+                        self._drop(version, "superseded")
+                    elif now.mod_revision != held.manifest_revision:
+                        self._republished(version, now.value, now.mod_revision)
                 continue
             key = event.entry.key if isinstance(event, Put) else event.key
             parsed = self.wkeys.parse(self.job_id, key)
@@ -1764,7 +1792,46 @@ class UcxTransport(WeightTransport):
             version = parsed[0]
             if not changes_held_manifest(self._held[version].manifest_revision, event):
                 continue
-            self._drop(version, "superseded" if isinstance(event, Delete) else "manifest_changed")
+            if isinstance(event, Delete):
+                self._drop(version, "superseded")
+            else:
+                self._republished(version, event.entry.value, event.entry.mod_revision)
+
+    def _republished(self, version: int, raw: bytes, revision: int) -> None:
+        """The manifest of a version we hold was written again: a relay whose copy has the new
+        manifest's contents (a restored trainer published its checkpoint's version again, bit
+        for bit) serves it under the new manifest; anything else is dropped, as is a manifest
+        from an epoch older than the newest seen. The trainer that published the old one is
+        fenced by the new epoch and never keeps it."""
+        held = self._held[version]
+        try:
+            manifest = BucketManifest.from_json(raw)
+        except (WeightIntegrityError, ValueError, KeyError) as exc:
+            log.warning("weights.bad_manifest", version=version, error=str(exc)[:200])
+            manifest = None
+        same = (
+            manifest is not None
+            and held.role == ROLE_RELAY
+            and manifest.digest == held.manifest.digest
+            and manifest.trainer_epoch >= max(held.manifest.trainer_epoch, self._highest_epoch)
+        )
+        if manifest is None or not same:
+            self._drop(version, "manifest_changed")
+            return
+        held.manifest = manifest
+        held.manifest_revision = revision
+        self._highest_epoch = manifest.trainer_epoch
+        self.counters.versions_kept += 1
+        log.info(
+            "weights.kept",
+            job=self.job_id,
+            version=version,
+            epoch=manifest.trainer_epoch,
+            reason="republished with the same contents",
+        )
+        # Our record says the old epoch, and its write is fenced by the old revision: the new
+        # one is written under the new revision.
+        self._schedule_record(version)
 
     async def _keep_session(self) -> None:
         """If the lease is lost (etcd away longer than its TTL), open a new one and register

@@ -41,7 +41,7 @@ from services.common.ucx_transport import (
     plan_layout,
 )
 from services.common.watch import Delete, Entry, Put, Resync
-from services.common.weights import GrpcStreamTransport, WeightIntegrityError
+from services.common.weights import Announcement, GrpcStreamTransport, WeightIntegrityError
 from tests.integration.ucx_peer import make_tensors, tensors_digest
 from tests.support import eventually, stop_process
 
@@ -456,6 +456,77 @@ async def test_a_pull_whose_only_holder_died_stops_once_a_newer_epoch_publishes(
     assert waited < 10, f"the pull waited {waited:.1f}s for a holder that was gone"
     fresh = await puller.call("pull", version=3)
     assert fresh["ok"] and fresh["digest"] == tensors_digest(make_tensors(4))
+
+
+async def test_a_relay_keeps_a_version_a_restored_trainer_publishes_again_bit_for_bit(
+    peers: Any, etcd_client: Any, etcd_settings: EtcdSettings
+) -> None:
+    old, relay, late = await peers(("trainer-old", "--epoch", "1"), ("relay",), ("late",))
+    await old.call("publish", version=3, seed=5)
+    assert (await relay.call("pull", version=3))["ok"]
+    old.kill()  # the trainer fails; its standby restores the checkpoint of step 3
+    await old.proc.wait()
+    (new,) = await peers(("trainer-new", "--epoch", "2"))
+    await new.call("publish", version=3, seed=5)
+    record_key = WeightKeys(KeySpace(etcd_settings.prefix)).holder(JOB, 3, "relay")
+
+    async def record_says(epoch: int | None) -> bool:
+        got = await etcd_client.get(record_key)
+        return (None if got is None else HolderRecord.from_json(got.value).trainer_epoch) == epoch
+
+    await eventually(lambda: record_says(2), timeout=10)
+    state = await relay.call("state")
+    assert 3 in state["held"] and state["counters"]["versions_kept"] == 1
+    await _sees(late, 3, "relay")
+    result = await late.call("pull", version=3)
+    assert result["ok"] and result["digest"] == tensors_digest(make_tensors(5))
+    assert _only_from(result["counters"], "relay")  # not from the new trainer
+
+    # Published again with other bytes: the copy goes, and its record with it.
+    (newer,) = await peers(("trainer-newer", "--epoch", "3"))
+    await newer.call("publish", version=3, seed=6)
+    await eventually(lambda: record_says(None), timeout=10)
+    state = await relay.call("state")
+    assert 3 not in state["held"] and state["counters"]["versions_kept"] == 1
+
+
+async def test_an_announcement_ahead_of_the_watch_gets_a_held_copy_only_if_the_bytes_match(
+    etcd_client: Any, etcd_settings: EtcdSettings
+) -> None:
+    """A rollout can read the announcement of a restored trainer's version before its own
+    watch delivers the manifest written with it; the copy it holds of the older epoch must
+    then be checked against that manifest, not returned as it is."""
+    keys = KeySpace(etcd_settings.prefix)
+    old = UcxTransport(etcd_client, keys, JOB, instance_id="t-old", epoch=1)
+    new = UcxTransport(etcd_client, keys, JOB, instance_id="t-new", epoch=2)
+    relay = UcxTransport(etcd_client, keys, JOB, instance_id="relay", pull_timeout=3)
+    for transport in (old, new, relay):
+        await transport.start()
+    try:
+        await old.publish(3, make_tensors(5))
+        await relay.hold(3, make_tensors(5))
+        watch = relay._tasks[1]  # the watch: stopped, it stays behind every write from now on
+        watch.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await watch
+        await new.publish(3, make_tensors(5))  # the same bytes under epoch 2
+
+        same = await relay.fetch(Announcement(JOB, 3, new.address, 2, relay.name))
+        assert tensors_digest(same) == tensors_digest(make_tensors(5))
+        assert relay.counters.versions_kept == 1 and relay.counters.pulls_completed == 0
+
+        newer = UcxTransport(etcd_client, keys, JOB, instance_id="t-newer", epoch=3)
+        await newer.start()
+        try:
+            await newer.publish(3, make_tensors(6))  # other bytes under epoch 3
+            other = await relay.fetch(Announcement(JOB, 3, newer.address, 3, relay.name))
+            assert tensors_digest(other) == tensors_digest(make_tensors(6))
+            assert relay.counters.pulls_completed == 1
+        finally:
+            await newer.close()
+    finally:
+        for transport in (relay, new, old):
+            await transport.close()
 
 
 async def test_a_hung_source_is_abandoned_after_the_stall_timeout(peers: Any) -> None:
