@@ -326,8 +326,8 @@ class HostBuffers:
     tensor. So a caller can never see its tensors change under it.
 
     At most `keep` buffers are remembered, in use or not; pulls and publishes never hold more
-    memory than without reuse (the held versions plus the one being filled), only keep it
-    between them.
+    memory than without reuse (the held versions and the one being filled; a relay drops a
+    held version before it pulls, see UcxTransport._make_room), only keep it between them.
     CUDA buffers are not kept: torch's caching allocator already reuses device memory.
     """
 
@@ -888,8 +888,9 @@ class UcxTransport(WeightTransport):
         self._record_due: set[int] = set()  # versions with a pullers count write scheduled
         self._tasks: list[asyncio.Task[None]] = []
         self._grpc: GrpcStreamTransport | None = None
-        # A relay holds keep_versions pulled buffers and fills one more; a non-relay only one.
-        self._buffers = HostBuffers(keep_versions + 1 if relay else 1)
+        # A relay holds at most keep_versions versions, the one it pulls included (it drops
+        # the oldest before it pulls: see _make_room); a non-relay one buffer.
+        self._buffers = HostBuffers(keep_versions if relay else 1)
         # What publish and hold pack into: the versions held, and the one being packed.
         self._packs = HostBuffers(keep_versions + 1)
         self._idle: dict[str, HolderConnection] = {}  # holder address -> endpoint, between pulls
@@ -1141,6 +1142,8 @@ class UcxTransport(WeightTransport):
         # The manifest and the holders listed with it, from the watch's view or one read.
         manifest, revision, holders = await self._read_version(version)
         timings = PullTimings(manifest_s=time.perf_counter() - started)
+        if self.relay:
+            self._make_room()
         buffer = self._buffers.take(manifest.total_bytes, device)
         with ucx_progress.pulling():
             await self._pull_buckets(manifest, revision, buffer, timings, holders)
@@ -1734,8 +1737,23 @@ class UcxTransport(WeightTransport):
                 # It still goes with our lease; pullers skip records they cannot use.
                 log.info("weights.unregister_failed", version=version, error=repr(exc)[:200])
 
+    def _oldest_first(self) -> list[int]:
+        """Held versions, the first to drop first: an older trainer epoch's before the newest
+        (a restored trainer went back to its checkpoint's version), then by version."""
+        return sorted(self._held, key=lambda v: (self._held[v].manifest.trainer_epoch, v))
+
     def _prune_local(self) -> None:
-        for version in sorted(self._held)[: -self.keep_versions]:
+        for version in self._oldest_first()[: -self.keep_versions]:
+            self._drop(version, "superseded")
+
+    def _make_room(self) -> None:
+        """Before a relay pulls: drop what it holds beyond keep_versions - 1, so the pull can
+        receive into the buffer of the version dropped (once no transfer and no caller uses
+        it). A rollout (keep_versions=1) stages one model copy, not the one it relays plus the
+        one it pulls. What it dropped is superseded: its peers pull the new version too, and
+        the trainer keeps two."""
+        excess = len(self._held) - (self.keep_versions - 1)
+        for version in self._oldest_first()[: max(excess, 0)]:
             self._drop(version, "superseded")
 
     async def _collect_garbage(self, newest: int) -> None:

@@ -303,7 +303,7 @@ class RolloutWorker:
                 instance_id=self.runtime.instance_id,
                 host=self.runtime.settings.resolved_advertise_host(),
                 session_ttl=self.runtime.etcd_settings.session_ttl,
-                keep_versions=1,  # at most the held version plus the one being pulled
+                keep_versions=1,  # one staging copy: the relayed version goes at the next pull
             ),
             "starting the weight transport",
         )

@@ -666,6 +666,33 @@ async def test_tensors_a_caller_keeps_stay_intact_while_later_versions_are_pulle
     assert kept["digests"] == {"1": tensors_digest(make_tensors(1))}
 
 
+async def test_a_relay_that_keeps_one_version_stages_one_model_copy(peers: Any) -> None:
+    # A rollout's settings: it relays the newest version, and receives the next one into the
+    # same buffer instead of a second one.
+    trainer, relay, late = await peers(("trainer",), ("relay", "--keep", "1"), ("late",))
+    resident = []
+    for version in (1, 2, 3):
+        await trainer.call("publish", version=version, seed=version, bulk_mib=64)
+        result = await relay.call("pull", version=version)
+        assert result["ok"] and result["digest"] == tensors_digest(make_tensors(version, 64))
+        resident.append(resident_bytes(relay.proc.pid))
+
+    grown = resident[-1] - resident[0]
+    assert grown < 16 << 20, f"the relay grew by {grown >> 20} MiB after its first pull"
+    assert (await relay.call("state"))["held"] == [3]
+    await _sees(late, 3, "relay")
+    served = await late.call("pull", version=3)
+    assert served["ok"] and served["counters"]["bytes_by_source"].get("relay", 0) > 64 << 20
+
+
+def resident_bytes(pid: int) -> int:
+    """The process's resident memory (VmRSS in /proc/<pid>/status)."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) << 10
+    raise AssertionError(f"no VmRSS for pid {pid}")
+
+
 async def test_a_trainer_packing_into_a_dropped_versions_buffer_publishes_correct_bytes(
     peers: Any,
 ) -> None:
