@@ -1171,7 +1171,8 @@ class UcxTransport(WeightTransport):
         """Our copy of a version once checked against its manifest in etcd: the announcement
         of a newer trainer epoch can come before our watch's event of the manifest written
         with it, and the copy of the older epoch is returned only if it has the same contents
-        (see _republished)."""
+        (see _republished). Likewise when our holder record could not be written because the
+        manifest changed after we read it."""
         version = held.manifest.version
         current = await self.client.get(self.wkeys.manifest(self.job_id, version))
         if self._held.get(version) is not held:
@@ -1675,9 +1676,10 @@ class UcxTransport(WeightTransport):
             if ok:
                 held.recorded_pullers = record.active_pullers
                 self.counters.records_written += 1
-        if not ok:
-            # Superseded (GC) or re-published by a newer trainer epoch: nobody should pull ours.
-            self._drop(version, "manifest_changed")
+        if not ok and held is self._held.get(version):
+            # Deleted (GC), or written again after we read it: by a restored trainer, maybe
+            # with the bytes we hold (a pull that finished from its standby does) and kept.
+            await self._current(held)
 
     def _schedule_record(self, version: int) -> None:
         self._background(self._register_quietly(version))

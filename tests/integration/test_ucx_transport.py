@@ -529,6 +529,48 @@ async def test_an_announcement_ahead_of_the_watch_gets_a_held_copy_only_if_the_b
             await transport.close()
 
 
+async def test_a_pull_that_ends_after_its_manifest_was_written_again_keeps_the_same_bytes(
+    etcd_client: Any, etcd_settings: EtcdSettings
+) -> None:
+    """The demo's trainer failover: a rollout pulling the failed trainer's last version
+    finishes it from the standby (same digest) after the standby published it again. Its
+    holder record, fenced by the manifest revision it read, cannot be written; the copy is
+    checked against the new manifest and kept, and the record written under it."""
+    keys = KeySpace(etcd_settings.prefix)
+    old = UcxTransport(etcd_client, keys, JOB, instance_id="t-old", epoch=1)
+    new = UcxTransport(etcd_client, keys, JOB, instance_id="t-new", epoch=2)
+    relay = UcxTransport(etcd_client, keys, JOB, instance_id="relay")
+    for transport in (old, new, relay):
+        await transport.start()
+    try:
+        await old.publish(3, make_tensors(5))
+        await eventually(lambda: _listed(relay, 3, "t-old"), timeout=10)
+        # The relay's watch stopped: the pull below reads the old manifest from its view.
+        (watch,) = [t for t in relay._tasks if t.get_name().startswith("ucx-weights-gc-")]
+        watch.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await watch
+        await new.publish(3, make_tensors(5))
+
+        pulled = await relay.pull(JOB, 3)
+        assert tensors_digest(pulled) == tensors_digest(make_tensors(5))
+        record_key = WeightKeys(keys).holder(JOB, 3, "relay")
+
+        async def recorded_under_epoch_2() -> bool:
+            got = await etcd_client.get(record_key)
+            return got is not None and HolderRecord.from_json(got.value).trainer_epoch == 2
+
+        await eventually(recorded_under_epoch_2, timeout=10)
+        assert relay.held_versions() == [3] and relay.counters.versions_kept == 1
+    finally:
+        for transport in (relay, new, old):
+            await transport.close()
+
+
+async def _listed(transport: UcxTransport, version: int, holder: str) -> bool:
+    return holder in transport.listed_versions().get(version, [])
+
+
 async def test_a_hung_source_is_abandoned_after_the_stall_timeout(peers: Any) -> None:
     trainer, relay, puller = await peers(
         ("trainer",), ("relay", "--stall-after", "2"), ("puller", "--stall-timeout", "2")
