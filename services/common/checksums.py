@@ -22,6 +22,11 @@ pool in another, and inline costs no thread hand-off per bucket. Hashing each bu
 MiB frames as they land (each frame its own message, one streaming xxh3 per bucket), in the
 hope of reading them from cache, was no faster either: in one run at 64-256 MiB, 0.68-0.78
 of plain ucxx inline and 0.46-0.73 in a pool, against 0.72-0.80 for whole buckets inline.
+Nor was keeping fewer frames in flight, so that each is hashed before later copies push it
+out of cache: 256 MiB in 2-16 MiB frames with 1, 2 or 4 in flight, inline or on one pool
+thread, reached 0.63-0.73 of plain ucxx, against 0.66 inline and 0.68 pooled for whole 32
+MiB buckets in the same run (median of 7, 2 cores). Inline, even a hash from cache adds its
+time to the copy's; why the pool overlaps so little was not found.
 
 Neither algorithm is a defence against an adversary (see ucx_transport); both catch flipped
 bits, torn, misplaced and reordered transfers. wsum128 catches every change confined to one
