@@ -107,6 +107,7 @@ class Worker:
         self.plain_ep: Any = None
         self.plain_recv: torch.Tensor | None = None
         self.device = torch.device(args.device)
+        self.payload: list[tuple[str, torch.Tensor]] = []
 
     async def start(self) -> dict[str, Any]:
         from services.common.config import EtcdSettings
@@ -148,7 +149,9 @@ class Worker:
         from services.common.weights import GrpcStreamTransport
 
         nbytes, version = int(cmd["bytes"]), int(cmd["version"])
-        host_tensors = make_payload(nbytes, seed=version)
+        # Off the event loop: making a GiB of random bytes there kept the session's keepalive
+        # from running, and the sender lost its etcd lease.
+        host_tensors = await asyncio.to_thread(self._payload, nbytes, version)
         tensors = [(name, t.to(self.device)) for name, t in host_tensors]
         sync(self.device)
         started = time.perf_counter()
@@ -164,12 +167,28 @@ class Worker:
         if cmd.get("plain", True):
             ucxx = load_ucxx()
             self.plain_buffer = allocate_buffer(nbytes, self.device)
-            self.plain_buffer.copy_(torch.randint(0, 256, (nbytes,), dtype=torch.uint8))
+            await asyncio.to_thread(self._fill_random, self.plain_buffer)
             sync(self.device)
             if self.plain_listener is None:
                 self.plain_listener = ucxx.create_listener(self._plain_serve, port=None)
         plain_port = self.plain_listener.port if self.plain_listener is not None else 0
         return {"publish_s": publish_s, "plain_address": f"127.0.0.1:{plain_port}"}
+
+    @staticmethod
+    def _fill_random(buffer: torch.Tensor) -> None:
+        buffer.copy_(torch.randint(0, 256, (buffer.numel(),), dtype=torch.uint8))
+
+    def _payload(self, nbytes: int, version: int) -> list[tuple[str, torch.Tensor]]:
+        """The payload of this size, made once: random bytes take about 3 s a GiB here, and a
+        publish that waited for them left a gap between pulls longer than a puller keeps its
+        endpoint (PARK_SECONDS). Each version is stamped into the first 8 bytes of every
+        tensor, so every bucket's bytes and checksum change as a new version's would."""
+        if sum(t.numel() * t.element_size() for _, t in self.payload) != nbytes:
+            self.payload = make_payload(nbytes, seed=nbytes)
+        stamp = torch.tensor(list(version.to_bytes(8, "little")), dtype=torch.uint8)
+        for _, tensor in self.payload:
+            tensor.view(torch.uint8)[:8] = stamp
+        return self.payload
 
     async def _start_grpc(self) -> None:
         """A gRPC server with only Trainer.PullWeights, delegated to GrpcStreamTransport.serve
@@ -487,7 +506,9 @@ async def point_to_point(driver: Driver, sizes_mib: list[int]) -> list[dict[str,
             cold = (await receiver.call("ucx_pull", version=version))["seconds"]
             for _ in range(args.repeat):
                 version += 1
-                published = await sender.call("publish", bytes=nbytes, version=version, plain=False)
+                published = await sender.call(
+                    "publish", bytes=nbytes, version=version, plain=False, grpc=False
+                )
                 publish_s.append(published["publish_s"])
                 for key, verify in (("plain", False), ("plain_verified", True)):
                     plain, cpu = await while_serving(
@@ -508,6 +529,13 @@ async def point_to_point(driver: Driver, sizes_mib: list[int]) -> list[dict[str,
                     )
                     times[key].append(pulled["seconds"])
                     serving_cpu[key] += cpu
+            # The gRPC fetches in a loop of their own: at 1 GiB one takes longer than
+            # PARK_SECONDS, and a UCX pull after it opened a new endpoint instead of using the
+            # one kept by a pipeline that pulls every step (ours read 8.8-9.3 GB/s at 1 GiB so,
+            # 10.7 with the endpoint kept, on 2 cores).
+            for _ in range(args.repeat):
+                version += 1
+                await sender.call("publish", bytes=nbytes, version=version, plain=False)
                 times["grpc"].append(
                     (await receiver.call("grpc_fetch", version=version))["seconds"]
                 )
