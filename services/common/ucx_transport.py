@@ -512,6 +512,16 @@ def load_ucxx(progress_mode: str | None = None) -> ModuleType:
     return ucxx
 
 
+def _pull_thread_default() -> bool:
+    """Whether pulls use a worker of their own, progressed by its own thread (ucx_progress.
+    pull_context): ROBUSTRL_UCX_PULL_THREAD=1 or 0 if set, else on hosts without CUDA (the
+    GPU path was measured on the process's worker)."""
+    chosen = os.environ.get("ROBUSTRL_UCX_PULL_THREAD", "")
+    if chosen:
+        return chosen not in ("0", "false", "no")
+    return not torch.cuda.is_available()
+
+
 def _ucx_errors(ucxx: ModuleType) -> tuple[type[BaseException], ...]:
     canceled: type[BaseException] = ucxx.exceptions.UCXCanceledError
     return (canceled.__mro__[1], ucxx.exceptions.UCXError)
@@ -665,10 +675,12 @@ class HolderConnection:
         self.parks = 0  # times a puller kept it between pulls
 
     @classmethod
-    async def open(cls, ucxx: ModuleType, address: str, timeout: float) -> HolderConnection:
+    async def open(cls, maker: Any, address: str, timeout: float) -> HolderConnection:
+        """An endpoint to the holder at address, made by `maker`: the ucxx module or a ucxx
+        context (ucx_progress.pull_context)."""
         host, port = _split_address(address)
         endpoint = await asyncio.wait_for(
-            ucxx.create_endpoint(host, port, connect_timeout=timeout), timeout + 1.0
+            maker.create_endpoint(host, port, connect_timeout=timeout), timeout + 1.0
         )
         return cls(endpoint, address)
 
@@ -837,6 +849,7 @@ class UcxTransport(WeightTransport):
         hash_threads: int | None = None,
         checksum_algorithm: str | None = None,
         progress_mode: str | None = None,
+        pull_thread: bool | None = None,
         record_delay: float = PULLERS_RECORD_DELAY_S,
         park_seconds: float = PARK_SECONDS,
         faults: HolderFaults | None = None,
@@ -861,6 +874,7 @@ class UcxTransport(WeightTransport):
         self.stall_timeout = stall_timeout
         self.connect_timeout = connect_timeout
         self.progress_mode = progress_mode
+        self.pull_thread = _pull_thread_default() if pull_thread is None else pull_thread
         self.record_delay = record_delay
         self.park_seconds = park_seconds
         if checksum_algorithm not in (None, *CHECKSUM_ALGORITHMS):
@@ -1483,9 +1497,20 @@ class UcxTransport(WeightTransport):
         if kept is not None:
             return kept
         assert self._ucxx is not None
-        conn = await HolderConnection.open(self._ucxx, address, self.connect_timeout)
+        conn = await HolderConnection.open(
+            self.endpoints_for_pulls(), address, self.connect_timeout
+        )
         self.counters.endpoints_opened += 1
         return conn
+
+    def endpoints_for_pulls(self) -> Any:
+        """What makes a puller's endpoints: with pull_thread, the worker of ours that a thread
+        progresses (ucx_progress.pull_context), so UCX copies beside our checksums; else the
+        process's worker, which serves as holder too."""
+        assert self._ucxx is not None
+        if self.pull_thread and self._ucxx.core._get_ctx().progress_mode == "blocking":
+            return ucx_progress.pull_context(self._ucxx)
+        return self._ucxx
 
     async def _park(self, conn: HolderConnection) -> None:
         """Keep an endpoint for the next pull; only one whose exchanges all completed, so no
