@@ -6,9 +6,10 @@ One run measures, per payload size, side by side:
                 processes, on an open endpoint into a ready buffer (the transport's ceiling)
   + verify      the same plain ucxx, checking each bucket as it lands exactly as the
                 transport does (checksums.checksum_landed, the transport's algorithm), with
-                UCX's copy on the same thread as the checksum: what verifying costs where
-                the event loop progresses the receiving worker (ours pulls on a worker of
-                its own, so ours/+verify above 1 is what that buys)
+                UCX's copy on the same thread as the checksum, as ours by default: the
+                ceiling once every byte is verified so (ours/+verify is what our bookkeeping
+                costs on top; with ROBUSTRL_UCX_PULL_THREAD=1, ours/+verify above 1 is what
+                pulling on a thread of its own buys)
   ours          UcxTransport.pull of a freshly published version, as a running rollout does
                 it: manifest and holders as its etcd watch delivered them, pull the buckets
                 over the endpoint kept from the last pull into the receive buffer the last
@@ -44,11 +45,10 @@ with its raw samples.
 Within one host, verification is what separates ours from plain ucxx: UCX copies each
 message inside the progress call of the receiving worker (CMA, one copy, see
 ucx_transport._ucx_env_defaults), and the puller hashes each bucket on its event loop's
-thread. Plain ucxx's worker, "+verify"'s included, is progressed on that thread, so there
-the hash adds to the copy. The transport pulls on a worker of its own that a thread
-progresses (ucx_progress.pull_context): the copy of one bucket runs beside the hash of the
-last. ROBUSTRL_UCX_PULL_THREAD=0 pulls ours on the loop's worker too; ours/+verify is then
-what our bookkeeping costs.
+thread. Plain ucxx's worker, "+verify"'s included, is progressed on that thread, and so by
+default is ours: the hash adds to the copy. With ROBUSTRL_UCX_PULL_THREAD=1 the transport
+pulls on a worker of its own that a thread progresses (ucx_progress.pull_context): the copy
+of one bucket runs beside the hash of the last.
 """
 
 from __future__ import annotations
@@ -651,8 +651,8 @@ def print_report(
         )
     print(
         f"+verify: plain ucxx that also {algorithm}s each bucket as it lands, as the transport"
-        " does, on the thread\nthat copies it (ours copies on a thread of its own: ours/+verify"
-        " above 1 is what that buys)\n"
+        " does, on the thread\nthat copies it, as ours does unless ROBUSTRL_UCX_PULL_THREAD=1"
+        " (then ours/+verify above 1 is what\npulling on a thread of its own buys)\n"
         "ours: first pull of a freshly published version; ours again: a second pull of it"
         " from the same holder;\nours cold: one pull, the first at this size (a new receive"
         " buffer; at the first size a new endpoint)"
@@ -672,7 +672,7 @@ def print_report(
         f" {checksum[pool_threads]:.2f} on the transport's pool of {pool_threads})"
     )
     # What verifying every byte leaves of plain ucxx when one thread copies and hashes,
-    # measured in this run: where ours stood before it pulled on a thread of its own.
+    # measured in this run: the most ours/plain can be so, however lean the bookkeeping.
     verified = ", ".join(
         f"{r['size_mib']} MiB {r['plain_verified'] / r['plain']:.2f}" for r in rows
     )

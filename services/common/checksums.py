@@ -13,11 +13,11 @@ that one, on whatever device its copy lives:
 A publisher picks by where its packed buffer lives (`algorithm_for`). A puller checks each
 bucket as it lands (`checksum_landed`): a host bucket under xxh3 on the event loop's own thread,
 anything else in a thread pool. Within one host UCX copies the bytes inside the progress call
-of the receiving worker (CMA's process_vm_readv). A puller's worker is progressed by a thread
-of its own (ucx_progress.pull_context), so the next bucket copies while the loop hashes the
-last. Where the event loop progresses the worker instead, the copy runs on the loop's thread
-but without the GIL, and xxh3 releases it too, so a pool thread could hash one bucket while
-the next one copies. That bought nothing:
+of the receiving worker (CMA's process_vm_readv). With ROBUSTRL_UCX_PULL_THREAD=1 a puller's
+worker is progressed by a thread of its own (ucx_progress.pull_context), so the next bucket
+copies while the loop hashes the last. By default the event loop progresses the worker: the
+copy runs on the loop's thread but without the GIL, and xxh3 releases it too, so a pool
+thread could hash one bucket while the next one copies. That bought nothing:
 copy and hash both stream memory and share its bandwidth (xxh3 reads a 32 MiB bucket at 30-44
 GB/s from cache, 8-9 GB/s from DRAM, on 2 cores). Measured side by side on 2 cores, pulls with
 the hash inline, on the bucket just landed, were 20-35% faster in one run and level with the

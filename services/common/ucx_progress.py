@@ -38,7 +38,8 @@ for the whole transfer, which the puller's copy paces.
 Nothing here runs unless `install` finds the mode as described: a ucxx that changed it is
 left alone.
 
-A puller's endpoints live on a second worker, progressed by a thread of its own (ucxx's
+With ROBUSTRL_UCX_PULL_THREAD=1 (off by default; ucx_transport._pull_thread_default says
+why), a puller's endpoints live on a second worker, progressed by a thread of its own (ucxx's
 'thread' mode; `pull_context`). Within one host UCX copies a bucket inside the progress call
 of the receiving worker: on the event loop's thread, the copy and the checksum of the bucket
 before it took turns, and a verified pull reached 0.66-0.70 of plain ucxx on 2 cores. On the

@@ -567,6 +567,29 @@ async def test_a_pull_that_ends_after_its_manifest_was_written_again_keeps_the_s
             await transport.close()
 
 
+@pytest.mark.parametrize("pull_thread", [True, False])
+async def test_pulls_deliver_the_same_bytes_with_or_without_a_pulling_thread(
+    etcd_client: Any, etcd_settings: EtcdSettings, pull_thread: bool
+) -> None:
+    """ROBUSTRL_UCX_PULL_THREAD's two settings: endpoints on the worker a thread of its own
+    progresses, or on the process's worker (the one that serves); the same tensors either
+    way, bit for bit."""
+    keys = KeySpace(etcd_settings.prefix)
+    trainer = UcxTransport(etcd_client, keys, JOB, instance_id="t", relay=False)
+    puller = UcxTransport(etcd_client, keys, JOB, instance_id="p", pull_thread=pull_thread)
+    for transport in (trainer, puller):
+        await transport.start()
+    try:
+        await trainer.publish(1, make_tensors(3))
+        pulled = await puller.pull(JOB, 1)
+        assert tensors_digest(pulled) == tensors_digest(make_tensors(3))
+        maker = puller.endpoints_for_pulls()
+        assert getattr(maker, "progress_mode", "module") == ("thread" if pull_thread else "module")
+    finally:
+        for transport in (puller, trainer):
+            await transport.close()
+
+
 async def _listed(transport: UcxTransport, version: int, holder: str) -> bool:
     return holder in transport.listed_versions().get(version, [])
 
