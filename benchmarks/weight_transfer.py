@@ -6,10 +6,9 @@ One run measures, per payload size, side by side:
                 processes, on an open endpoint into a ready buffer (the transport's ceiling)
   + verify      the same plain ucxx, checking each bucket as it lands exactly as the
                 transport does (checksums.checksum_landed, the transport's algorithm), with
-                UCX's copy on the same thread as the checksum, as ours by default: the
-                ceiling once every byte is verified so (ours/+verify is what our bookkeeping
-                costs on top; with ROBUSTRL_UCX_PULL_THREAD=1, ours/+verify above 1 is what
-                pulling on a thread of its own buys)
+                UCX's copy on the checksum's thread as in ours by default: the ceiling of a
+                verified pull there (ours/+verify is what our bookkeeping costs; with
+                ROBUSTRL_UCX_PULL_THREAD=1, ours/+verify above 1 is what the pulling thread buys)
   ours          UcxTransport.pull of a freshly published version, as a running rollout does
                 it: manifest and holders as its etcd watch delivered them, pull the buckets
                 over the endpoint kept from the last pull into the receive buffer the last

@@ -63,6 +63,7 @@ import array
 import asyncio
 import contextlib
 import time
+import weakref
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -112,8 +113,6 @@ def pull_context(ucxx: Any) -> Any:
     progressed."""
     global _pull_context
     if _pull_context is None:
-        import weakref
-
         from ucxx._lib_async.application_context import ApplicationContext
 
         ucxx.core._get_ctx().continuous_ucx_progress()  # the process's worker holds the slot
