@@ -64,7 +64,7 @@ import aetcd
 import numpy as np
 import torch
 
-from services.common import ucx_progress
+from services.common import ucx_listeners, ucx_progress
 from services.common.checksums import (
     CHECKSUM_ALGORITHMS,
     XXH3_128,
@@ -76,6 +76,7 @@ from services.common.errors import Aborted, Fenced
 from services.common.keys import KeySpace, WeightKeys
 from services.common.logs import get_logger
 from services.common.session import Session, lease_gone
+from services.common.ucx_listeners import ABORT_NS
 from services.common.watch import (
     Delete,
     Entry,
@@ -116,7 +117,6 @@ PARK_SECONDS = 2.0
 endpoints, an idle one gives its holders theirs back. A kept endpoint costs the holder nothing
 while it waits (ucx_progress.receive_obj)."""
 PROTOCOL_VERSION = 1
-ABORT_NS = 500_000_000  # how long closing an endpoint may wait for in-flight operations
 
 ROLE_TRAINER = "trainer"
 ROLE_RELAY = "relay"
@@ -147,6 +147,13 @@ class SourceLeft(Exception):
     """The holder a pull was receiving from deleted its record: its lease expired, it closed,
     or the coordinator fenced it. A stopped (SIGSTOP) holder would otherwise be waited on
     until the stall timeout."""
+
+
+class KeptEndpointLost(Exception):
+    """A holder hung up an endpoint a puller kept between pulls (it closed its transport, or
+    ended the connection) before it answered: the pull asks that holder again on a new
+    endpoint instead of counting it as failed. The endpoint is gone, so this happens at most
+    once per holder in a row."""
 
 
 class UcxUnavailable(RuntimeError):
@@ -425,6 +432,7 @@ class TransferCounters:
     etcd_reads: int = 0  # range reads by pulls; a first look at a version seen by the watch is free
     pulls_completed: int = 0
     endpoints_opened: int = 0  # to holders, by pulls; a parked endpoint taken back is not new
+    kept_endpoints_lost: int = 0  # kept endpoints the holder had hung up (KeptEndpointLost)
     buckets_served: int = 0
     bytes_served: int = 0
     requests_refused: int = 0
@@ -895,7 +903,7 @@ class UcxTransport(WeightTransport):
         # What a failing source raises: timeouts, socket errors, leaving the holders, ucxx
         # errors (set by start).
         self._transfer_errors: tuple[type[BaseException], ...] = (TimeoutError, OSError, SourceLeft)
-        self._listener: Any = None
+        self._listening: ucx_listeners.ListeningPort | None = None
         self._session: Session | None = None
         self._held: dict[int, _Held] = {}
         self._highest_epoch = 0  # of trainer epochs seen in manifests and announcements
@@ -927,10 +935,10 @@ class UcxTransport(WeightTransport):
         self._ucxx = load_ucxx(self.progress_mode)
         self._transfer_errors = (TimeoutError, OSError, SourceLeft, *_ucx_errors(self._ucxx))
         try:
-            self._listener = self._ucxx.create_listener(self._serve, port=self.port or None)
+            self._listening = ucx_listeners.borrow(self._ucxx, self._serve, self.port)
         except Exception as exc:
             raise UcxUnavailable(f"UCX listener failed: {exc!r}") from exc
-        self.port = int(self._listener.port)
+        self.port = self._listening.port
         self._session = await Session.open(self.client, self.session_ttl)
         self._tasks = [
             asyncio.create_task(self._keep_session(), name=f"ucx-weights-session-{self.job_id}"),
@@ -963,9 +971,9 @@ class UcxTransport(WeightTransport):
         for conn in self._idle.values():
             await conn.close()
         self._idle.clear()
-        if self._listener is not None:
-            self._listener.close()
-            self._listener = None
+        if self._listening is not None:
+            ucx_listeners.give_back(self._listening)  # never closed: see ucx_listeners
+            self._listening = None
         self._held.clear()
         self._buffers.clear()
         self._packs.clear()
@@ -1375,6 +1383,14 @@ class UcxTransport(WeightTransport):
                         code=exc.code,
                         reason=exc.message,
                     )
+            except KeptEndpointLost as exc:
+                self.counters.kept_endpoints_lost += 1
+                log.info(
+                    "weights.kept_endpoint_lost",
+                    version=manifest.version,
+                    holder=choice.instance_id,
+                    error=str(exc)[:200],
+                )
             except self._transfer_errors as exc:
                 self.counters.source_failures += 1
                 excluded.add(choice.instance_id)
@@ -1414,9 +1430,14 @@ class UcxTransport(WeightTransport):
         completed = False
         try:
             async with guard:
-                seq, sizes = await conn.request(
-                    manifest.job_id, manifest.version, manifest.digest, wanted
-                )
+                try:
+                    seq, sizes = await conn.request(
+                        manifest.job_id, manifest.version, manifest.digest, wanted
+                    )
+                except self._transfer_errors as exc:
+                    if conn.parks and guard.why() is None:
+                        raise KeptEndpointLost(repr(exc)) from exc
+                    raise
                 guard.progressed()
                 timings.request_s += time.perf_counter() - started
                 started = time.perf_counter()

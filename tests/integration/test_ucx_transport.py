@@ -794,6 +794,33 @@ async def test_a_holder_asked_for_what_it_does_not_hold_answers_with_a_clear_err
     assert not no_manifest["ok"] and "no manifest for version 7" in no_manifest["error"]
 
 
+async def test_a_closed_holder_refuses_connections_and_a_new_transport_serves_on_its_port(
+    peers: Any,
+) -> None:
+    """ucxx frees a closed listener's callback data while the listener still takes
+    connections (ucx_listeners): a puller that connected after the close made the holder
+    read freed memory. Now the port outlives the transport, refuses, and is reused."""
+    trainer, rollout = await peers(("trainer",), ("rollout", "--no-relay"))
+    await trainer.call("publish", version=1, seed=3)
+    assert (await rollout.call("pull", version=1))["ok"]  # the trainer accepted an endpoint
+    old_address = trainer.address
+
+    await trainer.call("close")
+    refused = await rollout.call("ask", address=old_address, version=1)
+    reopened = await trainer.call("reopen")
+    await trainer.call("publish", version=2, seed=4)
+    pulled = await rollout.call("pull", version=2)
+
+    assert not refused["ok"] and refused["code"] == "failed", refused
+    assert reopened["address"] == old_address
+    assert pulled["ok"] and pulled["digest"] == tensors_digest(make_tensors(4))
+    # The rollout's endpoint kept from the first pull died with the first transport: it
+    # connects again instead of counting the trainer as failed.
+    assert pulled["counters"]["kept_endpoints_lost"] == 1
+    assert pulled["counters"]["source_failures"] == 0
+    assert "when calling listener callback" not in trainer.log_path.read_text()
+
+
 async def test_superseded_versions_leave_etcd_and_the_holders(
     peers: Any, etcd_client: Any, etcd_settings: EtcdSettings
 ) -> None:

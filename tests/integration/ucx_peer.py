@@ -18,6 +18,9 @@ Stdout carries only those lines; logs go to stderr. Commands:
     state {}                       counters, held versions, versions its watch listed
     lag {version, holder}          drop holder's record of version from this process's view
                                    only, as if its watch had not delivered it yet
+    close {}                       close the transport, keep the process (commands that need
+                                   a transport fail until reopen)
+    reopen {}                      start a new transport like the first; reply with its address
     exit {}                        close the transport and exit
 
 With --probe-transport it only prints which transport make_transport("ucx") chose and exits.
@@ -175,6 +178,8 @@ async def _handle(
             )
         except HolderRefused as exc:
             return {"ok": False, "code": exc.code, "message": exc.message, "held": exc.held}
+        except Exception as exc:  # the holder hung up or never answered
+            return {"ok": False, "code": "failed", "message": repr(exc)}
         return {"ok": True, "sizes": sizes}
     if op == "wait_served":
         wanted = int(cmd["buckets"])
@@ -217,8 +222,37 @@ async def main(argv: list[str]) -> None:
             await chosen.close()
         await client.close()
         return
+    transport = _transport(args, client, keys)
+    await transport.start()
+    print(json.dumps({"event": "ready", "address": transport.address}), flush=True)
+    kept: dict[int, NamedTensors] = {}
+    loop = asyncio.get_running_loop()
+    try:
+        while True:
+            line = await loop.run_in_executor(None, sys.stdin.readline)
+            if not line:
+                break
+            cmd = json.loads(line)
+            if cmd["cmd"] == "exit":
+                break
+            if cmd["cmd"] in ("close", "reopen"):
+                await transport.close()
+                if cmd["cmd"] == "reopen":
+                    transport = _transport(args, client, keys)
+                    await transport.start()
+                reply = {"ok": True, "address": transport.address}
+            else:
+                reply = await _handle(transport, client, keys, args, cmd, kept)
+            print(json.dumps({"id": cmd.get("id"), **reply}), flush=True)
+    finally:
+        await transport.close()
+        await client.close()
+    print(json.dumps({"event": "exited"}), flush=True)
+
+
+def _transport(args: argparse.Namespace, client: Any, keys: KeySpace) -> UcxTransport:
     corrupt = frozenset(int(i) for i in args.corrupt.split(",") if i)
-    transport = UcxTransport(
+    return UcxTransport(
         client,
         keys,
         args.job,
@@ -236,24 +270,6 @@ async def main(argv: list[str]) -> None:
         checksum_algorithm=args.checksum,
         faults=HolderFaults(corrupt_buckets=corrupt, stall_after_buckets=args.stall_after),
     )
-    await transport.start()
-    print(json.dumps({"event": "ready", "address": transport.address}), flush=True)
-    kept: dict[int, NamedTensors] = {}
-    loop = asyncio.get_running_loop()
-    try:
-        while True:
-            line = await loop.run_in_executor(None, sys.stdin.readline)
-            if not line:
-                break
-            cmd = json.loads(line)
-            if cmd["cmd"] == "exit":
-                break
-            reply = await _handle(transport, client, keys, args, cmd, kept)
-            print(json.dumps({"id": cmd.get("id"), **reply}), flush=True)
-    finally:
-        await transport.close()
-        await client.close()
-    print(json.dumps({"event": "exited"}), flush=True)
 
 
 if __name__ == "__main__":
