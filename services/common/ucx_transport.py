@@ -54,7 +54,7 @@ import random
 import time
 import weakref
 from collections import Counter
-from collections.abc import Coroutine, Sequence
+from collections.abc import Coroutine, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from types import ModuleType
@@ -711,8 +711,9 @@ class HolderConnection:
             "digest": digest,
             "buckets": list(buckets),
         }
-        await self._ep.send_obj(json.dumps(body).encode())
-        raw = await self._ep.recv_obj(allocator=_bounded_bytearray)
+        with self._aborted_is_reset():
+            await self._ep.send_obj(json.dumps(body).encode())
+            raw = await self._ep.recv_obj(allocator=_bounded_bytearray)
         try:
             reply = json.loads(bytes(raw))
             if reply.get("status") != "ok":
@@ -727,7 +728,21 @@ class HolderConnection:
             raise HolderRefused("bad_reply", detail) from exc
 
     async def receive(self, into: torch.Tensor, seq: int, index: int) -> None:
-        await self._ep.recv(ucx_buffer(into), tag=_data_tag(seq, index))
+        with self._aborted_is_reset():
+            await self._ep.recv(ucx_buffer(into), tag=_data_tag(seq, index))
+
+    @contextlib.contextmanager
+    def _aborted_is_reset(self) -> Iterator[None]:
+        """An endpoint aborted under a call (by a _SourceGuard, between the two messages of
+        ucxx's send_obj, say) fails it as a reset connection. ucxx raises AttributeError
+        there: its endpoint's handle is gone. Seen in the demo as a rollout's first pull met
+        its holder's record being deleted; it crashed the rollout."""
+        try:
+            yield
+        except AttributeError as exc:
+            if not self._ep.closed:
+                raise
+            raise ConnectionResetError(f"endpoint to {self.address} was aborted") from exc
 
     async def close(self) -> None:
         # abort() also cancels receives still posted into our buffer, so a late byte from a

@@ -30,6 +30,7 @@ from services.common.ucx_transport import (
     ROLE_TRAINER,
     BucketEntry,
     BucketManifest,
+    HolderConnection,
     HolderRecord,
     HostBuffers,
     UcxTransport,
@@ -587,6 +588,30 @@ async def test_pulls_deliver_the_same_bytes_with_or_without_a_pulling_thread(
         assert getattr(maker, "progress_mode", "module") == ("thread" if pull_thread else "module")
     finally:
         for transport in (puller, trainer):
+            await transport.close()
+
+
+@pytest.mark.parametrize("pull_thread", [True, False])
+async def test_a_call_on_an_endpoint_aborted_under_it_fails_as_a_reset_connection(
+    etcd_client: Any, etcd_settings: EtcdSettings, pull_thread: bool
+) -> None:
+    """A _SourceGuard may abort a puller's endpoint while a request is under way; ucxx then
+    raised AttributeError, which no pull handles (it crashed a rollout in the demo). It must
+    fail as a reset connection, a source failure the pull recovers from."""
+    keys = KeySpace(etcd_settings.prefix)
+    holder = UcxTransport(etcd_client, keys, JOB, instance_id="h")
+    puller = UcxTransport(etcd_client, keys, JOB, instance_id="p", pull_thread=pull_thread)
+    for transport in (holder, puller):
+        await transport.start()
+    try:
+        conn = await HolderConnection.open(puller.endpoints_for_pulls(), holder.address, 5.0)
+        await conn.close()
+        with pytest.raises(ConnectionResetError, match="aborted"):
+            await conn.request(JOB, 1, "", [0])
+        with pytest.raises(ConnectionResetError, match="aborted"):
+            await conn.receive(torch.zeros(8, dtype=torch.uint8), 1, 0)
+    finally:
+        for transport in (puller, holder):
             await transport.close()
 
 
