@@ -3,12 +3,13 @@
 One run measures, per payload size, side by side:
   memcpy        an in-process tensor copy (the memory ceiling of this host)
   plain ucxx    ucxx tagged send/recv of the same bytes in the same bucket size, between two
-                processes, on an open endpoint into a ready buffer (the transport's ceiling)
+                processes, on an open endpoint into a ready buffer, as many buckets posted
+                ahead on each side as the transport posts (the transport's ceiling)
   + verify      the same plain ucxx, checking each bucket as it lands exactly as the
-                transport does (checksums.checksum_landed, the transport's algorithm), with
-                UCX's copy on the checksum's thread as in ours by default: the ceiling of a
-                verified pull there (ours/+verify is what our bookkeeping costs; with
-                ROBUSTRL_UCX_PULL_THREAD=1, ours/+verify above 1 is what the pulling thread buys)
+                transport does (checksums.checksum_landed, the transport's algorithm), over an
+                endpoint of the worker the transport pulls on (ucx_progress.pull_context on
+                hosts without CUDA): the ceiling of a verified pull (ours/+verify is what our
+                bookkeeping costs)
   ours          UcxTransport.pull of a freshly published version, as a running rollout does
                 it: manifest and holders as its etcd watch delivered them, pull the buckets
                 over the endpoint kept from the last pull into the receive buffer the last
@@ -16,8 +17,9 @@ One run measures, per payload size, side by side:
                 again": the same version pulled a second time; "ours cold": the first pull
                 at this size, into a new buffer, and at the first size over a new endpoint)
   grpc stream   GrpcStreamTransport.fetch through a real gRPC server (the fallback/baseline)
-and the sender's CPU seconds per GB it served, plain ucxx and ours: what serving costs a
-trainer that trains at the same time,
+and the sender's CPU seconds per GB it served, plain ucxx and ours (both send and wait as
+the transport's holder does, ucx_progress.send): what serving costs a trainer that trains
+at the same time,
 and then fans versions out to N pullers: all from the trainer (serving them all at once, or
 one at a time), and with relays (the trainer serves one puller at a time; pullers that are
 done serve the others). One at a time stands for a trainer whose link is the bottleneck.
@@ -44,16 +46,17 @@ with its raw samples.
 Within one host, verification is what separates ours from plain ucxx: UCX copies each
 message inside the progress call of the receiving worker (CMA, one copy, see
 ucx_transport._ucx_env_defaults), and the puller hashes each bucket on its event loop's
-thread. Plain ucxx's worker, "+verify"'s included, is progressed on that thread, and so by
-default is ours: the hash adds to the copy. With ROBUSTRL_UCX_PULL_THREAD=1 the transport
-pulls on a worker of its own that a thread progresses (ucx_progress.pull_context): the copy
-of one bucket runs beside the hash of the last.
+thread. On hosts without CUDA the transport pulls on a worker of its own that a thread
+progresses (ucx_progress.pull_context), and so does "+verify": the copy of one bucket runs
+beside the hash of the last. With ROBUSTRL_UCX_PULL_THREAD=0 (and on CUDA hosts) both use
+ucxx's worker, which the event loop's thread progresses: there the hash adds to the copy.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import collections
 import contextlib
 import json
 import os
@@ -107,7 +110,7 @@ class Worker:
         self.grpc_address = ""
         self.plain_listener: Any = None
         self.plain_buffer: torch.Tensor | None = None
-        self.plain_ep: Any = None
+        self.plain_eps: dict[bool, Any] = {}  # verify -> endpoint (see do_plain)
         self.plain_recv: torch.Tensor | None = None
         self.device = torch.device(args.device)
         self.payload: list[tuple[str, torch.Tensor]] = []
@@ -148,6 +151,7 @@ class Worker:
 
     async def do_publish(self, cmd: dict[str, Any]) -> dict[str, Any]:
         """Hold one payload three ways: UCX transport, gRPC transport, plain ucxx."""
+        from services.common import ucx_listeners
         from services.common.ucx_transport import allocate_buffer, load_ucxx
         from services.common.weights import GrpcStreamTransport
 
@@ -173,7 +177,7 @@ class Worker:
             await asyncio.to_thread(self._fill_random, self.plain_buffer)
             sync(self.device)
             if self.plain_listener is None:
-                self.plain_listener = ucxx.create_listener(self._plain_serve, port=None)
+                self.plain_listener = ucx_listeners.borrow(ucxx, self._plain_serve)
         plain_port = self.plain_listener.port if self.plain_listener is not None else 0
         return {"publish_s": publish_s, "plain_address": f"127.0.0.1:{plain_port}"}
 
@@ -204,22 +208,30 @@ class Worker:
         self.grpc_server, self.grpc_address = await start_weight_server(serve)
 
     async def _plain_serve(self, ep: Any) -> None:
-        """Plain ucxx: on each request, send the buffer in bucket-sized tagged messages.
+        """Plain ucxx: on each request, send the buffer in bucket-sized tagged messages, as
+        many posted ahead as the transport's holder posts (IN_FLIGHT_BUCKETS).
 
-        It waits for the next request as the transport's holder does (ucx_progress.receive_obj):
-        ucxx's own recv_obj polls on every turn of the loop, and the spinning would be charged
-        to whatever is measured meanwhile (our pulls, and the sender CPU they cost)."""
+        It waits for the next request, and for its sends, as the transport's holder does
+        (ucx_progress.receive_obj and send): ucxx's own recv_obj and send poll on every turn
+        of the loop, and the spinning took a core from the puller. With ucxx's send, plain
+        ucxx verified on the pulling thread (two busy threads on the puller) ran at 0.5-0.6 of
+        unverified, below ours."""
         from services.common import ucx_progress
-        from services.common.ucx_transport import ucx_buffer
+        from services.common.ucx_transport import IN_FLIGHT_BUCKETS, ucx_buffer
 
         with contextlib.suppress(Exception):
             while True:
                 request = json.loads(bytes(await ucx_progress.receive_obj(ep, bytearray)))
                 assert self.plain_buffer is not None
                 bucket = int(request["bucket"])
+                sends: collections.deque[asyncio.Future[Any]] = collections.deque()
                 for i, start in enumerate(range(0, int(request["bytes"]), bucket)):
                     view = self.plain_buffer[start : start + bucket]
-                    await ep.send(ucx_buffer(view), tag=i)
+                    send = ucx_progress.send(ep, ucx_buffer(view), i)
+                    sends.append(asyncio.ensure_future(send))
+                    if len(sends) >= IN_FLIGHT_BUCKETS:
+                        await sends.popleft()
+                await asyncio.gather(*sends)
 
     async def do_cpu(self, cmd: dict[str, Any]) -> dict[str, Any]:
         """CPU seconds this process has used so far, all threads."""
@@ -252,43 +264,66 @@ class Worker:
     async def do_plain(self, cmd: dict[str, Any]) -> dict[str, Any]:
         from services.common import ucx_progress
         from services.common.checksums import algorithm_for, checksum_landed
-        from services.common.ucx_transport import allocate_buffer, load_ucxx, ucx_buffer
+        from services.common.ucx_transport import (
+            IN_FLIGHT_BUCKETS,
+            allocate_buffer,
+            load_ucxx,
+            ucx_buffer,
+        )
 
         ucxx = load_ucxx()
         nbytes, bucket = int(cmd["bytes"]), int(cmd["bucket"])
-        if self.plain_ep is None:
+        # With verify, each bucket is checked as it lands, as the transport does it, over an
+        # endpoint of the worker the transport pulls on: the same verification work as ours,
+        # with none of its bookkeeping. Plain ucxx uses ucxx's own worker.
+        verify = bool(cmd.get("verify"))
+        endpoint = self.plain_eps.get(verify)
+        if endpoint is None:
             host, _, port = cmd["address"].rpartition(":")
-            self.plain_ep = await ucxx.create_endpoint(host, int(port))
+            maker = self.ucx.endpoints_for_pulls() if verify else ucxx
+            endpoint = self.plain_eps[verify] = await maker.create_endpoint(host, int(port))
         if self.plain_recv is None or self.plain_recv.numel() != nbytes:
             self.plain_recv = allocate_buffer(nbytes, self.device)
-        # With verify, each bucket is checked as it lands, as the transport does it: the same
-        # verification work as ours, with none of its bookkeeping.
-        verify = bool(cmd.get("verify"))
         algorithm = algorithm_for(self.device)
         checks = []
+        receives: collections.deque[tuple[torch.Tensor, asyncio.Future[Any]]] = collections.deque()
+
+        async def land() -> None:
+            view, receive = receives.popleft()
+            await receive
+            if verify:
+                checks.append(checksum_landed(view, algorithm, self.ucx._pool))
+
         started = time.perf_counter()
         with ucx_progress.pulling():  # the worker kept hot as for our pulls
-            await self.plain_ep.send_obj(json.dumps({"bytes": nbytes, "bucket": bucket}).encode())
+            await endpoint.send_obj(json.dumps({"bytes": nbytes, "bucket": bucket}).encode())
+            # As many receives posted ahead as the transport posts (IN_FLIGHT_BUCKETS).
             for i, start in enumerate(range(0, nbytes, bucket)):
                 view = self.plain_recv[start : start + bucket]
-                await self.plain_ep.recv(ucx_buffer(view), tag=i)
-                if verify:
-                    checks.append(checksum_landed(view, algorithm, self.ucx._pool))
+                receives.append(
+                    (view, asyncio.ensure_future(endpoint.recv(ucx_buffer(view), tag=i)))
+                )
+                if len(receives) >= IN_FLIGHT_BUCKETS:
+                    await land()
+            while receives:
+                await land()
             await asyncio.gather(*checks)
         return {"seconds": time.perf_counter() - started}
 
     async def do_plain_reset(self, cmd: dict[str, Any]) -> dict[str, Any]:
-        if self.plain_ep is not None:
-            self.plain_ep.abort()
-        self.plain_ep = None
+        for endpoint in self.plain_eps.values():
+            endpoint.abort()
+        self.plain_eps.clear()
         self.plain_recv = None
         return {}
 
     async def close(self) -> None:
-        if self.plain_ep is not None:
-            self.plain_ep.abort()
+        from services.common import ucx_listeners
+
+        for endpoint in self.plain_eps.values():
+            endpoint.abort()
         if self.plain_listener is not None:
-            self.plain_listener.close()
+            ucx_listeners.give_back(self.plain_listener)
         if self.grpc_server is not None:
             await self.grpc_server.stop(0)
         await self.ucx.close()
@@ -504,8 +539,11 @@ async def point_to_point(driver: Driver, sizes_mib: list[int]) -> list[dict[str,
             version += 1
             published = await sender.call("publish", bytes=nbytes, version=version, grpc=False)
             plain_address = published["plain_address"]
-            # Warm the endpoint and buffers, as a running pipeline's would be.
-            await receiver.call("plain", address=plain_address, bytes=nbytes, bucket=bucket)
+            # Warm the endpoints and buffers, as a running pipeline's would be.
+            for verify in (False, True):
+                await receiver.call(
+                    "plain", address=plain_address, bytes=nbytes, bucket=bucket, verify=verify
+                )
             cold = (await receiver.call("ucx_pull", version=version))["seconds"]
             for _ in range(args.repeat):
                 version += 1
@@ -650,8 +688,7 @@ def print_report(
         )
     print(
         f"+verify: plain ucxx that also {algorithm}s each bucket as it lands, as the transport"
-        " does, on the thread\nthat copies it, as ours does unless ROBUSTRL_UCX_PULL_THREAD=1"
-        " (then ours/+verify above 1 is what\npulling on a thread of its own buys)\n"
+        " does, over an endpoint\nof the worker the transport pulls on\n"
         "ours: first pull of a freshly published version; ours again: a second pull of it"
         " from the same holder;\nours cold: one pull, the first at this size (a new receive"
         " buffer; at the first size a new endpoint)"
@@ -670,12 +707,12 @@ def print_report(
         f" {checksum[1]:.2f} on one thread,"
         f" {checksum[pool_threads]:.2f} on the transport's pool of {pool_threads})"
     )
-    # What verifying every byte leaves of plain ucxx when one thread copies and hashes,
-    # measured in this run: the most ours/plain can be so, however lean the bookkeeping.
+    # What verifying every byte leaves of plain ucxx on the worker the transport pulls on,
+    # measured in this run: the most ours/plain can be, however lean the bookkeeping.
     verified = ", ".join(
         f"{r['size_mib']} MiB {r['plain_verified'] / r['plain']:.2f}" for r in rows
     )
-    print(f"+verify/plain, copy and checksum on one thread: {verified}")
+    print(f"+verify/plain, on the worker ours pulls on: {verified}")
     if fan:
         print(
             f"\nfan-out of a {args.fanout_mib} MiB version to {args.pullers} pullers: the first"

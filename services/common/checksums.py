@@ -13,9 +13,10 @@ that one, on whatever device its copy lives:
 A publisher picks by where its packed buffer lives (`algorithm_for`). A puller checks each
 bucket as it lands (`checksum_landed`): a host bucket under xxh3 on the event loop's own thread,
 anything else in a thread pool. Within one host UCX copies the bytes inside the progress call
-of the receiving worker (CMA's process_vm_readv). With ROBUSTRL_UCX_PULL_THREAD=1 a puller's
-worker is progressed by a thread of its own (ucx_progress.pull_context), so the next bucket
-copies while the loop hashes the last. By default the event loop progresses the worker: the
+of the receiving worker (CMA's process_vm_readv). On hosts without CUDA a puller's worker is
+progressed by a thread of its own (ucx_progress.pull_context), so the next bucket copies
+while the loop hashes the last. With ROBUSTRL_UCX_PULL_THREAD=0 (and before the pulling
+thread, which the experiments below predate) the event loop progresses the worker: the
 copy runs on the loop's thread but without the GIL, and xxh3 releases it too, so a pool
 thread could hash one bucket while the next one copies. That bought nothing:
 copy and hash both stream memory and share its bandwidth (xxh3 reads a 32 MiB bucket at 30-44
@@ -30,6 +31,10 @@ out of cache: 256 MiB in 2-16 MiB frames with 1, 2 or 4 in flight, inline or on 
 thread, reached 0.63-0.73 of plain ucxx, against 0.66 inline and 0.68 pooled for whole 32
 MiB buckets in the same run (median of 7, 2 cores). Inline, even a hash from cache adds its
 time to the copy's; why the pool overlaps so little was not found.
+With the copy on the pulling thread, frames were no better: plain ucxx into a verified
+receive on that worker, 256 MiB in 2, 4 or 8 MiB frames reached 0.67, 0.75 and 0.78 of plain
+ucxx, whole 32 MiB buckets 0.80; whole buckets at 64 MiB 0.72 and at 1 GiB 1.03, and 16 MiB
+buckets the same (median of 7, 2 cores, one run).
 
 Neither algorithm is a defence against an adversary (see ucx_transport); both catch flipped
 bits, torn, misplaced and reordered transfers. wsum128 catches every change confined to one

@@ -522,15 +522,16 @@ def load_ucxx(progress_mode: str | None = None) -> ModuleType:
 
 def _pull_thread_default() -> bool:
     """Whether pulls use a worker of their own, progressed by its own thread (ucx_progress.
-    pull_context): only with ROBUSTRL_UCX_PULL_THREAD=1, and only on hosts without CUDA (the
-    GPU path was measured on the process's worker).
+    pull_context): yes on hosts without CUDA (the GPU path was measured on the process's
+    worker), unless ROBUSTRL_UCX_PULL_THREAD=0.
 
-    Off by default: in a clean-clone CI run with it on, a trainer process died as a
-    replacement rollout's first pull met the trainer closing its transport at the end of a
-    job (its last words: ucxx's "KeyError when calling listener callback: 'cb_func'"), and
-    the next job could not bind it. Not understood yet; with it off, that test has passed in
-    every run."""
-    return os.environ.get("ROBUSTRL_UCX_PULL_THREAD", "") == "1" and not torch.cuda.is_available()
+    It was opt-in for a while: a clean-clone CI run with it on lost a trainer that had just
+    logged ucxx's "KeyError when calling listener callback: 'cb_func'". That was a listener
+    closed while UCX still took connections on it (any worker could meet it; ucx_listeners
+    says how, and why transports no longer close theirs), not the pulling thread."""
+    if os.environ.get("ROBUSTRL_UCX_PULL_THREAD", "1") == "0":
+        return False
+    return not torch.cuda.is_available()
 
 
 def _ucx_errors(ucxx: ModuleType) -> tuple[type[BaseException], ...]:

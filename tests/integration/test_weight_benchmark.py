@@ -45,4 +45,4 @@ def test_the_weight_benchmark_measures_every_column(tmp_path: Path) -> None:
     for fan in report["fan_out"]:
         assert 0 < fan["trainer_share"] <= 1 and fan["seconds"] > 0 and fan["first_seconds"] > 0
         assert len(fan["samples_s"]) == 2  # the first version, then --repeat warm ones
-    assert "+verify/plain, copy and checksum on one thread: 1 MiB" in done.stdout
+    assert "+verify/plain, on the worker ours pulls on: 1 MiB" in done.stdout
