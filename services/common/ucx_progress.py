@@ -52,11 +52,11 @@ against 9.4 / 10.5 / 9.2 GB/s and 0.62 / 0.64 / 0.90 on the loop's worker.
 What it costs: a first endpoint takes 33-55 ms against 6-29. Pullers wait for their
 requests by polling them on every turn of their loop (ucxx's wait_yield), so each pulling
 process keeps two threads busy: four pullers just started, pulling one 256 MiB version at
-once on 2 cores, took 1.0-2.2 s against 0.2-0.8 on the loop's worker (warm, 0.09-0.12 s
-against 0.08-0.09). The thread waits on the worker's epoll fd and wakes at least every
-`PULL_THREAD_EPOLL_MS`: 0.02 s of CPU in 2 s idle (ucxx's own 1 ms: 0.06). Holders stay on
-the process's worker in the mended blocking mode: with the holder's worker in thread mode
-too, pulls ran at half the speed (7.8-8.1 GB/s against 15-16).
+once on 2 cores, took 0.4-2.2 s (four runs) against 0.2-0.8 (three) on the loop's worker
+(warm, 0.09-0.12 s against 0.08-0.09). The thread waits on the worker's epoll fd and wakes
+at least every `PULL_THREAD_EPOLL_MS`: 0.02 s of CPU in 2 s idle (ucxx's own 1 ms: 0.06).
+Holders stay on the process's worker in the mended blocking mode: with the holder's worker
+in thread mode too, pulls ran at half the speed (7.8-8.1 GB/s against 15-16).
 """
 
 from __future__ import annotations
