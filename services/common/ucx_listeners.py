@@ -37,11 +37,14 @@ endpoints too): bounded, so a frozen peer cannot hold the event loop for long.""
 class ListeningPort:
     """One ucxx listener and whoever serves on it now (None: nobody, connections aborted)."""
 
-    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+    def __init__(self, loop: asyncio.AbstractEventLoop, serve: Serve) -> None:
         self.loop = loop
-        self.serve: Serve | None = None
-        self.listener: Any = None
-        self.port = 0
+        self.serve: Serve | None = serve
+        self.listener: Any = None  # referenced for the process's life: the point of this module
+
+    @property
+    def port(self) -> int:
+        return int(self.listener.port)
 
     async def accept(self, endpoint: Any) -> None:
         serve = self.serve
@@ -65,10 +68,8 @@ def borrow(ucxx: Any, serve: Serve, port: int = 0) -> ListeningPort:
         if slot.serve is None and slot.loop is loop and port in (0, slot.port):
             slot.serve = serve
             return slot
-    slot = ListeningPort(loop)
+    slot = ListeningPort(loop, serve)
     slot.listener = ucxx.create_listener(slot.accept, port=port or None)
-    slot.port = int(slot.listener.port)
-    slot.serve = serve
     _ports.append(slot)
     return slot
 
@@ -76,8 +77,3 @@ def borrow(ucxx: Any, serve: Serve, port: int = 0) -> ListeningPort:
 def give_back(slot: ListeningPort) -> None:
     """Stop serving on slot: connections from now on are aborted until it is borrowed again."""
     slot.serve = None
-
-
-def in_use() -> int:
-    """Listening ports a transport holds now (for tests and diagnostics)."""
-    return sum(1 for slot in _ports if slot.serve is not None)
