@@ -13,10 +13,10 @@ that one, on whatever device its copy lives:
 A publisher picks by where its packed buffer lives (`algorithm_for`). A puller checks each
 bucket as it lands (`checksum_landed`): a host bucket under xxh3 on the event loop's own thread,
 anything else in a thread pool. Within one host UCX copies the bytes inside the progress call
-of the receiving worker (CMA's process_vm_readv). On hosts without CUDA a puller's worker is
-progressed by a thread of its own (ucx_progress.pull_context), so the next bucket copies
-while the loop hashes the last. With ROBUSTRL_UCX_PULL_THREAD=0 (and before the pulling
-thread, which the experiments below predate) the event loop progresses the worker: the
+of the receiving worker (CMA's process_vm_readv). With ROBUSTRL_UCX_PULL_THREAD=1 a puller's
+worker is progressed by a thread of its own (ucx_progress.pull_context), so the next bucket
+copies while the loop hashes the last. By default (and in the experiments below but the
+last) the event loop progresses the worker: the
 copy runs on the loop's thread but without the GIL, and xxh3 releases it too, so a pool
 thread could hash one bucket while the next one copies. That bought nothing:
 copy and hash both stream memory and share its bandwidth (xxh3 reads a 32 MiB bucket at 30-44

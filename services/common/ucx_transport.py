@@ -522,16 +522,17 @@ def load_ucxx(progress_mode: str | None = None) -> ModuleType:
 
 def _pull_thread_default() -> bool:
     """Whether pulls use a worker of their own, progressed by its own thread (ucx_progress.
-    pull_context): yes on hosts without CUDA (the GPU path was measured on the process's
-    worker), unless ROBUSTRL_UCX_PULL_THREAD=0.
+    pull_context): only with ROBUSTRL_UCX_PULL_THREAD=1, and only on hosts without CUDA (the
+    GPU path was measured on the process's worker).
 
-    It was opt-in for a while: a clean-clone CI run with it on lost a trainer that had just
-    logged ucxx's "KeyError when calling listener callback: 'cb_func'". That was a listener
-    closed while UCX still took connections on it (any worker could meet it; ucx_listeners
-    says how, and why transports no longer close theirs), not the pulling thread."""
-    if os.environ.get("ROBUSTRL_UCX_PULL_THREAD", "1") == "0":
-        return False
-    return not torch.cuda.is_available()
+    Opt-in. The trainer crash first blamed on it was a listener closed while UCX still took
+    connections (ucx_listeners), and with that fixed it was the default for a while. Then a
+    clean-clone demo run lost a rollout without a word (no traceback: a native crash) at the
+    moment the relay it had abandoned as hung (SIGSTOP) was resumed; its endpoint to that
+    relay lived on the pulling worker and was aborted from the event loop's thread while the
+    progress thread drove the worker. Not reproduced in 6 integration runs; on the loop's
+    worker no such death was seen in any run."""
+    return os.environ.get("ROBUSTRL_UCX_PULL_THREAD", "") == "1" and not torch.cuda.is_available()
 
 
 def _ucx_errors(ucxx: ModuleType) -> tuple[type[BaseException], ...]:
