@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import faulthandler
 import os
 import signal
 import socket
@@ -71,6 +72,9 @@ class ServiceRuntime:
             fmt=settings.log_format,
             level=settings.log_level,
         )
+        # A native fault (in UCX, torch, grpc) ends the process before any Python handler
+        # runs. With this it first writes every thread's Python stack to stderr, the log.
+        faulthandler.enable(all_threads=True)
 
     def crash(self, reason: str) -> None:
         """End this process as a crash does: no goodbye beat, no deregistration, exit status
