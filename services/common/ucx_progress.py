@@ -73,6 +73,8 @@ _progressed: list[asyncio.Future[None]] = []
 """Futures resolved after the next progress of a mended worker (`_wake`)."""
 _posted: list[tuple[Any, Any]] = []
 """(request, buffer) of quiet receives UCX has not completed: the buffer must outlive them."""
+_handshakes: list[tuple[Any, Any]] = []
+"""(request, buffer) of the handshake messages of `exchange_peer_info`, kept until completed."""
 
 
 PROGRESS_INTERVAL = 0.02
@@ -133,7 +135,9 @@ def _progressed_by_its_thread(event_loop: Any = None) -> None:
 
 
 def install() -> None:
-    """Mend ucxx's blocking progress mode for every worker made after this call. Idempotent."""
+    """Mend ucxx's blocking progress mode for every worker made after this call, and its
+    connection handshake (`exchange_peer_info`). Idempotent."""
+    _mend_handshake()
     from ucxx._lib_async import continuous_ucx_progress as progress
 
     mode: Any = progress.BlockingMode
@@ -198,6 +202,58 @@ async def _watchdog(self: Any) -> None:
         _wake()
         if not worker.arm():
             _keep_progressing(self)
+
+
+def pending_handshakes() -> int:
+    """Handshake messages of this process that UCX has not finished with: a connection under
+    way, or one that failed while its peer was frozen (its buffer kept for when it resumes)."""
+    return sum(not request.completed for request, _ in _handshakes)
+
+
+def _mend_handshake() -> None:
+    """Replace ucxx's `exchange_peer_info` where its endpoints and listeners call it."""
+    from ucxx._lib_async import application_context, listener
+
+    for module in (application_context, listener):
+        if getattr(module, "exchange_peer_info", None) not in (None, exchange_peer_info):
+            module.exchange_peer_info = exchange_peer_info
+
+
+async def exchange_peer_info(
+    endpoint: Any, msg_tag: int, listener: bool, connect_timeout: float = 5.0
+) -> dict[str, int]:
+    """ucxx's handshake of a new connection, the same messages (each side sends its tag and
+    the tag's hash, the listener first), but a buffer UCX may still write into is never
+    freed.
+
+    ucxx 0.52 posts a stream receive of the peer's 16 bytes and waits for it with a timeout.
+    When the peer is frozen (SIGSTOP, a hung rollout) the wait times out, the buffer is freed
+    and the receive stays posted: once the peer resumes, UCX writes its 16 bytes into memory
+    Python has handed out again. Reproduced every time, on either worker; a rollout of a demo
+    run died of a fault in pure Python code the moment a hung holder it had tried to connect
+    to was resumed. Here each buffer is kept (`_posted`) until UCX is done with its request.
+    """
+    import struct
+
+    from ucxx._lib.arr import Array
+    from ucxx._lib_async.utils import hash64bits
+
+    global _handshakes
+    _handshakes = [kept for kept in _handshakes if not kept[0].completed]
+    fmt = "QQ"
+    mine = struct.pack(fmt, msg_tag, hash64bits(msg_tag))
+    theirs = bytearray(len(mine))
+    steps = [(endpoint.stream_send, mine), (endpoint.stream_recv, theirs)]
+    if not listener:
+        steps.reverse()  # the listener sends first
+    for post, buffer in steps:
+        request = post(Array(buffer))
+        _handshakes.append((request, buffer))
+        await asyncio.wait_for(request.wait(), timeout=connect_timeout)
+    peer_tag, checksum = struct.unpack(fmt, theirs)
+    if checksum != hash64bits(peer_tag):
+        raise RuntimeError(f"Checksum invalid! {hex(hash64bits(peer_tag))} != {hex(checksum)}")
+    return {"msg_tag": peer_tag, "checksum": checksum}
 
 
 def _wake() -> None:

@@ -9,9 +9,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import json
+import logging
 import os
 import random
+import signal
 import sys
 import time
 from collections.abc import AsyncIterator
@@ -21,6 +24,7 @@ from typing import Any
 import pytest
 import torch
 
+from services.common import ucx_progress
 from services.common.checksums import CHECKSUM_ALGORITHMS, WSUM128
 from services.common.config import EtcdSettings
 from services.common.fences import withdraw_holder_records
@@ -613,6 +617,133 @@ async def test_a_call_on_an_endpoint_aborted_under_it_fails_as_a_reset_connectio
     finally:
         for transport in (puller, holder):
             await transport.close()
+
+
+_SENTINEL = b"\xa5" * 16
+
+
+def _sentinels() -> list[bytearray]:
+    """Many 16-byte buffers, made right after a handshake buffer would have been freed: one
+    of them takes its memory, and a stale write from UCX changes it."""
+    gc.collect()
+    return [bytearray(_SENTINEL) for _ in range(200_000)]
+
+
+@pytest.mark.parametrize("pull_thread", [True, False])
+async def test_a_connect_that_timed_out_on_a_frozen_holder_writes_into_no_freed_memory(
+    peers: Any, etcd_client: Any, etcd_settings: EtcdSettings, pull_thread: bool
+) -> None:
+    """ucxx's handshake posts a receive of the holder's 16 bytes and, when the holder is
+    frozen and the connect times out, freed its buffer with the receive still posted: once
+    the holder resumed, its bytes landed in memory Python had handed out again (a rollout of
+    a demo run died of it). The buffer must be kept until that receive completes."""
+    (holder,) = await peers(("holder",))
+    puller = UcxTransport(
+        etcd_client, KeySpace(etcd_settings.prefix), JOB, instance_id="p", pull_thread=pull_thread
+    )
+    await puller.start()
+    try:
+        maker = puller.endpoints_for_pulls()
+        await (await HolderConnection.open(maker, holder.address, 5.0)).close()
+        stop_process(holder.proc.pid)
+        try:
+            with pytest.raises(TimeoutError):
+                await HolderConnection.open(maker, holder.address, 0.5)
+            assert ucx_progress.pending_handshakes() == 1  # the receive UCX still holds
+            sentinels = _sentinels()
+        finally:
+            os.kill(holder.proc.pid, signal.SIGCONT)
+
+        async def landed() -> bool:
+            return ucx_progress.pending_handshakes() == 0
+
+        await eventually(landed, timeout=20)  # the resumed holder's bytes, in the kept buffer
+        assert [bytes(b).hex() for b in sentinels if b != _SENTINEL] == []
+    finally:
+        await puller.close()
+
+
+_LATE_HANDSHAKE = """
+import asyncio, sys
+from services.common.ucx_transport import load_ucxx
+from ucxx._lib_async import application_context
+
+async def main(host, port, delay):
+    ucxx = load_ucxx()
+    exchange = application_context.exchange_peer_info
+
+    async def late(*args, **kwargs):
+        await asyncio.sleep(delay)  # as if frozen between connecting and answering
+        return await exchange(*args, **kwargs)
+
+    application_context.exchange_peer_info = late
+    print("connecting", flush=True)
+    try:
+        await ucxx.create_endpoint(host, port, connect_timeout=30)
+        print("connected", flush=True)
+    except Exception as exc:
+        print("failed", repr(exc), flush=True)
+
+asyncio.run(main(sys.argv[1], int(sys.argv[2]), float(sys.argv[3])))
+"""
+
+
+class _Records(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__()
+        self.messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append(record.getMessage())
+
+
+async def test_a_puller_frozen_in_its_handshake_writes_into_no_freed_memory_of_the_holder(
+    etcd_client: Any, etcd_settings: EtcdSettings
+) -> None:
+    """The same on the listening side: a holder (a trainer) whose handshake with a frozen
+    puller timed out had freed the buffer of a receive still posted, and the puller's bytes
+    landed in the holder's memory once it went on. The puller here is a real process that
+    answers 7 s late, past the listener's 5 s."""
+    holder = UcxTransport(etcd_client, KeySpace(etcd_settings.prefix), JOB, instance_id="h")
+    await holder.start()
+    records = _Records()
+    logging.getLogger("ucx").addHandler(records)
+    host, port = holder.address.rsplit(":", 1)
+    puller = await asyncio.create_subprocess_exec(
+        sys.executable,
+        "-c",
+        _LATE_HANDSHAKE,
+        host,
+        port,
+        "7",
+        cwd=REPO,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.DEVNULL,
+    )
+    try:
+        assert puller.stdout is not None
+        assert await asyncio.wait_for(puller.stdout.readline(), 30) == b"connecting\n"
+
+        async def gave_up() -> bool:
+            return any("listener handler" in message for message in records.messages)
+
+        await eventually(gave_up, timeout=20)
+        assert ucx_progress.pending_handshakes() == 1  # the receive UCX still holds
+        sentinels = _sentinels()
+        answer = await asyncio.wait_for(puller.stdout.readline(), 30)
+        assert answer == b"connected\n", answer
+
+        async def landed() -> bool:
+            return ucx_progress.pending_handshakes() == 0
+
+        await eventually(landed, timeout=20)  # the puller's bytes, in the kept buffer
+        assert [bytes(b).hex() for b in sentinels if b != _SENTINEL] == []
+    finally:
+        logging.getLogger("ucx").removeHandler(records)
+        if puller.returncode is None:
+            puller.kill()
+        await puller.wait()
+        await holder.close()
 
 
 async def _listed(transport: UcxTransport, version: int, holder: str) -> bool:
