@@ -7,8 +7,8 @@ One run measures, per payload size, side by side:
                 ahead on each side as the transport posts (the transport's ceiling)
   + verify      the same plain ucxx, checking each bucket as it lands exactly as the
                 transport does (checksums.checksum_landed, the transport's algorithm), over an
-                endpoint of the worker the transport pulls on (ucx_progress.pull_context with
-                ROBUSTRL_UCX_PULL_THREAD=1): the ceiling of a verified pull (ours/+verify is
+                endpoint of the worker the transport pulls on (ucx_progress.pull_context unless
+                ROBUSTRL_UCX_PULL_THREAD=0): the ceiling of a verified pull (ours/+verify is
                 what our bookkeeping costs)
   ours          UcxTransport.pull of a freshly published version, as a running rollout does
                 it: manifest and holders as its etcd watch delivered them, pull the buckets
@@ -46,10 +46,10 @@ with its raw samples.
 Within one host, verification is what separates ours from plain ucxx: UCX copies each
 message inside the progress call of the receiving worker (CMA, one copy, see
 ucx_transport._ucx_env_defaults), and the puller hashes each bucket on its event loop's
-thread. By default both ours and "+verify" use ucxx's worker, which the event loop's
-thread progresses: there the hash adds to the copy. With ROBUSTRL_UCX_PULL_THREAD=1 (hosts
-without CUDA) both pull on a worker of their own that a thread progresses
-(ucx_progress.pull_context): the copy of one bucket runs beside the hash of the last.
+thread. On hosts without CUDA both ours and "+verify" pull on a worker of their own that a
+thread progresses (ucx_progress.pull_context): the copy of one bucket runs beside the hash of
+the last. With ROBUSTRL_UCX_PULL_THREAD=0 both use ucxx's worker, which the event loop's
+thread progresses: there the hash adds to the copy.
 """
 
 from __future__ import annotations

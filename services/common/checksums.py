@@ -13,10 +13,10 @@ that one, on whatever device its copy lives:
 A publisher picks by where its packed buffer lives (`algorithm_for`). A puller checks each
 bucket as it lands (`checksum_landed`): a host bucket under xxh3 on the event loop's own thread,
 anything else in a thread pool. Within one host UCX copies the bytes inside the progress call
-of the receiving worker (CMA's process_vm_readv). With ROBUSTRL_UCX_PULL_THREAD=1 a puller's
-worker is progressed by a thread of its own (ucx_progress.pull_context), so the next bucket
-copies while the loop hashes the last. By default (and in the experiments below but the
-last) the event loop progresses the worker: the
+of the receiving worker (CMA's process_vm_readv). On hosts without CUDA a puller's worker is
+progressed by a thread of its own (ucx_progress.pull_context), so the next bucket copies while
+the loop hashes the last. With ROBUSTRL_UCX_PULL_THREAD=0 (and in the experiments below but
+the last) the event loop progresses the worker: the
 copy runs on the loop's thread but without the GIL, and xxh3 releases it too, so a pool
 thread could hash one bucket while the next one copies. That bought nothing:
 copy and hash both stream memory and share its bandwidth (xxh3 reads a 32 MiB bucket at 30-44
@@ -35,6 +35,18 @@ With the copy on the pulling thread, frames were no better: plain ucxx into a ve
 receive on that worker, 256 MiB in 2, 4 or 8 MiB frames reached 0.67, 0.75 and 0.78 of plain
 ucxx, whole 32 MiB buckets 0.80; whole buckets at 64 MiB 0.72 and at 1 GiB 1.03, and 16 MiB
 buckets the same (median of 7, 2 cores, one run).
+
+Why a verified pull on the loop's thread stays near two thirds of plain ucxx: copy and hash
+take turns on one core, so their rates add as 1/(1/copy + 1/hash). Measured here (2 cores,
+32 MiB buckets): a copy at 19.6 GB/s and xxh3 at ~34 GB/s give 12.5 GB/s, 0.64 of the copy
+alone. Two more ways round it were tried and dropped. Hashing the bucket in 1-8 MiB frames,
+last frame first, to catch what the copy left in cache: 0.60-0.61, against 0.64 for the whole
+bucket. UCX's put scheme (UCX_RNDV_SCHEME=put_zcopy, the holder's process writes into the
+puller's buffer, so the copy moves to the holder's core): the hash then overlapped (verified
+0.86-0.87 of plain ucxx under the same scheme), but the holder copied at 12.6 GB/s against
+the puller's 16.2, and verified pulls came out at 10.9 GB/s either way (256 MiB, median of
+5). Only a second core copying beside the hash, with the copy as fast as the puller's own,
+gets past the bound: the pulling thread does.
 
 Neither algorithm is a defence against an adversary (see ucx_transport); both catch flipped
 bits, torn, misplaced and reordered transfers. wsum128 catches every change confined to one

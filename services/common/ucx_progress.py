@@ -38,11 +38,11 @@ for the whole transfer, which the puller's copy paces.
 Nothing here runs unless `install` finds the mode as described: a ucxx that changed it is
 left alone.
 
-With ROBUSTRL_UCX_PULL_THREAD=1 (hosts without CUDA; opt-in, ucx_transport.
-_pull_thread_default says why), a puller's endpoints live on a second worker, progressed by a
-thread of its own (ucxx's 'thread' mode; `pull_context`). Within one host UCX copies a bucket
-inside the progress call of the receiving worker: on the event loop's thread, the copy and the
-checksum of the bucket before it took turns, and a verified pull reached 0.66-0.70 of plain
+On hosts without CUDA (unless ROBUSTRL_UCX_PULL_THREAD=0; ucx_transport._pull_thread_default),
+a puller's endpoints live on a second worker, progressed by a thread of its own (ucxx's
+'thread' mode; `pull_context`). Within one host UCX copies a bucket inside the progress call of
+the receiving worker: on the event loop's thread, the copy and the checksum of the bucket before
+it took turns, and a verified pull reached 0.66-0.70 of plain
 ucxx on 2 cores. On the progress thread the copy of the next bucket runs beside the checksum of
 the last one, on the other core. Measured side by side on 2 cores (256 MiB, median of 7):
 verified pulls at 12.7-15.1 GB/s on the pulling thread against 10.6 on the loop, plain ucxx

@@ -522,17 +522,15 @@ def load_ucxx(progress_mode: str | None = None) -> ModuleType:
 
 def _pull_thread_default() -> bool:
     """Whether pulls use a worker of their own, progressed by its own thread (ucx_progress.
-    pull_context): only with ROBUSTRL_UCX_PULL_THREAD=1, and only on hosts without CUDA (the
-    GPU path was measured on the process's worker).
+    pull_context): on hosts without CUDA (the GPU path was measured on the process's worker),
+    unless ROBUSTRL_UCX_PULL_THREAD=0.
 
-    Opt-in. The trainer crash first blamed on it was a listener closed while UCX still took
-    connections (ucx_listeners), and with that fixed it was the default for a while. Then a
-    clean-clone demo run lost a rollout without a word (no traceback: a native crash) at the
-    moment the relay it had abandoned as hung (SIGSTOP) was resumed; its endpoint to that
-    relay lived on the pulling worker and was aborted from the event loop's thread while the
-    progress thread drove the worker. Not reproduced in 6 integration runs; on the loop's
-    worker no such death was seen in any run."""
-    return os.environ.get("ROBUSTRL_UCX_PULL_THREAD", "") == "1" and not torch.cuda.is_available()
+    It was opt-in for a while, twice for a crash it did not cause. A trainer crash was a
+    listener closed while UCX still took connections (ucx_listeners). Rollouts that died
+    without a word when a hung holder resumed were ucxx's handshake letting UCX write into
+    freed memory after a connect timed out (ucx_progress.exchange_peer_info), on either
+    worker; faulthandler, on in every service since, showed it."""
+    return os.environ.get("ROBUSTRL_UCX_PULL_THREAD", "1") != "0" and not torch.cuda.is_available()
 
 
 def _ucx_errors(ucxx: ModuleType) -> tuple[type[BaseException], ...]:
