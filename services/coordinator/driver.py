@@ -31,7 +31,7 @@ from services.common.role_server import LEAVING_LABEL, PREPARED_LABEL
 from services.common.runtime import ServiceRuntime
 from services.common.tasks import TaskItem, UnknownTaskError, get_task, load_dataset
 from services.coordinator import jobs, recovery, work
-from services.coordinator.ettr import EttrAccount
+from services.coordinator.ettr import EttrAccount, fold_horizon
 from services.coordinator.executor import RecoveryExecutor
 from services.coordinator.jobs import JobRecord, Phase
 from services.coordinator.leadership import Leadership
@@ -878,9 +878,16 @@ class JobDriver:
             spans.pop(group, None)
         if request.finished:
             account.end(now)
-        checkpointed = request.step - self.spec(record).trainer.checkpoint_every
+        ledger = self.ledgers.get(request.job_id)
+        horizon = fold_horizon(
+            now,
+            (start for start, _ in spans.values()),
+            (lease.deadline for lease in ledger.open.values()) if ledger else (),
+            self.lease_seconds,
+        )
         with contextlib.suppress(ValueError):
-            account.compact(now - 600.0, checkpoint_step=max(0, checkpointed))
+            # Steps after the trainer's durable checkpoint may still be rolled back.
+            account.compact(horizon, checkpoint_step=max(0, request.durable_step))
 
 
 def missing_members(

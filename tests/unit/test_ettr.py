@@ -5,11 +5,13 @@ import random
 import pytest
 
 from services.coordinator.ettr import (
+    FOLD_AFTER_S,
     MAX_INCIDENTS,
     STALL_FACTOR,
     EttrAccount,
     IncidentTiming,
     Span,
+    fold_horizon,
     union_length,
 )
 
@@ -177,6 +179,48 @@ def test_compaction_keeps_the_numbers_identical() -> None:
     assert compacted.rolled_back_s == pytest.approx(plain.rolled_back_s)
     assert len(compacted.steps) + len(compacted.generations) < 40
     assert len(plain.steps) > 300
+
+
+def test_the_fold_horizon_is_the_earliest_generation_still_out() -> None:
+    assert fold_horizon(1000.0, [], [], 60.0) == 1000.0  # nothing out: everything may fold
+    assert fold_horizon(1000.0, [990.0, 995.0], [], 60.0) == 990.0  # delivered, not trained
+    assert fold_horizon(1000.0, [995.0], [1030.0], 60.0) == 970.0  # leased at 970
+    # However long something stays out, history older than FOLD_AFTER_S folds.
+    assert fold_horizon(1000.0, [10.0], [], 60.0) == 1000.0 - FOLD_AFTER_S
+
+
+def test_a_fast_job_keeps_a_small_account_with_the_same_numbers() -> None:
+    """At the local stack's pace (5 steps a second, each trained group generated in the step
+    before), folding only after FOLD_AFTER_S kept every step of the last ten minutes: the
+    account, written to etcd on every step, grew to hundreds of KB and a long job filled
+    etcd's quota. Folding up to the earliest generation still out keeps it small, and its
+    numbers stay those of an account that never folds."""
+    plain = EttrAccount(started_at=0.0)
+    by_time = EttrAccount(started_at=0.0)
+    by_work = EttrAccount(started_at=0.0)
+    pending: dict[str, tuple[float, float]] = {}  # delivered, not trained: group -> span
+    leases: dict[str, float] = {}  # out on a lease: group -> deadline
+    for step in range(1, 3001):
+        t = step * 0.2
+        for group in list(pending):  # the step trains what was delivered before it
+            start, end = pending.pop(group)
+            for a in (plain, by_time, by_work):
+                a.add_generation(start, end)
+        for group in list(leases):  # generated during the step, delivered at its end
+            del leases[group]
+            pending[group] = (t - 0.15, t - 0.02)
+        for k in range(4):
+            leases[f"{step}-{k}"] = t + 60.0
+        for a in (plain, by_time, by_work):
+            a.add_step(step, t - 0.2, t)
+        by_time.compact(t - FOLD_AFTER_S, checkpoint_step=step - 1)
+        horizon = fold_horizon(t, (s for s, _ in pending.values()), leases.values(), 60.0)
+        by_work.compact(horizon, checkpoint_step=step - 1)
+        if step % 500 == 0:
+            for a in (by_time, by_work):
+                assert a.effective(t) == pytest.approx(plain.effective(t), abs=1e-6)
+    assert len(by_time.model_dump_json()) > 100_000  # the old rule, for scale
+    assert len(by_work.model_dump_json()) < 5_000
 
 
 def test_compaction_stops_at_steps_that_may_still_be_rolled_back() -> None:
