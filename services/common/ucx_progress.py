@@ -36,15 +36,16 @@ It sends buckets with `send` for the same reason: a polled send would keep its l
 for the whole transfer, which the puller's copy paces.
 
 Nothing here runs unless `install` finds the mode as described: a ucxx that changed it is
-left alone.
+left alone. `install` also replaces ucxx's connection handshake, which let UCX write into freed
+memory after a connect timed out (`exchange_peer_info` says how).
 
 On hosts without CUDA (unless ROBUSTRL_UCX_PULL_THREAD=0; ucx_transport._pull_thread_default),
 a puller's endpoints live on a second worker, progressed by a thread of its own (ucxx's
 'thread' mode; `pull_context`). Within one host UCX copies a bucket inside the progress call of
-the receiving worker: on the event loop's thread, the copy and the checksum of the bucket before
-it took turns, and a verified pull reached 0.66-0.70 of plain
-ucxx on 2 cores. On the progress thread the copy of the next bucket runs beside the checksum of
-the last one, on the other core. Measured side by side on 2 cores (256 MiB, median of 7):
+the receiving worker: on the event loop's thread, the copy and the checksum of the bucket
+before it took turns, and a verified pull reached 0.66-0.70 of plain ucxx on 2 cores. On the
+progress thread the copy of the next bucket runs beside the checksum of the last one, on the
+other core. Measured side by side on 2 cores (256 MiB, median of 7):
 verified pulls at 12.7-15.1 GB/s on the pulling thread against 10.6 on the loop, plain ucxx
 15.3. Pulls of the transport (benchmarks/weight_transfer.py, 2 cores, median of 7, one run each
 way, one after the other): 10.8 / 13.8 / 13.9 GB/s at 64 / 256 / 1024 MiB, 0.70 / 0.87 / 1.21
@@ -211,11 +212,22 @@ def pending_handshakes() -> int:
 
 
 def _mend_handshake() -> None:
-    """Replace ucxx's `exchange_peer_info` where its endpoints and listeners call it."""
+    """Replace ucxx's `exchange_peer_info` where its endpoints and listeners call it, if it
+    still takes what ours does (a ucxx that changed it is left alone)."""
+    import inspect
+
     from ucxx._lib_async import application_context, listener
 
     for module in (application_context, listener):
-        if getattr(module, "exchange_peer_info", None) not in (None, exchange_peer_info):
+        theirs = getattr(module, "exchange_peer_info", None)
+        if theirs is None or theirs is exchange_peer_info:
+            continue
+        if list(inspect.signature(theirs).parameters) == [
+            "endpoint",
+            "msg_tag",
+            "listener",
+            "connect_timeout",
+        ]:
             module.exchange_peer_info = exchange_peer_info
 
 
@@ -231,7 +243,8 @@ async def exchange_peer_info(
     and the receive stays posted: once the peer resumes, UCX writes its 16 bytes into memory
     Python has handed out again. Reproduced every time, on either worker; a rollout of a demo
     run died of a fault in pure Python code the moment a hung holder it had tried to connect
-    to was resumed. Here each buffer is kept (`_posted`) until UCX is done with its request.
+    to was resumed. Here each buffer is kept until UCX is done with its request
+    (`pending_handshakes` counts those it is not).
     """
     import struct
 
