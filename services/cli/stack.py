@@ -211,6 +211,25 @@ def etcd_healthy(endpoints: str) -> bool:
         return False
 
 
+def etcd_answers(endpoints: str) -> bool:
+    """etcd replies to /health, healthy or not. Under an alarm it answers 503: with NOSPACE
+    (its quota is full) it refuses every write but still serves reads."""
+    import urllib.error
+    import urllib.request
+
+    try:
+        with urllib.request.urlopen(f"http://{endpoints}/health", timeout=1) as reply:
+            body = reply.read()
+    except urllib.error.HTTPError as exc:
+        body = exc.read()
+    except OSError:
+        return False
+    try:
+        return "health" in json.loads(body)
+    except ValueError:
+        return False
+
+
 def service_env(
     state: StackState, role: str, instance_id: str, extra: dict[str, str]
 ) -> dict[str, str]:
@@ -262,8 +281,11 @@ def stop_procs(procs: list[Proc], timeout: float = 10.0) -> list[str]:
 
 def provisioned_procs(state: StackState) -> list[Proc]:
     """Processes the coordinators' local provisioner started on this host (recorded in etcd
-    under <prefix>/provisioned/): `down` stops them too, checked by command line like ours."""
-    if not state.etcd_endpoints or not etcd_healthy(state.etcd_endpoints):
+    under <prefix>/provisioned/): `down` stops them too, checked by command line like ours.
+
+    An etcd that answers at all is read, healthy or not: one whose quota filled up (NOSPACE)
+    reported unhealthy, and `down` left every provisioned rollout of that job running."""
+    if not state.etcd_endpoints or not etcd_answers(state.etcd_endpoints):
         return []
 
     async def read() -> list[ProvisionedRecord]:

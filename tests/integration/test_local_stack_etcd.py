@@ -1,0 +1,99 @@
+"""The local stack's dealings with an etcd in trouble: a real etcd whose quota is full."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import socket
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+
+import aetcd
+import pytest
+
+from services.cli.stack import (
+    StackState,
+    etcd_answers,
+    etcd_healthy,
+    find_etcd,
+    free_ports,
+    provisioned_procs,
+)
+from services.common.keys import KeySpace
+from services.coordinator.provisioner import ProvisionedRecord
+from tests.support import eventually_sync
+
+PREFIX = "/robustrl-test"
+
+
+@pytest.fixture
+def small_etcd(tmp_path: Path) -> Iterator[str]:
+    """An etcd with a 1 MiB quota; its client endpoint. Stopped by pid at the end."""
+    client, peer = free_ports(2)
+    proc = subprocess.Popen(
+        [
+            find_etcd(),
+            f"--data-dir={tmp_path / 'etcd'}",
+            f"--listen-client-urls=http://127.0.0.1:{client}",
+            f"--advertise-client-urls=http://127.0.0.1:{client}",
+            f"--listen-peer-urls=http://127.0.0.1:{peer}",
+            f"--initial-advertise-peer-urls=http://127.0.0.1:{peer}",
+            f"--initial-cluster=default=http://127.0.0.1:{peer}",
+            "--quota-backend-bytes=1048576",
+            "--log-level=error",
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    endpoints = f"127.0.0.1:{client}"
+    try:
+        eventually_sync(lambda: etcd_healthy(endpoints), timeout=30)
+        yield endpoints
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+async def _record_then_fill(endpoints: str, record: ProvisionedRecord) -> None:
+    host, port = endpoints.split(":")
+    client = aetcd.Client(host=host, port=int(port))
+    try:
+        key = KeySpace(PREFIX).provisioned(record.instance_id)
+        await client.put(key, record.model_dump_json().encode())
+        with pytest.raises(aetcd.exceptions.ClientError, match="database space exceeded"):
+            for n in range(1000):
+                await client.put(f"{PREFIX}/fill/{n}".encode(), os.urandom(100_000))
+    finally:
+        await client.close()
+
+
+def test_down_finds_provisioned_members_while_etcd_is_out_of_space(
+    small_etcd: str, tmp_path: Path
+) -> None:
+    """A job whose etcd filled its quota stops (no write succeeds), and `robustrl down` must
+    still stop what the coordinators' provisioner started: etcd then answers /health with
+    503 and an alarm, and `down` took that for no etcd and left the members running."""
+    record = ProvisionedRecord(
+        instance_id="rollout-p1",
+        role="rollout",
+        pid=os.getpid(),
+        host=socket.gethostname(),
+        argv=["python", "-m", "services.rollout"],
+        log=str(tmp_path / "rollout-p1.log"),
+        job_id="job-1",
+        reason="replacement",
+        at=0.0,
+    )
+    asyncio.run(_record_then_fill(small_etcd, record))
+    assert not etcd_healthy(small_etcd) and etcd_answers(small_etcd)  # NOSPACE, readable
+
+    state = StackState(home=str(tmp_path), etcd_endpoints=small_etcd, prefix=PREFIX)
+    found = provisioned_procs(state)
+
+    assert [(p.name, p.pid) for p in found] == [("rollout-p1", os.getpid())]
+
+
+def test_an_etcd_that_is_not_there_does_not_answer() -> None:
+    (port,) = free_ports(1)
+    assert not etcd_answers(f"127.0.0.1:{port}")
