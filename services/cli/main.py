@@ -285,6 +285,7 @@ def cmd_status(args: argparse.Namespace) -> int:
             job["work"] = await client.work_summary(args.job)
             job["recoveries"] = await client.recoveries(args.job)
             job["ettr"] = await client.ettr(args.job)
+            job["etcd_alarms"] = stack.etcd_alarms(etcd_target(args)[0])
             if args.json:
                 emit_json(job)
                 return 0
@@ -304,6 +305,7 @@ def cmd_status(args: argparse.Namespace) -> int:
                     f"  incident {r['kind']} {r['instance_id']}: {', '.join(r['actions'])}; "
                     f"{took}" + (f" ({', '.join(r['replacements'])})" if r["replacements"] else "")
                 )
+            warn_about_etcd(args)
             return 0
         leader = await client.leader()
         members = await client.members()
@@ -474,6 +476,13 @@ def cmd_watch(args: argparse.Namespace) -> int:
     request = coordinator_pb2.WatchJobRequest(job_id=args.job)
 
     async def run(client: StackClient) -> int:
+        warnings = asyncio.create_task(keep_warning_about_etcd(args))
+        try:
+            return await follow(client)
+        finally:
+            warnings.cancel()
+
+    async def follow(client: StackClient) -> int:
         started = answered = time.monotonic()
         last: dict[str, Any] | None = None
         while True:
@@ -509,6 +518,28 @@ def cmd_watch(args: argparse.Namespace) -> int:
         return 0 if last["phase"] == "SUCCEEDED" else 1
 
     return with_client(args, run)
+
+
+ETCD_CHECK_INTERVAL = 10.0
+"""Seconds between `watch`'s checks of etcd's alarms (a job stalls silently under NOSPACE)."""
+
+
+def warn_about_etcd(args: argparse.Namespace) -> None:
+    """Print why etcd refuses writes, if it raised an alarm."""
+    warning = stack.alarm_warning(etcd_target(args)[0])
+    if warning:
+        err_console.print(f"[bold red]warning:[/bold red] {warning}")
+
+
+async def keep_warning_about_etcd(args: argparse.Namespace) -> None:
+    """While a job is watched: warn once each time etcd goes into an alarm."""
+    said: str | None = None
+    while True:
+        warning = await asyncio.to_thread(stack.alarm_warning, etcd_target(args)[0])
+        if warning and warning != said:
+            err_console.print(f"\n[bold red]warning:[/bold red] {warning}")
+        said = warning
+        await asyncio.sleep(ETCD_CHECK_INTERVAL)
 
 
 def cmd_chaos(args: argparse.Namespace) -> int:

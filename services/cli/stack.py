@@ -21,6 +21,7 @@ import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Any
 
 import aetcd
 
@@ -202,32 +203,58 @@ def start_etcd(state: StackState, history: str = ETCD_HISTORY_RETENTION) -> Proc
 
 def etcd_healthy(endpoints: str) -> bool:
     """etcd answers /health with true: it has a leader and serves requests."""
-    import urllib.request
-
-    try:
-        with urllib.request.urlopen(f"http://{endpoints}/health", timeout=1) as reply:
-            return bool(json.loads(reply.read()).get("health") == "true")
-    except (OSError, ValueError):
-        return False
+    reply = _health(endpoints)
+    return reply is not None and reply.get("health") == "true"
 
 
 def etcd_answers(endpoints: str) -> bool:
     """etcd replies to /health, healthy or not. Under an alarm it answers 503: with NOSPACE
     (its quota is full) it refuses every write but still serves reads."""
+    return _health(endpoints) is not None
+
+
+def etcd_alarms(endpoints: str) -> list[str]:
+    """The alarms ("NOSPACE", "CORRUPT") the first of `endpoints` (comma-separated) that
+    answers /health reports; none if it reports none or none answers."""
+    for endpoint in endpoints.split(","):
+        reply = _health(endpoint.strip())
+        if reply is not None:
+            return re.findall(r"ALARM (\w+)", str(reply.get("reason", "")))
+    return []
+
+
+def alarm_warning(endpoints: str) -> str | None:
+    """What to tell a person whose etcd raised an alarm, or None."""
+    alarms = etcd_alarms(endpoints)
+    if not alarms:
+        return None
+    if "NOSPACE" in alarms:
+        return (
+            f"etcd at {endpoints} is out of space (alarm NOSPACE): it refuses every write, so "
+            "no job makes progress and no member can register. Compact and defragment it "
+            "(etcdctl compact, etcdctl defrag), then disarm the alarm (etcdctl alarm disarm); "
+            "a local stack starts with an empty etcd after `robustrl down --purge` and `up`."
+        )
+    return f"etcd at {endpoints} raised alarm {', '.join(alarms)}: see etcd's own log."
+
+
+def _health(endpoint: str) -> dict[str, Any] | None:
+    """etcd's /health reply (healthy or not), or None if nothing answers like etcd."""
     import urllib.error
     import urllib.request
 
     try:
-        with urllib.request.urlopen(f"http://{endpoints}/health", timeout=1) as reply:
+        with urllib.request.urlopen(f"http://{endpoint}/health", timeout=1) as reply:
             body = reply.read()
-    except urllib.error.HTTPError as exc:
+    except urllib.error.HTTPError as exc:  # 503 under an alarm, with the same JSON
         body = exc.read()
     except OSError:
-        return False
+        return None
     try:
-        return "health" in json.loads(body)
+        parsed = json.loads(body)
     except ValueError:
-        return False
+        return None
+    return parsed if isinstance(parsed, dict) and "health" in parsed else None
 
 
 def service_env(
