@@ -595,6 +595,21 @@ async def test_pulls_deliver_the_same_bytes_with_or_without_a_pulling_thread(
             await transport.close()
 
 
+def test_pulls_use_the_pulling_thread_on_a_host_without_cuda_unless_turned_off(
+    etcd_client: Any, etcd_settings: EtcdSettings, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The default, and ROBUSTRL_UCX_PULL_THREAD=0 (any other value leaves it on). A CUDA
+    host pulls on the process's worker whatever the setting."""
+    on = not torch.cuda.is_available()
+    keys = KeySpace(etcd_settings.prefix)
+    for value, expected in ((None, on), ("0", False), ("1", on)):
+        if value is None:
+            monkeypatch.delenv("ROBUSTRL_UCX_PULL_THREAD", raising=False)
+        else:
+            monkeypatch.setenv("ROBUSTRL_UCX_PULL_THREAD", value)
+        assert UcxTransport(etcd_client, keys, JOB, instance_id="p").pull_thread is expected
+
+
 @pytest.mark.parametrize("pull_thread", [True, False])
 async def test_a_call_on_an_endpoint_aborted_under_it_fails_as_a_reset_connection(
     etcd_client: Any, etcd_settings: EtcdSettings, pull_thread: bool
