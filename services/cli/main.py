@@ -285,7 +285,8 @@ def cmd_status(args: argparse.Namespace) -> int:
             job["work"] = await client.work_summary(args.job)
             job["recoveries"] = await client.recoveries(args.job)
             job["ettr"] = await client.ettr(args.job)
-            job["etcd_alarms"] = stack.etcd_alarms(etcd_target(args)[0])
+            endpoints = etcd_target(args)[0]
+            job["etcd_alarms"] = await asyncio.to_thread(stack.etcd_alarms, endpoints)
             if args.json:
                 emit_json(job)
                 return 0
@@ -305,7 +306,7 @@ def cmd_status(args: argparse.Namespace) -> int:
                     f"  incident {r['kind']} {r['instance_id']}: {', '.join(r['actions'])}; "
                     f"{took}" + (f" ({', '.join(r['replacements'])})" if r["replacements"] else "")
                 )
-            warn_about_etcd(args)
+            warn_about_etcd(endpoints, job["etcd_alarms"])
             return 0
         leader = await client.leader()
         members = await client.members()
@@ -476,7 +477,7 @@ def cmd_watch(args: argparse.Namespace) -> int:
     request = coordinator_pb2.WatchJobRequest(job_id=args.job)
 
     async def run(client: StackClient) -> int:
-        warnings = asyncio.create_task(keep_warning_about_etcd(args))
+        warnings = asyncio.create_task(keep_warning_about_etcd(etcd_target(args)[0]))
         try:
             return await follow(client)
         finally:
@@ -524,18 +525,18 @@ ETCD_CHECK_INTERVAL = 10.0
 """Seconds between `watch`'s checks of etcd's alarms (a job stalls silently under NOSPACE)."""
 
 
-def warn_about_etcd(args: argparse.Namespace) -> None:
-    """Print why etcd refuses writes, if it raised an alarm."""
-    warning = stack.alarm_warning(etcd_target(args)[0])
+def warn_about_etcd(endpoints: str, alarms: list[str] | None = None) -> None:
+    """Print why etcd refuses writes, if it raised an alarm (`alarms`: as already read)."""
+    warning = stack.alarm_warning(endpoints, alarms)
     if warning:
         err_console.print(f"[bold red]warning:[/bold red] {warning}")
 
 
-async def keep_warning_about_etcd(args: argparse.Namespace) -> None:
+async def keep_warning_about_etcd(endpoints: str) -> None:
     """While a job is watched: warn once each time etcd goes into an alarm."""
     said: str | None = None
     while True:
-        warning = await asyncio.to_thread(stack.alarm_warning, etcd_target(args)[0])
+        warning = await asyncio.to_thread(stack.alarm_warning, endpoints)
         if warning and warning != said:
             err_console.print(f"\n[bold red]warning:[/bold red] {warning}")
         said = warning

@@ -223,9 +223,11 @@ def etcd_alarms(endpoints: str) -> list[str]:
     return []
 
 
-def alarm_warning(endpoints: str) -> str | None:
-    """What to tell a person whose etcd raised an alarm, or None."""
-    alarms = etcd_alarms(endpoints)
+def alarm_warning(endpoints: str, alarms: list[str] | None = None) -> str | None:
+    """What to tell a person whose etcd raised an alarm, or None (`alarms`: as already read
+    with `etcd_alarms`; None reads them)."""
+    if alarms is None:
+        alarms = etcd_alarms(endpoints)
     if not alarms:
         return None
     if "NOSPACE" in alarms:

@@ -39,25 +39,25 @@ Nothing here runs unless `install` finds the mode as described: a ucxx that chan
 left alone. `install` also replaces ucxx's connection handshake, which let UCX write into freed
 memory after a connect timed out (`exchange_peer_info` says how).
 
-On hosts without CUDA (unless ROBUSTRL_UCX_PULL_THREAD=0; ucx_transport._pull_thread_default),
-a puller's endpoints live on a second worker, progressed by a thread of its own (ucxx's
-'thread' mode; `pull_context`). Within one host UCX copies a bucket inside the progress call of
-the receiving worker: on the event loop's thread, the copy and the checksum of the bucket
-before it took turns, and a verified pull reached 0.66-0.70 of plain ucxx on 2 cores. On the
-progress thread the copy of the next bucket runs beside the checksum of the last one, on the
-other core. Measured side by side on 2 cores (256 MiB, median of 7):
-verified pulls at 12.7-15.1 GB/s on the pulling thread against 10.6 on the loop, plain ucxx
-15.3. Pulls of the transport (benchmarks/weight_transfer.py, 2 cores, median of 7, one run each
-way, one after the other): 10.8 / 13.8 / 13.9 GB/s at 64 / 256 / 1024 MiB, 0.70 / 0.87 / 1.21
-of plain ucxx, against 9.4 / 10.5 / 9.2 GB/s and 0.62 / 0.64 / 0.90 on the loop's worker. What
-it costs: a first endpoint takes 33-55 ms against 6-29. Pullers wait for their requests by
-polling them on every turn of their loop (ucxx's wait_yield), so each pulling process keeps two
-threads busy: four pullers just started, pulling one 256 MiB version at once on 2 cores, took
-0.4-2.2 s (four runs) against 0.2-0.8 (three) on the loop's worker (warm, 0.09-0.12 s against
-0.08-0.09). The thread waits on the worker's epoll fd and wakes at least every
-`PULL_THREAD_EPOLL_MS`: 0.02 s of CPU in 2 s idle (ucxx's own 1 ms: 0.06). Holders stay on the
-process's worker in the mended blocking mode: with the holder's worker in thread mode too,
-pulls ran at half the speed (7.8-8.1 GB/s against 15-16).
+On hosts without CUDA (unless ROBUSTRL_UCX_PULL_THREAD=0; ucx_transport._pull_thread_default), a
+puller's endpoints live on a second worker, progressed by a thread of its own (ucxx's 'thread'
+mode; `pull_context`). Within one host UCX copies a bucket inside the progress call of the
+receiving worker: on the event loop's thread, the copy and the checksum of the bucket before it
+took turns, and a verified pull reached 0.66-0.70 of plain ucxx on 2 cores. On the progress
+thread the copy of the next bucket runs beside the checksum of the last one, on the other core.
+Measured side by side on 2 cores (256 MiB, median of 7): verified pulls at 12.7-15.1 GB/s on the
+pulling thread against 10.6 on the loop, plain ucxx 15.3. Pulls of the transport
+(benchmarks/weight_transfer.py, 2 cores, median of 7, one run each way, one after the other):
+10.8 / 13.8 / 13.9 GB/s at 64 / 256 / 1024 MiB, 0.70 / 0.87 / 1.21 of plain ucxx, against 9.4 /
+10.5 / 9.2 GB/s and 0.62 / 0.64 / 0.90 on the loop's worker. What it costs: a first endpoint
+takes 33-55 ms against 6-29. Pullers wait for their requests by polling them on every turn of
+their loop (ucxx's wait_yield), so each pulling process keeps two threads busy: four pullers
+just started, pulling one 256 MiB version at once on 2 cores, took 0.4-2.2 s (four runs) against
+0.2-0.8 (three) on the loop's worker (warm, 0.09-0.12 s against 0.08-0.09). The thread waits on
+the worker's epoll fd and wakes at least every `PULL_THREAD_EPOLL_MS`: 0.02 s of CPU in 2 s idle
+(ucxx's own 1 ms: 0.06). Holders stay on the process's worker in the mended blocking mode: with
+the holder's worker in thread mode too, pulls ran at half the speed (7.8-8.1 GB/s against
+15-16).
 """
 
 from __future__ import annotations
@@ -65,6 +65,8 @@ from __future__ import annotations
 import array
 import asyncio
 import contextlib
+import inspect
+import struct
 import time
 import weakref
 from collections.abc import Callable, Iterator
@@ -214,8 +216,6 @@ def pending_handshakes() -> int:
 def _mend_handshake() -> None:
     """Replace ucxx's `exchange_peer_info` where its endpoints and listeners call it, if it
     still takes what ours does (a ucxx that changed it is left alone)."""
-    import inspect
-
     from ucxx._lib_async import application_context, listener
 
     for module in (application_context, listener):
@@ -246,8 +246,6 @@ async def exchange_peer_info(
     to was resumed. Here each buffer is kept until UCX is done with its request
     (`pending_handshakes` counts those it is not).
     """
-    import struct
-
     from ucxx._lib.arr import Array
     from ucxx._lib_async.utils import hash64bits
 

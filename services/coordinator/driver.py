@@ -825,7 +825,7 @@ class JobDriver:
                 if again:
                     log.info("coordinator.groups_requeued", job=request.job_id, groups=again)
                 await self.save_ledger(ledger)
-            self._account_progress(record, request)
+            self._account_progress(ledger, request)
             change: dict[str, object] = {
                 "step": request.step,
                 "weight_version": request.weight_version,
@@ -851,7 +851,7 @@ class JobDriver:
             return True
 
     def _account_progress(
-        self, record: JobRecord, request: coordinator_pb2.ReportProgressRequest
+        self, ledger: work.WorkLedger | None, request: coordinator_pb2.ReportProgressRequest
     ) -> None:
         """ETTR: the step is kept time (until a roll back takes it; its wait for data within a
         bound), and so is the generation of every group it trained."""
@@ -878,7 +878,6 @@ class JobDriver:
             spans.pop(group, None)
         if request.finished:
             account.end(now)
-        ledger = self.ledgers.get(request.job_id)
         horizon = fold_horizon(
             now,
             (start for start, _ in spans.values()),

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import os
 import socket
@@ -125,7 +124,7 @@ def test_status_and_watch_say_why_a_full_etcd_stops_every_job(
     assert etcd_alarms(small_etcd) == ["NOSPACE"]
     assert etcd_alarms(f"127.0.0.1:{free_ports(1)[0]},{small_etcd}") == ["NOSPACE"]
 
-    warn_about_etcd(argparse.Namespace(etcd=small_etcd))
+    warn_about_etcd(small_etcd)
     said = capsys.readouterr().err
     assert "out of space" in said and "alarm disarm" in said
 
@@ -140,7 +139,7 @@ def test_status_and_watch_say_why_a_full_etcd_stops_every_job(
     monkeypatch.setattr(stack, "alarm_warning", checked)
 
     async def watch_a_while() -> None:
-        task = asyncio.create_task(keep_warning_about_etcd(argparse.Namespace(etcd=small_etcd)))
+        task = asyncio.create_task(keep_warning_about_etcd(small_etcd))
 
         async def checked_often() -> bool:
             return len(checks) >= 5
