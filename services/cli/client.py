@@ -6,6 +6,7 @@ import json
 import time
 from typing import Any
 
+from services.common import packed
 from services.common.channels import DEFAULT_DEADLINE
 from services.common.config import EtcdSettings
 from services.common.coordinator_client import CoordinatorClient
@@ -35,7 +36,7 @@ class StackClient(CoordinatorClient):
         raw = await self.etcd.get(self.keys.work(job_id))
         if raw is None:
             return None
-        ledger = WorkLedger.model_validate_json(raw.value)
+        ledger = packed.load(WorkLedger, raw.value)
         return {
             "leased": ledger.next_index,
             "trained": ledger.trained,
@@ -55,7 +56,7 @@ class StackClient(CoordinatorClient):
         dropped: dict[str, str] = {}
         for page in await dropped_pages(self.etcd, self.keys, job_id):
             dropped.update(page.discarded)
-        dropped.update(WorkLedger.model_validate_json(raw.value).discarded)
+        dropped.update(packed.load(WorkLedger, raw.value).discarded)
         return dropped
 
     async def ettr(self, job_id: str) -> dict[str, Any] | None:
@@ -63,7 +64,7 @@ class StackClient(CoordinatorClient):
         raw = await self.etcd.get(self.keys.ettr(job_id))
         if raw is None:
             return None
-        return EttrAccount.model_validate_json(raw.value).summary(time.time())
+        return packed.load(EttrAccount, raw.value).summary(time.time())
 
     async def recoveries(self, job_id: str) -> list[dict[str, Any]]:
         """What the leader did about each of the job's incidents (oldest first)."""

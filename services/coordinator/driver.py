@@ -21,6 +21,7 @@ from typing import TypeAlias
 import grpc
 
 from robustrl.v1 import coordinator_pb2, rollout_pb2_grpc, trainer_pb2, trainer_pb2_grpc
+from services.common import packed
 from services.common.aio import cancel_and_wait
 from services.common.channels import open_channel
 from services.common.errors import Aborted, FailedPrecondition, InvalidArgument, Unavailable
@@ -145,10 +146,10 @@ class JobDriver:
             # Finished jobs too: one that ended just before a failover still gets settled.
             raw = await self.runtime.client.get(self.runtime.keys.work(record.job_id))
             if raw is not None:
-                self.ledgers[record.job_id] = work.WorkLedger.model_validate_json(raw.value)
+                self.ledgers[record.job_id] = packed.load(work.WorkLedger, raw.value)
             raw = await self.runtime.client.get(self.runtime.keys.ettr(record.job_id))
             if raw is not None:
-                self.accounts[record.job_id] = EttrAccount.model_validate_json(raw.value)
+                self.accounts[record.job_id] = packed.load(EttrAccount, raw.value)
         log.info("coordinator.ledgers_reloaded", jobs=len(self.ledgers))
         self.executor.start()
 
@@ -188,10 +189,10 @@ class JobDriver:
         keys, tx = self.runtime.keys, self.runtime.client.transactions
         paged = work.page_out(ledger, self.ledger_page_size)
         stored = paged[0] if paged else ledger
-        puts = [tx.put(keys.work(ledger.job_id), stored.model_dump_json().encode())]
+        puts = [tx.put(keys.work(ledger.job_id), packed.dump(stored))]
         if paged:
             page_key = keys.dropped_page(ledger.job_id, ledger.pages)
-            puts.append(tx.put(page_key, paged[1].model_dump_json().encode()))
+            puts.append(tx.put(page_key, packed.dump(paged[1])))
         ok, _ = await self.runtime.client.transaction(
             compare=self.leadership.guard(), success=puts, failure=[]
         )
@@ -216,9 +217,7 @@ class JobDriver:
         if account is None:
             return
         assert self.runtime.client is not None
-        await self.runtime.client.put(
-            self.runtime.keys.ettr(job_id), account.model_dump_json().encode()
-        )
+        await self.runtime.client.put(self.runtime.keys.ettr(job_id), packed.dump(account))
 
     async def update_job(
         self,

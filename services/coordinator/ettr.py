@@ -87,7 +87,7 @@ class IncidentTiming(BaseModel):
 
 
 class EttrAccount(BaseModel):
-    """Stored as JSON (`model_dump_json`), so a new coordinator leader carries on with it."""
+    """Stored in etcd as compressed JSON (`packed`), so a new coordinator leader carries on."""
 
     started_at: float
     ended_at: float | None = None

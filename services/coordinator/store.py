@@ -12,6 +12,7 @@ from typing import Any
 
 import aetcd
 
+from services.common import packed
 from services.common.errors import Aborted, AlreadyExists, NotFound, Unavailable
 from services.common.keys import KeySpace
 from services.common.watch import Delete, Put, Resync, list_prefix, watch_prefix
@@ -146,4 +147,4 @@ class JobStore:
 async def dropped_pages(client: aetcd.Client, keys: KeySpace, job_id: str) -> list[DroppedPage]:
     """Every page of dropped groups and take-backs moved out of the job's ledger, in order."""
     rows = sorted(await client.get_prefix(keys.dropped_pages(job_id)), key=lambda kv: kv.key)
-    return [DroppedPage.model_validate_json(kv.value) for kv in rows]
+    return [packed.load(DroppedPage, kv.value) for kv in rows]

@@ -55,7 +55,8 @@ class Holding(BaseModel):
 
 
 class WorkLedger(BaseModel):
-    """Stored in etcd at <prefix>/work/<job_id> (JSON); only the leader writes it."""
+    """Stored in etcd at <prefix>/work/<job_id> (compressed JSON, `packed`); only the leader
+    writes it."""
 
     job_id: str
     next_index: int = 0

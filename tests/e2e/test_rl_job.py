@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from services.cli.stack import StackState, find_etcd
+from services.common import packed
 from tests.e2e.test_cli_stack import EXAMPLE, Cli
 from tests.support import eventually_sync
 
@@ -38,11 +39,11 @@ def etcd_json(cli: Cli, key: str) -> dict[str, object]:
     out = subprocess.run(
         [str(etcdctl), f"--endpoints={state.etcd_endpoints}", "get", key, "--print-value-only"],
         capture_output=True,
-        text=True,
         check=True,
         timeout=30,
     ).stdout
-    value: dict[str, object] = json.loads(out)
+    # The ledger and the ETTR account are stored compressed (services.common.packed).
+    value: dict[str, object] = json.loads(packed.json_of(out))
     return value
 
 

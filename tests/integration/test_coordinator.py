@@ -15,6 +15,7 @@ import pytest
 from robustrl.v1 import coordinator_pb2 as pb
 from robustrl.v1 import coordinator_pb2_grpc
 from services.cli.client import StackClient
+from services.common import packed
 from services.common.config import EtcdSettings
 from services.common.errors import (
     LEADER_METADATA_KEY,
@@ -242,6 +243,49 @@ async def test_members_view_marks_the_leader(coordinators: list[ServiceRuntime])
     assert reply.leader_instance_id == leader.instance_id
 
 
+async def test_a_new_leader_reloads_records_stored_as_plain_json_and_writes_them_compressed(
+    etcd_settings: EtcdSettings,
+) -> None:
+    """A real leader and etcd holding a job's ledger and ETTR account as plain JSON (as they
+    were stored before they were compressed): elected, the leader carries on with both and the
+    CLI reads them; its next write of the ledger is compressed, and a leader elected after it
+    reloads that."""
+    from services.coordinator.ettr import EttrAccount
+
+    async with lone_leader(etcd_settings, "plain") as (runtime, leadership, driver):
+        client = await StackClient.connect(etcd_settings.endpoints, etcd_settings.prefix)
+        try:
+            assert runtime.client is not None
+            keys = runtime.keys
+            record = new_job("pl", {"id": "pl"}, 1.0)
+            await JobStore(runtime.client, keys).create(record, leadership.guard())
+            ledger = work.WorkLedger(job_id="pl")
+            groups = work.lease(
+                ledger, instance_id="r", epoch=1, max_groups=40, budget=40, now=0, lease_seconds=60
+            )
+            work.complete(ledger, "r", groups[:30])
+            account = EttrAccount(started_at=3.0, folded_s=2.5, folded_through_step=7)
+            await runtime.client.put(keys.work("pl"), ledger.model_dump_json().encode())
+            await runtime.client.put(keys.ettr("pl"), account.model_dump_json().encode())
+
+            await driver.on_elected()
+
+            assert driver.ledger("pl") == ledger
+            assert driver.accounts["pl"] == account
+            summary = await client.work_summary("pl")
+            assert summary is not None and summary["delivered"] == 30 and summary["open"] == 10
+
+            work.complete(driver.ledger("pl"), "r", groups[30:])
+            await driver.save_ledger(driver.ledger("pl"))
+            stored = await runtime.client.get(keys.work("pl"))
+            assert stored is not None
+            assert len(stored.value) * 4 < len(driver.ledger("pl").model_dump_json())
+            await driver.on_elected()
+            assert driver.ledger("pl").delivered == groups
+        finally:
+            await client.close()
+
+
 async def test_the_leader_pages_dropped_groups_out_of_the_ledger_in_the_same_write(
     etcd_settings: EtcdSettings,
 ) -> None:
@@ -268,7 +312,7 @@ async def test_the_leader_pages_dropped_groups_out_of_the_ledger_in_the_same_wri
             assert runtime.client is not None
             stored = await runtime.client.get(runtime.keys.work("pj"))
             assert stored is not None
-            assert work.WorkLedger.model_validate_json(stored.value) == ledger
+            assert packed.load(work.WorkLedger, stored.value) == ledger
             [page] = await dropped_pages(runtime.client, runtime.keys, "pj")
             assert page.discarded == {g: f"stale {g}" for g in groups[:3]}
             assert await client.dropped_groups("pj") == page.discarded
@@ -390,7 +434,7 @@ async def test_the_job_fails_once_poison_groups_reach_the_limit_and_not_before(
         assert runtime.client is not None
         stored = await runtime.client.get(runtime.keys.work("pg"))
         assert stored is not None
-        assert work.WorkLedger.model_validate_json(stored.value).poisoned == 2
+        assert packed.load(work.WorkLedger, stored.value).poisoned == 2
 
         unbounded = failed.model_copy(
             update={"spec": {**spec, "recovery": {"group_losses": 1, "poison_groups": 0}}}

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import math
 import threading
 import time
@@ -28,8 +27,10 @@ from robustrl.v1 import (
     rollout_pb2_grpc,
     trainer_pb2,
 )
+from services.common import packed
 from services.common.config import EtcdSettings
 from services.common.runtime import ServiceRuntime
+from services.coordinator.work import WorkLedger
 from services.rollout.config import RolloutSettings
 from services.rollout.server import RolloutServicer
 from services.rollout.server import start as start_rollout
@@ -271,7 +272,7 @@ async def test_the_probe_tells_a_streaming_generation_from_a_stuck_one(
             # ... and it is given back, to be leased again at once (not at lease expiry).
             async def given_back() -> bool:
                 raw = await coordinators[0].client.get(coordinators[0].keys.work("probe"))  # type: ignore[union-attr]
-                released = json.loads(raw.value)["released"] if raw else {}
+                released = packed.load(WorkLedger, raw.value).released if raw else {}
                 return any("non-finite logprobs" in why for w in released.values() for why in w)
 
             await eventually(given_back, timeout=30)
