@@ -32,6 +32,7 @@ from services.common.role_server import LEAVING_LABEL, PREPARED_LABEL
 from services.common.runtime import ServiceRuntime
 from services.common.tasks import TaskItem, UnknownTaskError, get_task, load_dataset
 from services.coordinator import jobs, recovery, work
+from services.coordinator.coalesce import CoalescedWrites
 from services.coordinator.ettr import EttrAccount, fold_horizon
 from services.coordinator.executor import RecoveryExecutor
 from services.coordinator.jobs import JobRecord, Phase
@@ -99,6 +100,8 @@ class JobDriver:
         self.datasets: dict[str, list[TaskItem]] = {}
         self.specs: dict[str, JobSpec] = {}
         self._locks: dict[str, asyncio.Lock] = {}
+        self._ledger_writes: dict[str, tuple[work.WorkLedger, CoalescedWrites]] = {}
+        """Per job, the ledger being written and its writer (`ledger_changed`)."""
         self._task: asyncio.Task[None] | None = None
         self._wake = asyncio.Event()
         self.provisioner: Provisioner = NoProvisioner()
@@ -136,6 +139,8 @@ class JobDriver:
     async def stop(self) -> None:
         await cancel_and_wait(self._task, *(task for _, task in self._preparing.values()))
         await self.executor.stop()
+        for _, writes in self._ledger_writes.values():
+            await writes.stop()
 
     async def on_elected(self) -> None:
         """Reload every running job's ledger from etcd (a new leader trusts only etcd)."""
@@ -182,9 +187,24 @@ class JobDriver:
         return ledger
 
     async def save_ledger(self, ledger: work.WorkLedger) -> None:
+        """Store the ledger as it is now (`ledger_changed`, awaited)."""
+        await self.ledger_changed(ledger)
+
+    def ledger_changed(self, ledger: work.WorkLedger) -> asyncio.Future[None]:
+        """A change to the ledger was just made: the future resolves once a write that carries
+        it has landed (or fails as that write did). Changes made while a write is in flight
+        share the next write (coalesce.CoalescedWrites): await it after letting go of the
+        job's lock, and other requests change the ledger meanwhile."""
+        known = self._ledger_writes.get(ledger.job_id)
+        if known is None or known[0] is not ledger:
+            known = (ledger, CoalescedWrites(functools.partial(self._write_ledger, ledger)))
+            self._ledger_writes[ledger.job_id] = known
+        return known[1].changed()
+
+    async def _write_ledger(self, ledger: work.WorkLedger) -> None:
         """Store the ledger; when it lists a page's worth of dropped groups and take-backs,
         move them to a page stored in the same write (the in-memory ledger lets go of them
-        only once the write landed)."""
+        only once the write landed, and only of those: others may have come meanwhile)."""
         assert self.runtime.client is not None
         keys, tx = self.runtime.keys, self.runtime.client.transactions
         paged = work.page_out(ledger, self.ledger_page_size)
@@ -199,7 +219,7 @@ class JobDriver:
         if not ok:
             raise Aborted("lost leadership while saving the work ledger; retry")
         if paged:
-            ledger.discarded, ledger.released, ledger.pages = {}, {}, stored.pages
+            work.forget_paged(ledger, paged[1], stored.pages)
             log.info("coordinator.ledger_paged", job=ledger.job_id, page=stored.pages - 1)
 
     async def paged_out_drops(self, ledger: work.WorkLedger, groups: Iterable[str]) -> set[str]:
@@ -638,6 +658,7 @@ class JobDriver:
         in etcd): a leader that runs for months must not grow with every job it ran."""
         for table in (self.ledgers, self.accounts, self.generated, self.datasets):
             table.pop(job_id, None)
+        self._ledger_writes.pop(job_id, None)
         for keyed in (self._missing, self._provisioning):
             for key in [k for k in keyed if k[0] == job_id]:
                 del keyed[key]
@@ -727,6 +748,7 @@ class JobDriver:
     ) -> coordinator_pb2.LeaseWorkResponse:
         if request.max_groups < 1:
             raise InvalidArgument("max_groups must be >= 1")
+        saved: asyncio.Future[None] | None = None
         async with self.lock(request.job_id):
             record, _ = await self.store.get(request.job_id)
             if record.phase in jobs.TERMINAL:
@@ -748,7 +770,7 @@ class JobDriver:
                 lease_seconds=self.lease_seconds,
             )
             if granted:
-                await self.save_ledger(ledger)
+                saved = self.ledger_changed(ledger)
             dataset = self.datasets.get(request.job_id) or dataset_for(spec)
             self.datasets[request.job_id] = dataset
             reply = coordinator_pb2.LeaseWorkResponse(
@@ -766,7 +788,10 @@ class JobDriver:
                     group_size=spec.rollout.group_size,
                 )
                 msg.lease_deadline.FromNanoseconds(int(deadline * 1e9))
-            return reply
+        if saved is not None:
+            # Outside the lock: leases asked for while this write is in flight share the next.
+            await saved
+        return reply
 
     async def complete_work(self, request: coordinator_pb2.CompleteWorkRequest) -> None:
         async with self.lock(request.job_id):
@@ -791,7 +816,8 @@ class JobDriver:
                     member=request.instance_id,
                     groups=ignored,
                 )
-            await self.save_ledger(ledger)
+            saved = self.ledger_changed(ledger)
+        await saved  # outside the lock, as in lease_work
 
     async def report_progress(self, request: coordinator_pb2.ReportProgressRequest) -> bool:
         async with self.lock(request.job_id):

@@ -104,9 +104,25 @@ def page_out(
     new ledger."""
     if len(ledger.discarded) + len(ledger.released) < page_size:
         return None
-    page = DroppedPage(discarded=ledger.discarded, released=ledger.released)
+    page = DroppedPage(
+        discarded=dict(ledger.discarded),
+        released={group: list(why) for group, why in ledger.released.items()},
+    )
     moved = ledger.model_copy(update={"discarded": {}, "released": {}, "pages": ledger.pages + 1})
     return moved, page
+
+
+def forget_paged(ledger: WorkLedger, page: DroppedPage, pages: int) -> None:
+    """Once `page_out`'s page is stored: the ledger lets go of what the page holds and counts
+    `pages`. Only of that: groups dropped or taken back while the write was in flight stay
+    listed (a take-back of a paged group keeps the reasons after those paged)."""
+    for group in page.discarded:
+        ledger.discarded.pop(group, None)
+    for group, paged in page.released.items():
+        rest = ledger.released.pop(group, [])[len(paged) :]
+        if rest:
+            ledger.released[group] = rest
+    ledger.pages = pages
 
 
 def group_id(job_id: str, index: int) -> str:

@@ -588,3 +588,38 @@ async def test_delete_job_removes_every_key_of_the_job_and_no_other(
         finally:
             if member is not None:
                 await member.shutdown()
+
+
+async def test_requests_at_once_share_ledger_writes_and_each_waits_for_one_that_carries_it(
+    etcd_settings: EtcdSettings,
+) -> None:
+    """A real leader and etcd: 24 rollouts' leases made at once are stored in a few writes of
+    the ledger, not 24, and no caller hears its change stored before etcd's copy lists it."""
+    async with lone_leader(etcd_settings, "coalesce") as (runtime, _, driver):
+        assert runtime.client is not None
+        client, key = runtime.client, runtime.keys.work("cw")
+        ledger = work.WorkLedger(job_id="cw")
+        await driver.save_ledger(ledger)
+        before = await client.get(key)
+
+        async def lease_and_save(n: int) -> None:
+            groups = work.lease(
+                ledger,
+                instance_id=f"r{n}",
+                epoch=1,
+                max_groups=2,
+                budget=100,
+                now=0,
+                lease_seconds=60,
+            )
+            await driver.save_ledger(ledger)
+            stored = await client.get(key)
+            assert stored is not None
+            assert set(groups) <= set(packed.load(work.WorkLedger, stored.value).open)
+
+        await asyncio.gather(*(lease_and_save(n) for n in range(24)))
+
+        after = await client.get(key)
+        assert before is not None and after is not None
+        assert packed.load(work.WorkLedger, after.value) == ledger and len(ledger.open) == 48
+        assert 1 <= after.version - before.version <= 3  # etcd counts the key's writes

@@ -347,3 +347,27 @@ def test_a_new_trainers_own_durable_step_does_not_cover_the_lost_step_of_that_nu
 
     assert led.trained == 0
     assert work.release_lost(led, alive=set()) == groups
+
+
+def test_a_page_stored_while_more_groups_were_dropped_lets_go_only_of_what_it_holds() -> None:
+    """The leader stores a page, and requests go on changing the ledger until the write lands:
+    groups dropped or taken back meanwhile stay listed."""
+    ledger = work.WorkLedger(job_id="fp")
+    groups = work.lease(
+        ledger, instance_id="r", epoch=1, max_groups=6, budget=6, now=0, lease_seconds=60
+    )
+    work.take_back(ledger, groups[0], "holder lost")
+    work.give_back(ledger, "r", {groups[1]: "non-finite logprobs"})
+    paged = work.page_out(ledger, page_size=2)
+    assert paged is not None
+    stored, page = paged
+    # While the write is in flight: another take-back of a paged group, and a new drop.
+    work.take_back(ledger, groups[0], "holder lost again")
+    ledger.discarded[groups[5]] = "too stale"
+
+    work.forget_paged(ledger, page, stored.pages)
+
+    assert ledger.pages == 1
+    assert ledger.released == {groups[0]: ["holder lost again"]}
+    assert ledger.discarded == {groups[5]: "too stale"}
+    assert page.released[groups[0]] == ["holder lost"]
