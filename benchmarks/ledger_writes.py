@@ -43,22 +43,12 @@ sys.path.insert(0, str(REPO))
 
 
 def start_etcd(workdir: Path) -> tuple[subprocess.Popen[bytes], str]:
-    from services.cli.stack import etcd_healthy, find_etcd, free_port
+    from services.cli.stack import etcd_argv, etcd_healthy, free_port
 
     client, peer = free_port(), free_port()
     endpoints = f"127.0.0.1:{client}"
     proc = subprocess.Popen(
-        [
-            find_etcd(),
-            "--name=bench",
-            f"--data-dir={workdir / 'etcd'}",
-            f"--listen-client-urls=http://{endpoints}",
-            f"--advertise-client-urls=http://{endpoints}",
-            f"--listen-peer-urls=http://127.0.0.1:{peer}",
-            f"--initial-advertise-peer-urls=http://127.0.0.1:{peer}",
-            f"--initial-cluster=bench=http://127.0.0.1:{peer}",
-            "--log-level=error",
-        ],
+        [*etcd_argv("bench", workdir / "etcd", client, peer), "--log-level=error"],
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
     )

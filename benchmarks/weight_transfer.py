@@ -409,22 +409,12 @@ class Driver:
         self.procs: list[Proc] = []
 
     def start_etcd(self) -> None:
-        from services.cli.stack import etcd_healthy, find_etcd, free_port
+        from services.cli.stack import etcd_argv, etcd_healthy, free_port
 
         client, peer = free_port(), free_port()
         self.endpoints = f"127.0.0.1:{client}"
         self.etcd = subprocess.Popen(
-            [
-                find_etcd(),
-                "--name=bench",
-                f"--data-dir={self.workdir / 'etcd'}",
-                f"--listen-client-urls=http://{self.endpoints}",
-                f"--advertise-client-urls=http://{self.endpoints}",
-                f"--listen-peer-urls=http://127.0.0.1:{peer}",
-                f"--initial-advertise-peer-urls=http://127.0.0.1:{peer}",
-                f"--initial-cluster=bench=http://127.0.0.1:{peer}",
-                "--log-level=error",
-            ],
+            [*etcd_argv("bench", self.workdir / "etcd", client, peer), "--log-level=error"],
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
         )

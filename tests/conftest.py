@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from services.cli.stack import etcd_healthy, find_etcd, free_ports
+from services.cli.stack import etcd_argv, etcd_healthy, free_ports
 from services.common.config import EtcdSettings
 
 
@@ -46,17 +46,7 @@ class EtcdProcess:
         self.client_port, self.peer_port = free_ports(2)
         self.endpoints = f"127.0.0.1:{self.client_port}"
         self.proc = subprocess.Popen(
-            [
-                find_etcd(),
-                "--name=test",
-                f"--data-dir={data_dir}",
-                f"--listen-client-urls=http://127.0.0.1:{self.client_port}",
-                f"--advertise-client-urls=http://127.0.0.1:{self.client_port}",
-                f"--listen-peer-urls=http://127.0.0.1:{self.peer_port}",
-                f"--initial-advertise-peer-urls=http://127.0.0.1:{self.peer_port}",
-                f"--initial-cluster=test=http://127.0.0.1:{self.peer_port}",
-                "--log-level=error",
-            ],
+            [*etcd_argv("test", data_dir, self.client_port, self.peer_port), "--log-level=error"],
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
         )

@@ -175,6 +175,21 @@ def etcd_history_flags(retention: str = ETCD_HISTORY_RETENTION) -> list[str]:
     return ["--auto-compaction-mode=periodic", f"--auto-compaction-retention={retention}"]
 
 
+def etcd_argv(name: str, data_dir: Path, client_port: int, peer_port: int) -> list[str]:
+    """The command line of a one-member etcd serving 127.0.0.1 (add flags after it)."""
+    peer = f"http://127.0.0.1:{peer_port}"
+    return [
+        find_etcd(),
+        f"--name={name}",
+        f"--data-dir={data_dir}",
+        f"--listen-client-urls=http://127.0.0.1:{client_port}",
+        f"--advertise-client-urls=http://127.0.0.1:{client_port}",
+        f"--listen-peer-urls={peer}",
+        f"--initial-advertise-peer-urls={peer}",
+        f"--initial-cluster={name}={peer}",
+    ]
+
+
 def start_etcd(state: StackState, history: str = ETCD_HISTORY_RETENTION) -> Proc:
     """`history`: a retention `history_retention` accepted (the CLI checks what a person typed)."""
     data_dir = Path(state.home) / "etcd"
@@ -187,14 +202,7 @@ def start_etcd(state: StackState, history: str = ETCD_HISTORY_RETENTION) -> Proc
     state.etcd_client_port, state.etcd_peer_port = client, peer
     state.etcd_endpoints = f"127.0.0.1:{client}"
     argv = [
-        find_etcd(),
-        "--name=robustrl-local",
-        f"--data-dir={data_dir}",
-        f"--listen-client-urls=http://127.0.0.1:{client}",
-        f"--advertise-client-urls=http://127.0.0.1:{client}",
-        f"--listen-peer-urls=http://127.0.0.1:{peer}",
-        f"--initial-advertise-peer-urls=http://127.0.0.1:{peer}",
-        f"--initial-cluster=robustrl-local=http://127.0.0.1:{peer}",
+        *etcd_argv("robustrl-local", data_dir, client, peer),
         *etcd_history_flags(history),
         "--log-level=warn",
     ]

@@ -19,8 +19,8 @@ from services.cli.stack import (
     alarm_warning,
     etcd_alarms,
     etcd_answers,
+    etcd_argv,
     etcd_healthy,
-    find_etcd,
     free_ports,
     provisioned_procs,
 )
@@ -38,13 +38,7 @@ def small_etcd(tmp_path: Path) -> Iterator[str]:
     client, peer = free_ports(2)
     proc = subprocess.Popen(
         [
-            find_etcd(),
-            f"--data-dir={tmp_path / 'etcd'}",
-            f"--listen-client-urls=http://127.0.0.1:{client}",
-            f"--advertise-client-urls=http://127.0.0.1:{client}",
-            f"--listen-peer-urls=http://127.0.0.1:{peer}",
-            f"--initial-advertise-peer-urls=http://127.0.0.1:{peer}",
-            f"--initial-cluster=default=http://127.0.0.1:{peer}",
+            *etcd_argv("small", tmp_path / "etcd", client, peer),
             "--quota-backend-bytes=1048576",
             "--log-level=error",
         ],
