@@ -47,8 +47,10 @@ async def test_changes_made_while_a_write_is_in_flight_share_the_next_write() ->
     assert writes.writes == 2
 
 
-async def test_no_caller_hears_its_change_stored_before_a_write_that_carries_it_lands() -> None:
-    record = Record()
+async def change_twice_then_let_one_write_land(
+    record: Record,
+) -> tuple[asyncio.Future[None], asyncio.Future[None]]:
+    """Change 1, its write begins; change 2 meanwhile; the first write may land."""
     writes = CoalescedWrites(record.write)
     record.value.append(1)
     first = writes.changed()
@@ -56,6 +58,12 @@ async def test_no_caller_hears_its_change_stored_before_a_write_that_carries_it_
     record.value.append(2)
     second = writes.changed()
     record.gate.release()
+    return first, second
+
+
+async def test_no_caller_hears_its_change_stored_before_a_write_that_carries_it_lands() -> None:
+    record = Record()
+    first, second = await change_twice_then_let_one_write_land(record)
     await first
     # The first write landed without 2: its caller is still waiting.
     assert record.stored == [[1]] and not second.done()
@@ -66,13 +74,7 @@ async def test_no_caller_hears_its_change_stored_before_a_write_that_carries_it_
 
 async def test_a_failed_write_fails_its_callers_and_later_changes_are_written_again() -> None:
     record = Record(fail_writes=1)
-    writes = CoalescedWrites(record.write)
-    record.value.append(1)
-    first = writes.changed()
-    await asyncio.sleep(0)
-    record.value.append(2)
-    second = writes.changed()
-    record.gate.release()
+    first, second = await change_twice_then_let_one_write_land(record)
     with pytest.raises(RuntimeError, match="etcd refused"):
         await first
     assert not second.done()
