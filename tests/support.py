@@ -5,6 +5,8 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+import subprocess
+import sys
 import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
@@ -61,3 +63,19 @@ def stop_process(pid: int, timeout: float = 10.0) -> None:
         if time.monotonic() > deadline:
             raise AssertionError(f"pid {pid} not stopped {timeout}s after SIGSTOP: {states}")
         time.sleep(0.001)
+
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def run_benchmark(
+    script: str, *args: str, timeout: float = 100
+) -> subprocess.CompletedProcess[str]:
+    """benchmarks/<script> run to the end with this interpreter, from the repository root."""
+    return subprocess.run(
+        [sys.executable, str(REPO / "benchmarks" / script), *args],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )

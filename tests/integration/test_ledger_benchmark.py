@@ -6,11 +6,9 @@ often than they change the ledger, and every change was stored."""
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[2]
+from tests.support import run_benchmark
 
 
 def test_the_ledger_benchmark_runs_and_shared_writes_are_fewer_than_changes(
@@ -18,13 +16,7 @@ def test_the_ledger_benchmark_runs_and_shared_writes_are_fewer_than_changes(
 ) -> None:
     rows_path = tmp_path / "rows.json"
     args = ["--callers", "1,8", "--changes", "48", "--background", "16", "--json", str(rows_path)]
-    done = subprocess.run(
-        [sys.executable, str(REPO / "benchmarks" / "ledger_writes.py"), *args],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=100,
-    )
+    done = run_benchmark("ledger_writes.py", *args)
 
     assert done.returncode == 0, done.stderr[-3000:]
     rows = {(r["callers"], r["mode"]): r for r in json.loads(rows_path.read_text())["rows"]}

@@ -5,13 +5,12 @@ benchmark prints its own ratios); every column must only have been measured."""
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[2]
+from tests.support import run_benchmark
+
 COLUMNS = ("memcpy", "plain", "plain_verified", "ucx", "ucx_again", "ucx_cold", "grpc", "publish")
 
 
@@ -20,13 +19,7 @@ def test_the_weight_benchmark_measures_every_column(tmp_path: Path) -> None:
     report_path = tmp_path / "report.json"
     args = ["--sizes", "1,2", "--bucket-mib", "1", "--repeat", "1", "--pullers", "2"]
     args += ["--fanout-mib", "2", "--json", str(report_path)]
-    done = subprocess.run(
-        [sys.executable, str(REPO / "benchmarks" / "weight_transfer.py"), *args],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=100,
-    )
+    done = run_benchmark("weight_transfer.py", *args)
 
     assert done.returncode == 0, done.stderr[-3000:]
     report = json.loads(report_path.read_text())
