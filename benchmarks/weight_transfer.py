@@ -484,15 +484,21 @@ def memcpy_gbps(nbytes: int, repeat: int, device: torch.device) -> float:
 
 def checksum_gbps(nbytes: int, bucket: int, device: torch.device, threads: int) -> float:
     """What bucket checksums alone reach here on `threads` threads (the publisher hashes on
-    the transport's pool; a puller hashes host buckets on one thread, its event loop's)."""
+    the transport's pool; a puller hashes host buckets on one thread, its event loop's).
+
+    Warm, as in a pull: an untimed pass first makes wsum128's coefficients and each thread's
+    CUDA stream (timed, they made an H200's wsum128 read 0.7-4.5 GB/s on one thread against
+    145-200 warm)."""
     from services.common.checksums import algorithm_for, bucket_checksum
 
     data = torch.randint(0, 256, (nbytes,), dtype=torch.uint8).to(device)
     sync(device)
     views = [data[s : s + bucket] for s in range(0, nbytes, bucket)]
+    algorithms = [algorithm_for(device)] * len(views)
     with ThreadPoolExecutor(max_workers=threads) as pool:
+        list(pool.map(bucket_checksum, views, algorithms))
         started = time.perf_counter()
-        list(pool.map(bucket_checksum, views, [algorithm_for(device)] * len(views)))
+        list(pool.map(bucket_checksum, views, algorithms))
         return nbytes / (time.perf_counter() - started) / 1e9
 
 
