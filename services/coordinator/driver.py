@@ -108,6 +108,8 @@ class JobDriver:
         self.executor = RecoveryExecutor(self)
         self.accounts: dict[str, EttrAccount] = {}
         """ETTR per job, saved at <prefix>/ettr/<job> on every step."""
+        self.unreadable: dict[str, str] = {}
+        """Job -> why its ledger in etcd could not be read at election (`_reload`)."""
         self.generated: dict[str, dict[str, tuple[float, float]]] = {}
         """job -> delivered group -> when it was generated, until it trains (then it counts)."""
         self._preparing: dict[str, tuple[str, asyncio.Task[None]]] = {}
@@ -143,20 +145,42 @@ class JobDriver:
             await writes.stop()
 
     async def on_elected(self) -> None:
-        """Reload every running job's ledger from etcd (a new leader trusts only etcd)."""
-        assert self.runtime.client is not None
+        """Reload every job's ledger and ETTR account from etcd (a new leader trusts only
+        etcd). Finished jobs too: one that ended just before a failover still gets settled."""
         self.ledgers.clear()
+        self.unreadable.clear()
         records, _ = await self.store.list_all()
         for record, _ in records:
-            # Finished jobs too: one that ended just before a failover still gets settled.
-            raw = await self.runtime.client.get(self.runtime.keys.work(record.job_id))
-            if raw is not None:
-                self.ledgers[record.job_id] = packed.load(work.WorkLedger, raw.value)
-            raw = await self.runtime.client.get(self.runtime.keys.ettr(record.job_id))
-            if raw is not None:
-                self.accounts[record.job_id] = packed.load(EttrAccount, raw.value)
+            await self._reload(record)
         log.info("coordinator.ledgers_reloaded", jobs=len(self.ledgers))
         self.executor.start()
+
+    async def _reload(self, record: JobRecord) -> None:
+        """Load one job's records. One this leader cannot read (a corrupt value, or one that a
+        newer release wrote in a shape this one does not know) costs that job alone, never the
+        election: a job whose ledger is unreadable is failed at the next tick, since nobody can
+        tell which of its groups were trained; an unreadable ETTR account leaves the job
+        running without one. Either value stays in etcd as it was, for a person to look at."""
+        assert self.runtime.client is not None
+        job_id, keys = record.job_id, self.runtime.keys
+        raw = await self.runtime.client.get(keys.work(job_id))
+        if raw is not None:
+            try:
+                self.ledgers[job_id] = packed.load(work.WorkLedger, raw.value)
+            except ValueError as exc:
+                detail = " ".join(str(exc).split())  # pydantic's are several lines
+                self.unreadable[job_id] = (
+                    f"its work ledger at {keys.work(job_id).decode()} cannot be read, so which "
+                    f"groups were trained is unknown: {detail[:300]}"
+                )
+                log.error("coordinator.ledger_unreadable", job=job_id, error=detail)
+        raw = await self.runtime.client.get(keys.ettr(job_id))
+        if raw is not None:
+            try:
+                self.accounts[job_id] = packed.load(EttrAccount, raw.value)
+            except ValueError as exc:
+                self.accounts.pop(job_id, None)
+                log.error("coordinator.ettr_account_unreadable", job=job_id, error=str(exc))
 
     def wake(self) -> None:
         """Supervise now instead of at the next tick (a recovery left a role to fill)."""
@@ -269,14 +293,25 @@ class JobDriver:
         records, _ = await self.store.list_all()
         members, _ = await self.registry.list()
         for record, _ in records:
-            async with self.lock(record.job_id):
-                if record.phase is Phase.PENDING:
-                    await self._try_start(record, members)
-                elif record.phase in (Phase.RUNNING, Phase.RECOVERING):
-                    await self._supervise(record, members)
-                else:
-                    await self._release(record.job_id, members)
+            try:
+                async with self.lock(record.job_id):
+                    await self._tick_job(record, members)
+            except Exception as exc:  # one job's trouble must not hold up the others
+                log.warning("coordinator.job_tick_failed", job=record.job_id, error=repr(exc))
         self._prepare_standbys([r for r, _ in records], members)
+
+    async def _tick_job(self, record: JobRecord, members: list[MemberRecord]) -> None:
+        unreadable = self.unreadable.get(record.job_id)
+        if unreadable is not None:
+            if record.phase not in jobs.TERMINAL:
+                await self.fail(record.job_id, unreadable)  # the next tick releases it
+            del self.unreadable[record.job_id]
+        elif record.phase is Phase.PENDING:
+            await self._try_start(record, members)
+        elif record.phase in (Phase.RUNNING, Phase.RECOVERING):
+            await self._supervise(record, members)
+        else:
+            await self._release(record.job_id, members)
 
     def _prepare_standbys(self, records: list[JobRecord], members: list[MemberRecord]) -> None:
         """Have each free warm standby trainer build the model of a running job ahead (PREPARE),

@@ -286,6 +286,77 @@ async def test_a_new_leader_reloads_records_stored_as_plain_json_and_writes_them
             await client.close()
 
 
+async def test_an_unreadable_record_costs_its_own_job_and_never_the_election(
+    etcd_settings: EtcdSettings,
+) -> None:
+    """A real etcd holding a corrupt ledger for one running job, a ledger in a shape this
+    release does not know for a finished one, and a corrupt ETTR account for a healthy running
+    job. A coordinator elected over them leads (the takeover used to fail and retry forever,
+    for every job), fails only the job whose ledger it cannot read, with why, keeps the other
+    running with its ledger, and leaves every unreadable value in etcd as it was."""
+    async with lone_leader(etcd_settings, "writer") as (runtime, leadership, _):
+        assert runtime.client is not None
+        keys = runtime.keys
+        for job_id, phase in (
+            ("bad", Phase.RUNNING),
+            ("ok", Phase.RUNNING),
+            ("old", Phase.CANCELLED),
+        ):
+            record = transition(new_job(job_id, {"name": job_id}, 0.0), phase, "x", now=0.0)
+            await JobStore(runtime.client, keys).create(record, leadership.guard())
+        healthy = work.WorkLedger(job_id="ok")
+        work.lease(
+            healthy, instance_id="r", epoch=1, max_groups=4, budget=4, now=0, lease_seconds=60
+        )
+        unreadable = {
+            keys.work("bad"): b"\x78\x01garbage",
+            keys.work("old"): b'{"job_id": "old", "open": 7}',
+            keys.ettr("ok"): b"{not json",
+        }
+        await runtime.client.put(keys.work("ok"), packed.dump(healthy))
+        for key, value in unreadable.items():
+            await runtime.client.put(key, value)
+
+    async with lone_leader(etcd_settings, "reader") as (runtime, leadership, driver):
+        assert leadership.is_leader and runtime.client is not None
+        assert driver.ledger("ok") == healthy and "ok" not in driver.accounts
+        await driver.tick()
+
+        bad, _ = await driver.store.get("bad")
+        assert bad.phase is Phase.FAILED
+        assert "work ledger" in bad.message and "cannot be read" in bad.message
+        assert "not a WorkLedger record" in bad.message
+        ok, _ = await driver.store.get("ok")
+        old, _ = await driver.store.get("old")
+        assert (ok.phase, old.phase) == (Phase.RUNNING, Phase.CANCELLED)
+        for key, value in unreadable.items():
+            stored = await runtime.client.get(key)
+            assert stored is not None and stored.value == value
+
+
+async def test_a_job_whose_supervision_fails_does_not_hold_up_the_jobs_after_it(
+    etcd_settings: EtcdSettings,
+) -> None:
+    """A real leader and etcd: a running job whose spec no longer validates is listed first;
+    the leader's round still supervises the job after it (its expired lease is taken back)."""
+    async with lone_leader(etcd_settings, "isolate") as (_, leadership, driver):
+        specs: dict[str, dict[str, object]] = {"aaa": {"unknown": 1}, "zzz": {"name": "zzz"}}
+        for job_id, spec in specs.items():
+            record = transition(new_job(job_id, spec, 0.0), Phase.RUNNING, "x", now=0.0)
+            await driver.store.create(record, leadership.guard())
+        for job_id in ("aaa", "zzz"):
+            ledger = driver.ledgers[job_id] = work.WorkLedger(job_id=job_id)
+            work.lease(
+                ledger, instance_id="r", epoch=1, max_groups=2, budget=2, now=0, lease_seconds=1
+            )
+            await driver.save_ledger(ledger)
+
+        await driver.tick()
+
+        assert driver.ledger("zzz").open == {}
+        assert (await driver.store.get("aaa"))[0].phase is Phase.RUNNING
+
+
 async def test_the_leader_pages_dropped_groups_out_of_the_ledger_in_the_same_write(
     etcd_settings: EtcdSettings,
 ) -> None:
