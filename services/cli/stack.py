@@ -241,7 +241,9 @@ def alarm_warning(endpoints: str, alarms: list[str] | None = None) -> str | None
     if "NOSPACE" in alarms:
         return (
             f"etcd at {endpoints} is out of space (alarm NOSPACE): it refuses every write, so "
-            "no job makes progress and no member can register. Compact and defragment it "
+            "no job makes progress and no member can register. The coordinator leader frees it "
+            "within seconds unless etcd_space_recovery is off or the live data fills the quota "
+            "(see its log: etcd.space_*). By hand: compact and defragment it "
             "(etcdctl compact, etcdctl defrag), then disarm the alarm (etcdctl alarm disarm); "
             "a local stack starts with an empty etcd after `robustrl down --purge` and `up`."
         )

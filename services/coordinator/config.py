@@ -34,6 +34,11 @@ class CoordinatorSettings(ServiceSettings):
     their own (<prefix>/dropped/<job>/<n>): the ledger, rewritten on every lease, stays small
     however many groups a long job drops."""
 
+    etcd_space_recovery: bool = True
+    """Whether the leader gets etcd out of NOSPACE by itself (coordinator/space.py: compact,
+    defragment each member, disarm), which otherwise stops every job until a person does it.
+    Off where etcd's operators run their own maintenance."""
+
     provisioner: Literal["local", "external", "none"] = "local"
     """Who starts replacement members: `local` starts service processes on this host (the
     local stack); `external` sends each request to a scheduler connected over the

@@ -38,6 +38,7 @@ from services.coordinator.executor import RecoveryExecutor
 from services.coordinator.jobs import JobRecord, Phase
 from services.coordinator.leadership import Leadership
 from services.coordinator.provisioner import NoProvisioner, Provisioner
+from services.coordinator.space import SpaceKeeper
 from services.coordinator.store import JobStore, dropped_pages
 from services.monitor.detectors import MemberView
 from services.monitor.incidents import new_incident
@@ -90,7 +91,10 @@ class JobDriver:
         lease_seconds: float,
         ledger_page_size: int = work.PAGE_SIZE,
         unreported_loss_after: float = 15.0,
+        space: SpaceKeeper | None = None,
     ) -> None:
+        """`space`: what gets etcd out of NOSPACE in the leader's rounds; None leaves it to a
+        person."""
         self.runtime = runtime
         self.leadership = leadership
         self.tick_interval = tick_interval
@@ -119,6 +123,7 @@ class JobDriver:
         self.unreported_loss_after = unreported_loss_after
         self._missing: dict[tuple[str, str], float] = {}
         """(job, bound member) -> since when it is missing from the registry (`_unreported`)."""
+        self.space = space
 
     # ------------------------------------------------------------------ plumbing
 
@@ -290,6 +295,11 @@ class JobDriver:
     # ------------------------------------------------------------------ supervision
 
     async def tick(self) -> None:
+        if self.space is not None:
+            try:
+                await self.space.keep()  # first: under NOSPACE the rest cannot write
+            except Exception as exc:
+                log.warning("coordinator.etcd_space_check_failed", error=repr(exc))
         records, _ = await self.store.list_all()
         members, _ = await self.registry.list()
         for record, _ in records:

@@ -33,6 +33,7 @@ from services.coordinator.provisioner import (
     LocalProvisioner,
     Scheduler,
 )
+from services.coordinator.space import SpaceKeeper
 from services.coordinator.store import JobStore
 
 log = get_logger(__name__)
@@ -273,6 +274,7 @@ async def serve(settings: CoordinatorSettings, etcd: EtcdSettings) -> ServiceRun
         lease_seconds=settings.lease_seconds,
         ledger_page_size=settings.ledger_page_size,
         unreported_loss_after=settings.unreported_loss_after,
+        space=SpaceKeeper(lambda: runtime.client, etcd) if settings.etcd_space_recovery else None,
     )
     coordinator_pb2_grpc.add_CoordinatorServicer_to_server(
         CoordinatorServicer(runtime, leadership, driver), runtime.host.server

@@ -1,18 +1,22 @@
-"""Coordinator replicas and a monitor as real gRPC servers in this process, on free ports."""
+"""Coordinator replicas and a monitor as real gRPC servers in this process, on free ports; an
+etcd with a small quota."""
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+import subprocess
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
 
 import pytest
 
+from services.cli.stack import etcd_argv, etcd_healthy, free_ports
 from services.common.config import EtcdSettings
 from services.common.runtime import ServiceRuntime
 from services.coordinator.config import CoordinatorSettings
 from services.coordinator.server import serve as serve_coordinator
 from services.monitor.config import MonitorSettings
 from services.monitor.server import serve as serve_monitor
-from tests.support import eventually
+from tests.support import eventually, eventually_sync
 
 
 async def leader_of(runtimes: list[ServiceRuntime]) -> ServiceRuntime | None:
@@ -101,3 +105,25 @@ async def external_coordinators(
     yield runtimes
     for runtime in runtimes:
         await runtime.shutdown()
+
+
+@pytest.fixture
+def small_etcd(tmp_path: Path) -> Iterator[str]:
+    """An etcd with a 1 MiB quota; its client endpoint. Stopped by pid at the end."""
+    client, peer = free_ports(2)
+    proc = subprocess.Popen(
+        [
+            *etcd_argv("small", tmp_path / "etcd", client, peer),
+            "--quota-backend-bytes=1048576",
+            "--log-level=error",
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    endpoints = f"127.0.0.1:{client}"
+    try:
+        eventually_sync(lambda: etcd_healthy(endpoints), timeout=30)
+        yield endpoints
+    finally:
+        proc.kill()
+        proc.wait()

@@ -8,6 +8,7 @@ import os
 import sys
 import time
 from collections.abc import AsyncIterator
+from typing import Any
 
 import grpc
 import pytest
@@ -54,7 +55,7 @@ async def code_of(call: object) -> grpc.aio.AioRpcError:
 
 @contextlib.asynccontextmanager
 async def lone_leader(
-    etcd_settings: EtcdSettings, name: str, **driver_options: int
+    etcd_settings: EtcdSettings, name: str, **driver_options: Any
 ) -> AsyncIterator[tuple[ServiceRuntime, Leadership, JobDriver]]:
     """One coordinator runtime that has won its election, with a driver that does not tick on
     its own (the test calls it); stopped on the way out."""

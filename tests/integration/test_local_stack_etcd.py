@@ -5,8 +5,6 @@ from __future__ import annotations
 import asyncio
 import os
 import socket
-import subprocess
-from collections.abc import Iterator
 from pathlib import Path
 
 import aetcd
@@ -19,7 +17,6 @@ from services.cli.stack import (
     alarm_warning,
     etcd_alarms,
     etcd_answers,
-    etcd_argv,
     etcd_healthy,
     free_ports,
     provisioned_procs,
@@ -27,31 +24,9 @@ from services.cli.stack import (
 from services.common.config import EtcdSettings
 from services.common.keys import KeySpace
 from services.coordinator.provisioner import ProvisionedRecord
-from tests.support import eventually, eventually_sync
+from tests.support import eventually
 
 PREFIX = "/robustrl-test"
-
-
-@pytest.fixture
-def small_etcd(tmp_path: Path) -> Iterator[str]:
-    """An etcd with a 1 MiB quota; its client endpoint. Stopped by pid at the end."""
-    client, peer = free_ports(2)
-    proc = subprocess.Popen(
-        [
-            *etcd_argv("small", tmp_path / "etcd", client, peer),
-            "--quota-backend-bytes=1048576",
-            "--log-level=error",
-        ],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
-    endpoints = f"127.0.0.1:{client}"
-    try:
-        eventually_sync(lambda: etcd_healthy(endpoints), timeout=30)
-        yield endpoints
-    finally:
-        proc.kill()
-        proc.wait()
 
 
 def _record(logs: Path) -> ProvisionedRecord:
