@@ -16,7 +16,7 @@ import pydantic
 from prometheus_client import Counter, Histogram
 
 from services.common.errors import RobustrlError, describe_validation_error
-from services.common.etcd_client import ETCD_UNREACHABLE
+from services.common.etcd_client import ETCD_UNREACHABLE, etcd_out_of_space
 from services.common.logs import get_logger
 
 log = get_logger(__name__)
@@ -36,6 +36,14 @@ def _status_of(exc: BaseException) -> tuple[grpc.StatusCode, str, dict[str, str]
         )
     if isinstance(exc, ETCD_UNREACHABLE):
         return grpc.StatusCode.UNAVAILABLE, f"etcd unreachable, retry later ({exc})", {}
+    if etcd_out_of_space(exc):
+        # Every client rides out UNAVAILABLE; the leader frees etcd within seconds.
+        return (
+            grpc.StatusCode.UNAVAILABLE,
+            f"etcd is out of space (NOSPACE) and takes no write until it is freed, retry later "
+            f"({exc})",
+            {},
+        )
     return None
 
 

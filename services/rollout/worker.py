@@ -41,7 +41,7 @@ from services.common.aio import cancel_and_wait
 from services.common.channels import open_channel
 from services.common.coordinator_client import NO_LEADER_ANSWER, CoordinatorClient
 from services.common.errors import InvalidArgument, Unavailable
-from services.common.etcd_client import ETCD_UNREACHABLE, until_etcd_answers
+from services.common.etcd_client import etcd_unavailable, until_etcd_answers
 from services.common.jobspec import JobSpec
 from services.common.logs import get_logger
 from services.common.runtime import ServiceRuntime
@@ -464,7 +464,11 @@ class RolloutWorker:
                 assert self.transport is not None
                 try:
                     tensors = await self.transport.fetch(latest)
-                except (WeightIntegrityError, grpc.aio.AioRpcError, *ETCD_UNREACHABLE) as exc:
+                except Exception as exc:
+                    if not isinstance(
+                        exc, WeightIntegrityError | grpc.aio.AioRpcError
+                    ) and not etcd_unavailable(exc):
+                        raise
                     log.warning(
                         "rollout.weights_pull_failed", version=latest.version, error=str(exc)[:200]
                     )

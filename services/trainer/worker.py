@@ -14,10 +14,11 @@ import json
 import math
 import time
 from collections import defaultdict
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
+import grpc
 import torch
 
 from robustrl.v1 import coordinator_pb2, trainer_pb2
@@ -50,6 +51,14 @@ REPORT_DEADLINE = 10.0
 WAITING_ETCD = "waiting_etcd"
 WAITING_COORDINATOR = "waiting_coordinator"
 STOPPED_ON_ERROR = "stopped_on_error"
+FINAL_REPORT_CODES = frozenset(
+    {
+        grpc.StatusCode.FAILED_PRECONDITION,
+        grpc.StatusCode.INVALID_ARGUMENT,
+        grpc.StatusCode.NOT_FOUND,
+    }
+)
+"""Answers to a report that sending it again cannot change."""
 """Phase of a trainer whose step loop ended on an error: it waits to be fenced and replaced."""
 
 
@@ -312,14 +321,19 @@ class TrainerWorker:
             # when the same error came back after a replacement (coordinator/recovery.py).
             log.error("trainer.failed", job=self.job_id, step=self.step, exc_info=exc)
             self.progress.enter(STOPPED_ON_ERROR)
-            with contextlib.suppress(Exception):
-                await self._report(
-                    {},
-                    [],
-                    {},
-                    error=f"{type(exc).__name__}: {exc}",
-                    error_in_job=isinstance(exc, JOB_ERRORS),
-                )
+            await self._report_error(exc)
+
+    async def _report_error(self, exc: Exception) -> None:
+        """Tell the leader why this trainer stopped (`report_until_heard`)."""
+        await report_until_heard(
+            lambda: self._report(
+                {},
+                [],
+                {},
+                error=f"{type(exc).__name__}: {exc}",
+                error_in_job=isinstance(exc, JOB_ERRORS),
+            )
+        )
 
     async def _start_ranks(self) -> None:
         """Start ranks 1..N-1 on this host and give them this rank's (maybe restored) state."""
@@ -575,6 +589,31 @@ class TrainerWorker:
     def inject_error(self, step: int) -> None:
         """Chaos (Control INJECT_ERROR): stop with an error at `step`, this trainer only."""
         self.error_steps.add(step)
+
+
+async def report_until_heard(
+    send: Callable[[], Awaitable[object]], first_delay: float = 0.5, max_delay: float = 10.0
+) -> bool:
+    """Send a stopped trainer's error report until the leader has heard it (True), or has
+    answered that it never will (False: FINAL_REPORT_CODES, as when the trainer was fenced).
+    A stopped trainer has no hang budget, so a report lost on the way left its job waiting for
+    ever; that was seen when etcd was out of space and the leader answered UNKNOWN. Any other
+    failure is logged and the report sent again, `first_delay` doubling up to `max_delay`."""
+    delay = first_delay
+    while True:
+        try:
+            await send()
+            return True
+        except grpc.aio.AioRpcError as refused:
+            if refused.code() in FINAL_REPORT_CODES:
+                log.warning("trainer.error_not_reported", reason=refused.details())
+                return False
+            failure = f"{refused.code().name}: {refused.details()}"
+        except Exception as other:  # anything else: say so and try again
+            failure = repr(other)
+        log.warning("trainer.error_report_failed", error=failure[:200], retry_in_s=delay)
+        await asyncio.sleep(delay)
+        delay = min(delay * 2, max_delay)
 
 
 async def report_to_coordinator(

@@ -4,6 +4,7 @@ is trained or accounted for."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import functools
 import json
@@ -45,6 +46,7 @@ STANDBY_STEPS = 200
 EXTERNAL_STEPS = 320
 BOTH_KILLED_STEPS = 160
 ETCD_OUTAGE_STEPS = 160
+NOSPACE_STEPS = 120
 NO_MONITOR_STEPS = 400
 NO_MONITOR_GRACE_S = 6.0
 """The leader's `unreported_loss_after` in that test (15 s by default): more than the session
@@ -416,6 +418,38 @@ def test_etcd_unreachable_for_longer_than_the_ttl_replaces_nothing_and_loses_not
     assert after == data_plane
     assert_nothing_lost_or_trained_twice(
         stack, "eu", tmp_path / "runs" / "eu", steps_run=ETCD_OUTAGE_STEPS
+    )
+
+
+def test_an_etcd_out_of_space_is_freed_by_the_leader_and_the_job_goes_on(
+    stack: Cli, model_dir: Path, tmp_path: Path
+) -> None:
+    # NOSPACE raised mid-job (etcd's own alarm, as a full quota raises it): etcd refuses
+    # every write, so no lease, completion or step record lands. Before, the job stopped
+    # there until a person disarmed the alarm. The leader frees etcd within its check
+    # interval (5 s) and the job finishes with the same processes and nothing lost.
+    import aetcd
+    from aetcd import rpc
+
+    submit(stack, model_dir, "ns", f"trainer.steps={NOSPACE_STEPS}")
+    eventually_sync(lambda: step_of(stack, "ns") >= 8, timeout=180)
+    data_plane = data_plane_pids(stack)
+    host, port = json.loads((stack.home / "stack.json").read_text())["etcd_endpoints"].split(":")
+
+    async def raise_nospace() -> list[int]:
+        async with aetcd.Client(host=host, port=int(port)) as client:
+            await client.create_alarm()
+            return [a.alarm_type async for a in client.list_alarms()]
+
+    assert asyncio.run(raise_nospace()) == [rpc.NOSPACE]
+    finish(stack, "ns")
+    logs = stack.home / "logs"
+    coordinator_logs = "".join(p.read_text() for p in logs.glob("coordinator-*.log"))
+    assert "etcd.space_recovered" in coordinator_logs
+    assert incidents(stack, "ns") == [] and recoveries(stack, "ns") == []
+    assert data_plane_pids(stack) == data_plane
+    assert_nothing_lost_or_trained_twice(
+        stack, "ns", tmp_path / "runs" / "ns", steps_run=NOSPACE_STEPS
     )
 
 

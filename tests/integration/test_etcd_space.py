@@ -7,14 +7,19 @@ from __future__ import annotations
 import os
 
 import aetcd
+import grpc
 import pytest
 from aetcd import rpc
 
+from robustrl.v1 import coordinator_pb2 as pb
+from robustrl.v1 import coordinator_pb2_grpc
 from services.common.config import EtcdSettings
 from services.coordinator import work
 from services.coordinator.jobs import Phase, new_job, transition
 from services.coordinator.space import SpaceKeeper
-from tests.integration.test_coordinator import lone_leader
+from tests.integration.conftest import start_coordinators
+from tests.integration.test_coordinator import SPEC, lone_leader
+from tests.support import eventually
 
 PREFIX = "/robustrl-space"
 CHUNK = 100_000
@@ -92,3 +97,42 @@ async def test_a_quota_full_of_live_data_is_freed_ever_less_often(small_etcd: st
         assert keeper.recoveries == 5
     finally:
         await client.close()
+
+
+@pytest.mark.parametrize("recovery", [True, False])
+async def test_coordinator_replicas_answer_unavailable_under_nospace_until_the_leader_frees_it(
+    small_etcd: str, recovery: bool
+) -> None:
+    """Real replicas (coordinator.server). While etcd refuses writes, a write to the leader is
+    UNAVAILABLE, which every client rides out (it used to be UNKNOWN, and a trainer whose
+    report met it stopped on an error); with `etcd_space_recovery` (the default) the leader
+    frees etcd and the write goes through; with it off, the alarm stays for a person."""
+    settings = EtcdSettings(endpoints=small_etcd, prefix=PREFIX)
+    runtimes = await start_coordinators(settings, etcd_space_recovery=recovery)
+    client = aetcd.Client(*settings.endpoint_list()[0])
+    channel = grpc.aio.insecure_channel(runtimes[0].address)
+    api = coordinator_pb2_grpc.CoordinatorStub(channel)
+    try:
+        await client.create_alarm()  # as a full quota raises it
+
+        async def submitted() -> bool:
+            try:
+                await api.SubmitJob(pb.SubmitJobRequest(spec=SPEC), timeout=5)
+            except grpc.aio.AioRpcError as exc:
+                assert exc.code() is grpc.StatusCode.UNAVAILABLE, exc
+                assert "out of space" in (exc.details() or "")
+                return False
+            return True
+
+        if recovery:
+            await eventually(submitted, timeout=15)
+            assert not await nospace(client)
+        else:
+            for _ in range(3):
+                assert not await submitted()
+            assert await nospace(client)
+    finally:
+        await channel.close()
+        await client.close()
+        for runtime in runtimes:
+            await runtime.shutdown()
