@@ -201,7 +201,15 @@ class RoleControl:
         self.binding = after
         if after != before:
             self.runtime.progress.job_id = after.job_id
-            await self.runtime.update_member(job_id=after.job_id, epoch=after.epoch)
+            try:
+                await self.runtime.update_member(job_id=after.job_id, epoch=after.epoch)
+            except BaseException:
+                # Not in the registry (etcd refused it): not bound here either, or this
+                # instance would refuse every other job while the leader takes it for free.
+                if self.binding is after:  # no other control changed it meanwhile
+                    self.binding = before
+                    self.runtime.progress.job_id = before.job_id
+                raise
             log.info(
                 f"{self.runtime.role}.control",
                 action=trainer_pb2.ControlRequest.Action.Name(request.action),

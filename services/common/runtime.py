@@ -174,12 +174,21 @@ class ServiceRuntime:
             # change would be lost to the next re-registration, as a fenced rollout's leaving
             # its job once was).
             async with self._writes:
-                self.member = self.member.changed(labels, **changes)  # re-registrations too
+                before = self.member
+                self.member = before.changed(labels, **changes)  # re-registrations too
                 try:
                     self.member = await self.registry.register(session, self.member)
                     return
                 except LeaseGone:
                     pass
+                except BaseException:
+                    # Not written (etcd refused it, or the caller gave up): the record in
+                    # memory must not claim it was. It did once, when etcd was out of space:
+                    # a standby's "prepared" label stayed in memory only, so every PREPARE
+                    # after found it labelled and wrote nothing, and the leader, which binds
+                    # only a member whose record says prepared, never bound it.
+                    self.member = before
+                    raise
             session = await self.next_session(after=session)
 
     async def _leave(self) -> None:

@@ -16,6 +16,7 @@ from services.common.election import Election, current_leader
 from services.common.etcd_client import ETCD_UNREACHABLE, connect_etcd
 from services.common.keys import KeySpace
 from services.common.registry import MemberRecord, Registry
+from services.common.role_server import RoleControl
 from services.common.runtime import ServiceRuntime
 from services.common.session import Session
 from services.common.watch import Delete, Put, Resync, list_prefix, next_change, watch_prefix
@@ -276,6 +277,61 @@ async def test_a_member_change_made_after_its_lease_expired_is_not_lost(
         assert record.lease_id == runtime.session.lease_id
         assert record.job_id == "" and record.labels["fenced"] == "true"
     finally:
+        await runtime.shutdown()
+
+
+async def test_a_member_change_that_etcd_refused_is_not_kept_in_memory(
+    small_etcd: str,
+) -> None:
+    """etcd out of space refuses a standby's "prepared" label. The record in memory keeps the
+    labels etcd has, so the same change asked again once etcd takes writes is written. It
+    used to stay in memory only: every later PREPARE found the standby labelled and wrote
+    nothing, and the leader, which binds only a member whose record says prepared, waited for
+    ever."""
+    settings = EtcdSettings(endpoints=small_etcd, prefix="/robustrl-refused")
+    runtime = await started_member("trainer", "standby-n", settings, {"standby": "true"})
+    client = aetcd.Client(*settings.endpoint_list()[0])
+    try:
+        [raised] = await client.create_alarm()
+        with pytest.raises(aetcd.exceptions.ClientError, match="database space exceeded"):
+            await runtime.update_member(labels={"prepared": "job-1"})
+        assert runtime.member is not None and runtime.member.labels == {"standby": "true"}
+
+        await client.disarm_alarm(raised.member_id)
+        await runtime.update_member(labels={"prepared": "job-1"})
+
+        record = await stored_member(client, settings, "trainer", "standby-n")
+        assert record is not None and record.labels == {"standby": "true", "prepared": "job-1"}
+    finally:
+        await client.close()
+        await runtime.shutdown()
+
+
+async def test_a_bind_that_etcd_refused_leaves_the_instance_free(small_etcd: str) -> None:
+    """A BIND whose registry write etcd refuses (out of space) fails, and the instance stays
+    free: bound in memory only, it would have refused every other job while the leader, which
+    reads the registry, took it for free."""
+    from tests.unit.test_prepare_control import SPEC, Action, CountingWorker, request
+
+    settings = EtcdSettings(endpoints=small_etcd, prefix="/robustrl-refused")
+    runtime = await started_member("trainer", "trainer-n", settings)
+    role = RoleControl(runtime, CountingWorker)
+    client = aetcd.Client(*settings.endpoint_list()[0])
+    try:
+        [raised] = await client.create_alarm()
+        with pytest.raises(aetcd.exceptions.ClientError, match="database space exceeded"):
+            await role.Control(request(Action.ACTION_BIND, "job-1", 1, SPEC), context=None)
+        assert role.binding.job_id == "" and role.worker is None
+
+        await client.disarm_alarm(raised.member_id)
+        await role.Control(request(Action.ACTION_BIND, "job-2", 1, SPEC), context=None)
+
+        record = await stored_member(client, settings, "trainer", "trainer-n")
+        assert record is not None and record.job_id == "job-2"
+        assert role.binding.job_id == "job-2"
+    finally:
+        await role.stop_worker()
+        await client.close()
         await runtime.shutdown()
 
 
