@@ -16,6 +16,9 @@ from services.common.errors import FailedPrecondition, Fenced, InvalidArgument
 
 Action = trainer_pb2.ControlRequest.Action
 
+FIRST_EPOCH = 1
+"""The epoch a job's first members are bound at; each trainer replacement binds at one more."""
+
 
 @dataclass(frozen=True)
 class Binding:

@@ -24,6 +24,7 @@ from robustrl.v1 import coordinator_pb2, rollout_pb2_grpc, trainer_pb2, trainer_
 from services.common import packed
 from services.common.aio import cancel_and_wait
 from services.common.channels import open_channel
+from services.common.control import FIRST_EPOCH
 from services.common.errors import Aborted, FailedPrecondition, InvalidArgument, Unavailable
 from services.common.jobspec import JobSpec
 from services.common.logs import get_logger
@@ -52,8 +53,6 @@ CONTROL_DEADLINE = 30.0
 
 PREPARE_DEADLINE = 600.0
 """Seconds a standby gets to build a job's model ahead of need (PREPARE)."""
-
-FIRST_EPOCH = 1
 
 ACCOUNTING_ONLY = frozenset({"step_started_at", "step_work_started_at", "step_ended_at"})
 """Progress metrics that feed ETTR and are not kept in the job record."""

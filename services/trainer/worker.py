@@ -23,6 +23,7 @@ import torch
 
 from robustrl.v1 import coordinator_pb2, trainer_pb2
 from services.common.aio import cancel_and_wait
+from services.common.control import FIRST_EPOCH
 from services.common.coordinator_client import CoordinatorClient
 from services.common.errors import InvalidArgument
 from services.common.etcd_client import until_etcd_answers
@@ -167,6 +168,8 @@ class TrainerWorker:
         the trainer still running."""
         self.prepare()
         assert self.trainer is not None
+        if self.epoch == FIRST_EPOCH:
+            self._set_aside_earlier_run()
         self.checkpoints = checkpoint.CheckpointWriter(
             self.run_dir / "checkpoints",
             keep=self.settings.keep_checkpoints,
@@ -182,6 +185,22 @@ class TrainerWorker:
             self.intake.restored_step = self.step
             self._forget_after(self.step)
             log.info("trainer.restored", job=self.job_id, step=self.step, epoch=self.epoch)
+
+    def _set_aside_earlier_run(self) -> None:
+        """A job's first trainer (FIRST_EPOCH) has nothing to restore: a run folder it finds
+        is an earlier job's that had the same id (deleted, then submitted again). Restoring
+        its checkpoint put the new job at the old one's step, and that job then trained
+        nothing. The folder is renamed, not removed: its checkpoints and logs are kept."""
+        if not self.run_dir.exists() or not any(self.run_dir.iterdir()):
+            return
+        stamp = time.strftime("%Y%m%dT%H%M%S")
+        aside = self.run_dir.with_name(f"{self.run_dir.name}.earlier-{stamp}")
+        n = 0
+        while aside.exists():
+            n += 1
+            aside = self.run_dir.with_name(f"{self.run_dir.name}.earlier-{stamp}-{n}")
+        self.run_dir.rename(aside)
+        log.warning("trainer.earlier_run_set_aside", job=self.job_id, moved_to=str(aside))
 
     def _forget_after(self, step: int) -> None:
         """The run's logs keep only what the restored state contains: steps after the

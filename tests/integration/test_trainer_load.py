@@ -1,0 +1,67 @@
+"""What a trainer loads for a job: the latest checkpoint of that job, and never one of an
+earlier job that had the same id (real model, real checkpoint files)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from services.common.config import EtcdSettings
+from services.common.control import FIRST_EPOCH
+from services.common.jobspec import JobSpec, ModelSpec
+from services.common.runtime import ServiceRuntime
+from services.trainer import checkpoint
+from services.trainer.config import TrainerSettings
+from services.trainer.worker import TrainerWorker
+
+
+def worker(runtime: ServiceRuntime, runs: Path, model_dir: Path, epoch: int) -> TrainerWorker:
+    settings = TrainerSettings(instance_id="trainer-l", runs_dir=str(runs))
+    spec = JobSpec(name="same", model=ModelSpec(path=str(model_dir)))
+    return TrainerWorker(runtime, settings, job_id="same", epoch=epoch, spec=spec)
+
+
+def checkpoint_at(trainer: TrainerWorker, step: int) -> None:
+    assert trainer.checkpoints is not None and trainer.trainer is not None
+    trainer.checkpoints.save(
+        checkpoint.to_host(trainer.model, trainer.trainer.optimizer, step, None, {"job_id": "same"})
+    )
+    trainer.checkpoints.close()
+
+
+async def test_a_first_trainer_sets_an_earlier_jobs_run_aside_and_a_replacement_restores(
+    etcd_settings: EtcdSettings, tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    """An earlier job with this id left a checkpoint at step 7. The new job's first trainer
+    (FIRST_EPOCH) starts at step 0 and keeps the earlier folder, renamed; it used to restore
+    step 7, and that job then trained nothing. A replacement (a later epoch) restores the new
+    job's own checkpoint."""
+    runs = tmp_path / "runs"
+    runtime = ServiceRuntime(
+        "trainer", TrainerSettings(instance_id="trainer-l"), etcd_settings, service_names=[]
+    )
+    await runtime.start()
+    try:
+        loads_only_its_own_jobs_run(runtime, runs, tiny_model_dir)
+    finally:
+        await runtime.shutdown()
+
+
+def loads_only_its_own_jobs_run(runtime: ServiceRuntime, runs: Path, tiny_model_dir: Path) -> None:
+    earlier = worker(runtime, runs, tiny_model_dir, FIRST_EPOCH)
+    earlier.load()
+    checkpoint_at(earlier, 7)
+    (runs / "same" / "metrics.jsonl").write_text('{"step": 7}\n')
+
+    first = worker(runtime, runs, tiny_model_dir, FIRST_EPOCH)
+    first.load()
+
+    assert (first.step, first.restored_step) == (0, 0)
+    [aside] = [p for p in runs.iterdir() if p.name.startswith("same.earlier-")]
+    assert (aside / "metrics.jsonl").read_text() == '{"step": 7}\n'
+    assert checkpoint.load_latest(aside / "checkpoints").step == 7  # type: ignore[union-attr]
+
+    checkpoint_at(first, 3)
+    replacement = worker(runtime, runs, tiny_model_dir, FIRST_EPOCH + 1)
+    replacement.load()
+    assert (replacement.step, replacement.restored_step) == (3, 3)
+    assert len(list(runs.iterdir())) == 2
