@@ -175,8 +175,11 @@ def etcd_history_flags(retention: str = ETCD_HISTORY_RETENTION) -> list[str]:
     return ["--auto-compaction-mode=periodic", f"--auto-compaction-retention={retention}"]
 
 
-def etcd_argv(name: str, data_dir: Path, client_port: int, peer_port: int) -> list[str]:
-    """The command line of a one-member etcd serving 127.0.0.1 (add flags after it)."""
+def etcd_argv(
+    name: str, data_dir: Path, client_port: int, peer_port: int, cluster: str = ""
+) -> list[str]:
+    """The command line of an etcd member serving 127.0.0.1 (add flags after it): a cluster of
+    its own, or a member of `cluster` (etcd's --initial-cluster, name=peer URL, ...)."""
     peer = f"http://127.0.0.1:{peer_port}"
     return [
         find_etcd(),
@@ -186,7 +189,7 @@ def etcd_argv(name: str, data_dir: Path, client_port: int, peer_port: int) -> li
         f"--advertise-client-urls=http://127.0.0.1:{client_port}",
         f"--listen-peer-urls={peer}",
         f"--initial-advertise-peer-urls={peer}",
-        f"--initial-cluster={name}={peer}",
+        f"--initial-cluster={cluster or f'{name}={peer}'}",
     ]
 
 

@@ -5,6 +5,9 @@ data, which it does not)."""
 from __future__ import annotations
 
 import os
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
 
 import aetcd
 import grpc
@@ -13,13 +16,14 @@ from aetcd import rpc
 
 from robustrl.v1 import coordinator_pb2 as pb
 from robustrl.v1 import coordinator_pb2_grpc
+from services.cli.stack import etcd_argv, etcd_healthy, free_ports
 from services.common.config import EtcdSettings
 from services.coordinator import work
 from services.coordinator.jobs import Phase, new_job, transition
 from services.coordinator.space import SpaceKeeper
 from tests.integration.conftest import start_coordinators
 from tests.integration.test_coordinator import SPEC, lone_leader
-from tests.support import eventually
+from tests.support import eventually, eventually_sync
 
 PREFIX = "/robustrl-space"
 CHUNK = 100_000
@@ -136,3 +140,56 @@ async def test_coordinator_replicas_answer_unavailable_under_nospace_until_the_l
         await client.close()
         for runtime in runtimes:
             await runtime.shutdown()
+
+
+@pytest.fixture
+def small_cluster(tmp_path: Path) -> Iterator[list[str]]:
+    """Three etcd members, each with a 1 MiB quota; their client endpoints. Stopped by pid."""
+    ports = free_ports(6)
+    names = [f"m{i}" for i in range(3)]
+    cluster = ",".join(f"{n}=http://127.0.0.1:{ports[2 * i + 1]}" for i, n in enumerate(names))
+    procs = [
+        subprocess.Popen(
+            [
+                *etcd_argv(n, tmp_path / n, ports[2 * i], ports[2 * i + 1], cluster),
+                "--quota-backend-bytes=1048576",
+                "--log-level=error",
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        for i, n in enumerate(names)
+    ]
+    endpoints = [f"127.0.0.1:{ports[2 * i]}" for i in range(3)]
+    try:
+        for endpoint in endpoints:
+            eventually_sync(lambda e=endpoint: etcd_healthy(e), timeout=30)  # type: ignore[misc]
+        yield endpoints
+    finally:
+        for proc in procs:
+            proc.kill()
+            proc.wait()
+
+
+async def test_every_member_of_a_cluster_is_defragmented_and_disarmed(
+    small_cluster: list[str],
+) -> None:
+    """A three-member cluster filled by rewrites: each member raises NOSPACE under its own id.
+    Given one endpoint only (as behind a service name), the keeper reaches every member at
+    the address it advertises, shrinks each file, and disarms every member's alarm."""
+    settings = EtcdSettings(endpoints=small_cluster[0], prefix=PREFIX)
+    client = aetcd.Client(*settings.endpoint_list()[0])
+    try:
+        await fill(client, one_key=True)
+        raised = {a.member_id async for a in client.list_alarms() if a.alarm_type == rpc.NOSPACE}
+        assert len(raised) >= 2  # one alarm per member that reached its quota
+
+        recovery = await SpaceKeeper(lambda: client, settings, check_every=0).keep()
+
+        assert recovery is not None and not await nospace(client)
+        for endpoint in small_cluster:
+            async with aetcd.Client(*EtcdSettings(endpoints=endpoint).endpoint_list()[0]) as one:
+                assert (await one.status()).db_size < recovery.db_bytes_before // 4
+        await client.put(f"{PREFIX}/after".encode(), b"taken")
+    finally:
+        await client.close()
