@@ -18,8 +18,9 @@ returns within twice the gap after a recovery, the gap before the next one doubl
 
 from __future__ import annotations
 
+import contextlib
 import time
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from urllib.parse import urlsplit
 
@@ -80,7 +81,7 @@ class SpaceKeeper:
         if now < self._next_check:
             return None
         self._next_check = now + self.check_every
-        if not await self._nospace():
+        if not await nospace_members(self._client()):
             self._waiting_logged = False
             return None
         if self._last_recovery is not None and now < self._last_recovery + self.gap:
@@ -129,16 +130,12 @@ class SpaceKeeper:
                 raise
         after = []
         for host, port in members:
-            member = aetcd.Client(host=host, port=port, timeout=int(self.defrag_timeout))
-            try:
+            async with _member_client(host, port, self.defrag_timeout) as member:
                 await member.defragment()
                 after.append((await member.status()).db_size)
-            finally:
-                await member.close()
         # One deactivation per member that raised it: etcd matches the member id exactly (0,
         # which the client offers for "every member", disarms nothing).
-        raised = {a.member_id async for a in client.list_alarms() if a.alarm_type == rpc.NOSPACE}
-        for member_id in raised:
+        for member_id in await nospace_members(client):
             await client.disarm_alarm(member_id)
         self.recoveries += 1
         return SpaceRecovery(revision, before, max(after), time.perf_counter() - started)
@@ -148,10 +145,6 @@ class SpaceKeeper:
         if client is None:
             raise RuntimeError("not connected to etcd")
         return client
-
-    async def _nospace(self) -> bool:
-        alarms = [a.alarm_type async for a in self._client().list_alarms()]
-        return rpc.NOSPACE in alarms
 
     async def _members(self, client: aetcd.Client) -> list[tuple[str, int]]:
         """Each member's own client endpoint, as it advertises it: the endpoints we were given
@@ -168,14 +161,27 @@ class SpaceKeeper:
     async def _db_bytes(self, members: list[tuple[str, int]]) -> int:
         sizes = []
         for host, port in members:
-            member = aetcd.Client(host=host, port=port, timeout=int(max(1, self.settings.timeout)))
             try:
-                sizes.append((await member.status()).db_size)
+                async with _member_client(host, port, self.settings.timeout) as member:
+                    sizes.append((await member.status()).db_size)
             except aetcd.exceptions.ClientError:
                 continue  # a member that does not answer is not defragmented either: it fails
-            finally:
-                await member.close()
         return max(sizes, default=0)
+
+
+async def nospace_members(client: aetcd.Client) -> set[int]:
+    """The ids of the members that raised NOSPACE (empty: etcd takes writes)."""
+    return {a.member_id async for a in client.list_alarms() if a.alarm_type == rpc.NOSPACE}
+
+
+@contextlib.asynccontextmanager
+async def _member_client(host: str, port: int, timeout: float) -> AsyncIterator[aetcd.Client]:
+    """A client of one member's own, closed on the way out."""
+    client = aetcd.Client(host=host, port=port, timeout=int(max(1, timeout)))
+    try:
+        yield client
+    finally:
+        await client.close()
 
 
 ADVICE = (

@@ -52,6 +52,7 @@ REPORT_DEADLINE = 10.0
 WAITING_ETCD = "waiting_etcd"
 WAITING_COORDINATOR = "waiting_coordinator"
 STOPPED_ON_ERROR = "stopped_on_error"
+"""Phase of a trainer whose step loop ended on an error: it waits to be fenced and replaced."""
 FINAL_REPORT_CODES = frozenset(
     {
         grpc.StatusCode.FAILED_PRECONDITION,
@@ -60,7 +61,6 @@ FINAL_REPORT_CODES = frozenset(
     }
 )
 """Answers to a report that sending it again cannot change."""
-"""Phase of a trainer whose step loop ended on an error: it waits to be fenced and replaced."""
 
 
 class NonFiniteWeights(RuntimeError):
@@ -340,19 +340,10 @@ class TrainerWorker:
             # when the same error came back after a replacement (coordinator/recovery.py).
             log.error("trainer.failed", job=self.job_id, step=self.step, exc_info=exc)
             self.progress.enter(STOPPED_ON_ERROR)
-            await self._report_error(exc)
-
-    async def _report_error(self, exc: Exception) -> None:
-        """Tell the leader why this trainer stopped (`report_until_heard`)."""
-        await report_until_heard(
-            lambda: self._report(
-                {},
-                [],
-                {},
-                error=f"{type(exc).__name__}: {exc}",
-                error_in_job=isinstance(exc, JOB_ERRORS),
+            error, in_job = f"{type(exc).__name__}: {exc}", isinstance(exc, JOB_ERRORS)
+            await report_until_heard(
+                lambda: self._report({}, [], {}, error=error, error_in_job=in_job)
             )
-        )
 
     async def _start_ranks(self) -> None:
         """Start ranks 1..N-1 on this host and give them this rank's (maybe restored) state."""

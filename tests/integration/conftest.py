@@ -3,10 +3,14 @@ etcd with a small quota."""
 
 from __future__ import annotations
 
+import contextlib
+import functools
+import os
 import subprocess
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
+import aetcd
 import pytest
 
 from services.cli.stack import etcd_argv, etcd_healthy, free_ports
@@ -107,23 +111,50 @@ async def external_coordinators(
         await runtime.shutdown()
 
 
-@pytest.fixture
-def small_etcd(tmp_path: Path) -> Iterator[str]:
-    """An etcd with a 1 MiB quota; its client endpoint. Stopped by pid at the end."""
-    client, peer = free_ports(2)
-    proc = subprocess.Popen(
-        [
-            *etcd_argv("small", tmp_path / "etcd", client, peer),
-            "--quota-backend-bytes=1048576",
-            "--log-level=error",
-        ],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
-    endpoints = f"127.0.0.1:{client}"
+@contextlib.contextmanager
+def small_etcds(tmp_path: Path, count: int) -> Iterator[list[str]]:
+    """`count` etcd members in one cluster, each with a 1 MiB quota; their client endpoints.
+    Stopped by pid on the way out."""
+    ports = free_ports(2 * count)
+    names = [f"small{i}" for i in range(count)]
+    cluster = ",".join(f"{n}=http://127.0.0.1:{ports[2 * i + 1]}" for i, n in enumerate(names))
+    procs = [
+        subprocess.Popen(
+            [
+                *etcd_argv(n, tmp_path / n, ports[2 * i], ports[2 * i + 1], cluster),
+                "--quota-backend-bytes=1048576",
+                "--log-level=error",
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        for i, n in enumerate(names)
+    ]
+    endpoints = [f"127.0.0.1:{ports[2 * i]}" for i in range(count)]
     try:
-        eventually_sync(lambda: etcd_healthy(endpoints), timeout=30)
+        for endpoint in endpoints:
+            eventually_sync(functools.partial(etcd_healthy, endpoint), timeout=30)
         yield endpoints
     finally:
-        proc.kill()
-        proc.wait()
+        for proc in procs:
+            proc.kill()
+            proc.wait()
+
+
+@pytest.fixture
+def small_etcd(tmp_path: Path) -> Iterator[str]:
+    """An etcd with a 1 MiB quota; its client endpoint."""
+    with small_etcds(tmp_path, 1) as (endpoint,):
+        yield endpoint
+
+
+async def fill_etcd(client: aetcd.Client, prefix: str, *, one_key: bool) -> int:
+    """Put 100 KB values under `prefix` (all to one key, or each to its own) until etcd
+    refuses with NOSPACE; how many landed."""
+    landed = 0
+    with pytest.raises(aetcd.exceptions.ClientError, match="database space exceeded"):
+        while landed < 1000:
+            key = f"{prefix}/fill/{0 if one_key else landed}".encode()
+            await client.put(key, os.urandom(100_000))
+            landed += 1
+    return landed

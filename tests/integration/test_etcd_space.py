@@ -4,44 +4,24 @@ data, which it does not)."""
 
 from __future__ import annotations
 
-import os
-import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 
 import aetcd
 import grpc
 import pytest
-from aetcd import rpc
 
 from robustrl.v1 import coordinator_pb2 as pb
 from robustrl.v1 import coordinator_pb2_grpc
-from services.cli.stack import etcd_argv, etcd_healthy, free_ports
 from services.common.config import EtcdSettings
 from services.coordinator import work
 from services.coordinator.jobs import Phase, new_job, transition
-from services.coordinator.space import SpaceKeeper
-from tests.integration.conftest import start_coordinators
+from services.coordinator.space import SpaceKeeper, nospace_members
+from tests.integration.conftest import fill_etcd, small_etcds, start_coordinators
 from tests.integration.test_coordinator import SPEC, lone_leader
-from tests.support import eventually, eventually_sync
+from tests.support import eventually
 
 PREFIX = "/robustrl-space"
-CHUNK = 100_000
-
-
-async def fill(client: aetcd.Client, *, one_key: bool) -> int:
-    """Put 100 KB values until etcd refuses with NOSPACE; how many landed."""
-    landed = 0
-    with pytest.raises(aetcd.exceptions.ClientError, match="database space exceeded"):
-        while landed < 1000:
-            key = f"{PREFIX}/fill/{0 if one_key else landed}".encode()
-            await client.put(key, os.urandom(CHUNK))
-            landed += 1
-    return landed
-
-
-async def nospace(client: aetcd.Client) -> bool:
-    return bool([a async for a in client.list_alarms() if a.alarm_type == rpc.NOSPACE])
 
 
 async def test_the_leader_frees_an_etcd_whose_history_filled_its_quota(small_etcd: str) -> None:
@@ -55,14 +35,14 @@ async def test_the_leader_frees_an_etcd_whose_history_filled_its_quota(small_etc
         record = transition(new_job("sp", {"name": "sp"}, 0.0), Phase.RUNNING, "x", now=0.0)
         await driver.store.create(record, leadership.guard())
         ledger = driver.ledgers["sp"] = work.WorkLedger(job_id="sp")
-        assert await fill(client, one_key=True) > 5
-        assert await nospace(client)
+        assert await fill_etcd(client, PREFIX, one_key=True) > 5
+        assert await nospace_members(client)
         with pytest.raises(aetcd.exceptions.ClientError, match="database space exceeded"):
             await driver.save_ledger(ledger)
 
         await driver.tick()
 
-        assert not await nospace(client) and driver.space.recoveries == 1
+        assert not await nospace_members(client) and driver.space.recoveries == 1
         await driver.save_ledger(ledger)
         await driver.update_job("sp", {"step": 3}, Phase.RUNNING, "running")
         assert (await driver.store.get("sp"))[0].step == 3
@@ -80,22 +60,22 @@ async def test_a_quota_full_of_live_data_is_freed_ever_less_often(small_etcd: st
     keeper = SpaceKeeper(lambda: client, settings, check_every=0, min_gap=60, clock=lambda: now[0])
     try:
         assert await keeper.keep() is None  # healthy: nothing to do
-        await fill(client, one_key=False)
+        await fill_etcd(client, PREFIX, one_key=False)
         first = await keeper.keep()
-        assert first is not None and not await nospace(client)
+        assert first is not None and not await nospace_members(client)
         assert first.db_bytes_after > first.db_bytes_before // 2  # live data: little freed
 
         gaps = []
         for _ in range(3):
-            await fill(client, one_key=False)
+            await fill_etcd(client, PREFIX, one_key=False)
             now[0] += 10
-            assert await keeper.keep() is None and await nospace(client)  # waits its gap
+            assert await keeper.keep() is None and await nospace_members(client)  # waits its gap
             now[0] += keeper.gap
-            assert await keeper.keep() is not None and not await nospace(client)
+            assert await keeper.keep() is not None and not await nospace_members(client)
             gaps.append(keeper.gap)
         assert gaps == [120, 240, 480]
 
-        await fill(client, one_key=False)
+        await fill_etcd(client, PREFIX, one_key=False)
         now[0] += 10_000  # a quiet spell: the next alarm is met at once, and the gap resets
         assert await keeper.keep() is not None and keeper.gap == 60
         assert keeper.recoveries == 5
@@ -130,11 +110,11 @@ async def test_coordinator_replicas_answer_unavailable_under_nospace_until_the_l
 
         if recovery:
             await eventually(submitted, timeout=15)
-            assert not await nospace(client)
+            assert not await nospace_members(client)
         else:
             for _ in range(3):
                 assert not await submitted()
-            assert await nospace(client)
+            assert await nospace_members(client)
     finally:
         await channel.close()
         await client.close()
@@ -144,31 +124,8 @@ async def test_coordinator_replicas_answer_unavailable_under_nospace_until_the_l
 
 @pytest.fixture
 def small_cluster(tmp_path: Path) -> Iterator[list[str]]:
-    """Three etcd members, each with a 1 MiB quota; their client endpoints. Stopped by pid."""
-    ports = free_ports(6)
-    names = [f"m{i}" for i in range(3)]
-    cluster = ",".join(f"{n}=http://127.0.0.1:{ports[2 * i + 1]}" for i, n in enumerate(names))
-    procs = [
-        subprocess.Popen(
-            [
-                *etcd_argv(n, tmp_path / n, ports[2 * i], ports[2 * i + 1], cluster),
-                "--quota-backend-bytes=1048576",
-                "--log-level=error",
-            ],
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-        )
-        for i, n in enumerate(names)
-    ]
-    endpoints = [f"127.0.0.1:{ports[2 * i]}" for i in range(3)]
-    try:
-        for endpoint in endpoints:
-            eventually_sync(lambda e=endpoint: etcd_healthy(e), timeout=30)  # type: ignore[misc]
+    with small_etcds(tmp_path, 3) as endpoints:
         yield endpoints
-    finally:
-        for proc in procs:
-            proc.kill()
-            proc.wait()
 
 
 async def test_every_member_of_a_cluster_is_defragmented_and_disarmed(
@@ -181,15 +138,14 @@ async def test_every_member_of_a_cluster_is_defragmented_and_disarmed(
     settings = EtcdSettings(endpoints=small_cluster[0], prefix=PREFIX)
     client = aetcd.Client(*settings.endpoint_list()[0])
     try:
-        await fill(client, one_key=True)
+        await fill_etcd(client, PREFIX, one_key=True)
         async for member in client.members():
             await client.create_alarm(member.id)
-        raised = {a.member_id async for a in client.list_alarms() if a.alarm_type == rpc.NOSPACE}
-        assert len(raised) == 3
+        assert len(await nospace_members(client)) == 3
 
         recovery = await SpaceKeeper(lambda: client, settings, check_every=0).keep()
 
-        assert recovery is not None and not await nospace(client)
+        assert recovery is not None and not await nospace_members(client)
         for endpoint in small_cluster:
             async with aetcd.Client(*EtcdSettings(endpoints=endpoint).endpoint_list()[0]) as one:
                 assert (await one.status()).db_size < recovery.db_bytes_before // 4

@@ -24,6 +24,7 @@ from services.cli.stack import (
 from services.common.config import EtcdSettings
 from services.common.keys import KeySpace
 from services.coordinator.provisioner import ProvisionedRecord
+from tests.integration.conftest import fill_etcd
 from tests.support import eventually
 
 PREFIX = "/robustrl-test"
@@ -50,9 +51,7 @@ async def _record_then_fill(endpoints: str, record: ProvisionedRecord) -> None:
     try:
         key = KeySpace(PREFIX).provisioned(record.instance_id)
         await client.put(key, record.model_dump_json().encode())
-        with pytest.raises(aetcd.exceptions.ClientError, match="database space exceeded"):
-            for n in range(1000):
-                await client.put(f"{PREFIX}/fill/{n}".encode(), os.urandom(100_000))
+        await fill_etcd(client, PREFIX, one_key=False)
     finally:
         await client.close()
 
