@@ -19,6 +19,7 @@ from collections.abc import Iterable
 from typing import TypeAlias
 
 import grpc
+from pydantic import ValidationError
 
 from robustrl.v1 import coordinator_pb2, rollout_pb2_grpc, trainer_pb2, trainer_pb2_grpc
 from services.common import packed
@@ -208,6 +209,19 @@ class JobDriver:
             spec = self.specs[record.job_id] = JobSpec.model_validate(record.spec)
         return spec
 
+    def _unsupervisable(self, record: JobRecord) -> str | None:
+        """Why a live job cannot be supervised by this release, if it cannot: its stored spec
+        no longer validates (a schema changed under a running job). Such a job is failed with
+        why, instead of raising in every round for as long as it lasts."""
+        try:
+            self.spec(record)
+        except ValidationError as exc:
+            return (
+                "its stored spec no longer validates against this coordinator's schema, so it "
+                f"cannot be supervised: {str(exc)[:400]}"
+            )
+        return None
+
     def ledger(self, job_id: str) -> work.WorkLedger:
         ledger = self.ledgers.get(job_id)
         if ledger is None:
@@ -311,10 +325,12 @@ class JobDriver:
 
     async def _tick_job(self, record: JobRecord, members: list[MemberRecord]) -> None:
         unreadable = self.unreadable.get(record.job_id)
+        if unreadable is None and record.phase not in jobs.TERMINAL:
+            unreadable = self._unsupervisable(record)
         if unreadable is not None:
             if record.phase not in jobs.TERMINAL:
                 await self.fail(record.job_id, unreadable)  # the next tick releases it
-            del self.unreadable[record.job_id]
+            self.unreadable.pop(record.job_id, None)
         elif record.phase is Phase.PENDING:
             await self._try_start(record, members)
         elif record.phase in (Phase.RUNNING, Phase.RECOVERING):

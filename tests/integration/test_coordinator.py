@@ -31,7 +31,7 @@ from services.common.runtime import ServiceRuntime
 from services.coordinator import work
 from services.coordinator.config import CoordinatorSettings
 from services.coordinator.driver import JobDriver
-from services.coordinator.jobs import Phase, new_job, transition
+from services.coordinator.jobs import JobRecord, Phase, new_job, transition
 from services.coordinator.leadership import Leadership
 from services.coordinator.store import JobStore, dropped_pages
 from services.monitor.incidents import IncidentRecord
@@ -336,26 +336,47 @@ async def test_an_unreadable_record_costs_its_own_job_and_never_the_election(
 
 
 async def test_a_job_whose_supervision_fails_does_not_hold_up_the_jobs_after_it(
-    etcd_settings: EtcdSettings,
+    etcd_settings: EtcdSettings, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """A real leader and etcd: a running job whose spec no longer validates is listed first;
-    the leader's round still supervises the job after it (its expired lease is taken back)."""
+    """A real leader and etcd, three running jobs listed in this order: one whose stored spec
+    no longer validates is failed with why (it used to raise in every round, neither failed nor
+    supervised); one whose supervision raises stays as it is; the round still supervises the
+    job after both (its expired lease is taken back)."""
     async with lone_leader(etcd_settings, "isolate") as (_, leadership, driver):
-        specs: dict[str, dict[str, object]] = {"aaa": {"unknown": 1}, "zzz": {"name": "zzz"}}
+        specs: dict[str, dict[str, object]] = {
+            "aaa": {"unknown": 1},
+            "bbb": {"name": "bbb"},
+            "zzz": {"name": "zzz"},
+        }
         for job_id, spec in specs.items():
             record = transition(new_job(job_id, spec, 0.0), Phase.RUNNING, "x", now=0.0)
             await driver.store.create(record, leadership.guard())
-        for job_id in ("aaa", "zzz"):
             ledger = driver.ledgers[job_id] = work.WorkLedger(job_id=job_id)
             work.lease(
                 ledger, instance_id="r", epoch=1, max_groups=2, budget=2, now=0, lease_seconds=1
             )
             await driver.save_ledger(ledger)
+        supervise = driver._supervise
+
+        async def raising_for_bbb(record: JobRecord, members: list[MemberRecord]) -> None:
+            if record.job_id == "bbb":
+                raise RuntimeError("supervision of bbb broke")
+            await supervise(record, members)
+
+        monkeypatch.setattr(driver, "_supervise", raising_for_bbb)
 
         await driver.tick()
 
         assert driver.ledger("zzz").open == {}
-        assert (await driver.store.get("aaa"))[0].phase is Phase.RUNNING
+        assert len(driver.ledger("bbb").open) == 2
+        failed, _ = await driver.store.get("aaa")
+        assert failed.phase is Phase.FAILED
+        assert "spec no longer validates" in failed.message and "unknown" in failed.message
+        assert (await driver.store.get("bbb"))[0].phase is Phase.RUNNING
+
+        await driver.tick()  # the failed job is released; the others are as they were
+        assert (await driver.store.get("aaa"))[0].phase is Phase.FAILED
+        assert "aaa" not in driver.ledgers
 
 
 async def test_the_leader_pages_dropped_groups_out_of_the_ledger_in_the_same_write(
