@@ -16,12 +16,13 @@ import os
 import signal
 import socket
 import sys
-from collections.abc import Callable
+import time
+from collections.abc import Awaitable, Callable
 
 import aetcd
 
 from services.common.config import EtcdSettings, ServiceSettings
-from services.common.etcd_client import connect_etcd
+from services.common.etcd_client import connect_etcd, etcd_out_of_space
 from services.common.heartbeat import HeartbeatSender, Progress
 from services.common.keys import KeySpace
 from services.common.logs import configure_logging, get_logger
@@ -33,6 +34,9 @@ log = get_logger(__name__)
 
 CRASH_EXIT = 70
 """Exit status of `ServiceRuntime.crash` (EX_SOFTWARE: an internal error)."""
+
+START_RETRY_S = 1.0
+"""Between tries to register at start while etcd is out of space."""
 
 
 class ServiceRuntime:
@@ -66,6 +70,7 @@ class ServiceRuntime:
         self._writes = asyncio.Lock()  # registry writes of this member, one at a time
         self._keeper: asyncio.Task[None] | None = None
         self._stopped = asyncio.Event()
+        self._free_space: Callable[[], Awaitable[object]] | None = None
         configure_logging(
             service=role,
             instance=self.instance_id,
@@ -91,8 +96,19 @@ class ServiceRuntime:
     def address(self) -> str:
         return f"{self.settings.resolved_advertise_host()}:{self.host.port}"
 
-    async def start(self, on_fenced: Callable[[], None] | None = None) -> None:
-        """Connect to etcd, serve, register; the servicers must already be added to host.server."""
+    async def start(
+        self,
+        on_fenced: Callable[[], None] | None = None,
+        free_space: Callable[[], Awaitable[object]] | None = None,
+    ) -> None:
+        """Connect to etcd, serve, register; the servicers must already be added to host.server.
+
+        While etcd is out of space (NOSPACE: it grants no lease) registration waits instead of
+        failing: a replacement member, or any service restarted meanwhile, starts once the
+        coordinator leader has freed etcd. `free_space` (a coordinator's SpaceKeeper.keep) is
+        called on each try, and on each failed try to register again after a lost session:
+        a coordinator that starts then may be the only one, and no replica can win an
+        election without a lease."""
         self.client = await connect_etcd(self.etcd_settings)
         self.registry = Registry(self.client, self.keys)
         await self.host.start()
@@ -105,7 +121,8 @@ class ServiceRuntime:
             epoch=self.settings.epoch,
             labels=self.labels,
         )
-        await self._open_session()
+        self._free_space = free_space
+        await self._first_session()
         self._keeper = asyncio.create_task(self._keep_registered(), name="keep-registered")
         if self._heartbeats:
             self.heartbeat = HeartbeatSender(
@@ -122,6 +139,39 @@ class ServiceRuntime:
         self.host.before_stop.append(self._leave)
         self.host.after_stop.append(self._close_etcd)
         log.info(f"{self.role}.started", address=self.address, epoch=self.settings.epoch)
+
+    async def _first_session(self) -> None:
+        since: float | None = None
+        while True:
+            try:
+                await self._open_session()
+            except Exception as exc:
+                if not etcd_out_of_space(exc):
+                    raise
+                if since is None:
+                    since = time.monotonic()
+                    log.error(
+                        f"{self.role}.start_waits_for_etcd_space",
+                        error=str(exc)[:200],
+                        frees_it=self._free_space is not None,
+                    )
+                await self._free_space_quietly()
+                await asyncio.sleep(START_RETRY_S)
+                continue
+            if since is not None:
+                log.info(
+                    f"{self.role}.registered_after_etcd_space",
+                    waited_s=round(time.monotonic() - since, 1),
+                )
+            return
+
+    async def _free_space_quietly(self) -> None:
+        if self._free_space is None:
+            return
+        try:
+            await self._free_space()
+        except Exception as exc:
+            log.warning("etcd.space_check_failed", error=repr(exc))
 
     async def _open_session(self) -> None:
         assert self.client is not None and self.registry is not None and self.member is not None
@@ -156,6 +206,8 @@ class ServiceRuntime:
                     break
                 except Exception as exc:  # etcd still away: keep serving, try again
                     log.info(f"{self.role}.reregister_failed", error=repr(exc))
+                    if etcd_out_of_space(exc):
+                        await self._free_space_quietly()
                     await asyncio.sleep(delay)
                     delay = min(delay * 2, 2.0)
 

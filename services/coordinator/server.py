@@ -267,6 +267,7 @@ async def serve(settings: CoordinatorSettings, etcd: EtcdSettings) -> ServiceRun
         await driver.on_elected()
 
     leadership = Leadership(runtime, settings.election_name, on_elected)
+    space = SpaceKeeper(lambda: runtime.client, etcd) if settings.etcd_space_recovery else None
     driver = JobDriver(
         runtime,
         leadership,
@@ -274,7 +275,7 @@ async def serve(settings: CoordinatorSettings, etcd: EtcdSettings) -> ServiceRun
         lease_seconds=settings.lease_seconds,
         ledger_page_size=settings.ledger_page_size,
         unreported_loss_after=settings.unreported_loss_after,
-        space=SpaceKeeper(lambda: runtime.client, etcd) if settings.etcd_space_recovery else None,
+        space=space,
     )
     coordinator_pb2_grpc.add_CoordinatorServicer_to_server(
         CoordinatorServicer(runtime, leadership, driver), runtime.host.server
@@ -282,7 +283,8 @@ async def serve(settings: CoordinatorSettings, etcd: EtcdSettings) -> ServiceRun
     provisioning_pb2_grpc.add_ProvisioningServicer_to_server(
         ProvisioningServicer(leadership, driver), runtime.host.server
     )
-    await runtime.start()
+    # A replica that starts while etcd is full frees it itself: it may be the only one.
+    await runtime.start(free_space=space.keep if space is not None else None)
     if settings.provisioner == "local":
         assert runtime.client is not None
         driver.provisioner = LocalProvisioner(

@@ -10,6 +10,11 @@ current revision, defragment each member in turn over the client address it adve
 member is blocked while it defragments: seconds for a file of hundreds of MB), then disarm.
 Watches that were behind the compacted revision resync from the current state (watch.py).
 
+etcd grants no lease under NOSPACE, so a service that starts then cannot register, and a
+coordinator replica cannot campaign: if every replica restarted while etcd was full, none
+could lead to free it. So a replica frees it at start too, before it registers
+(`ServiceRuntime.start`'s `free_space`, this keeper's `keep`), and other services wait there.
+
 When the live data itself is near the quota, disarming only brings the alarm back. If the alarm
 returns within twice the gap after a recovery, the gap before the next one doubles (from
 `min_gap`, up to `max_gap`) and the log says what a person has to do: raise etcd's

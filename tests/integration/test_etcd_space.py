@@ -4,6 +4,7 @@ data, which it does not)."""
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -13,12 +14,21 @@ import pytest
 
 from robustrl.v1 import coordinator_pb2 as pb
 from robustrl.v1 import coordinator_pb2_grpc
+from services.common.aio import cancel_and_wait
 from services.common.config import EtcdSettings
+from services.common.runtime import ServiceRuntime
 from services.coordinator import work
 from services.coordinator.jobs import Phase, new_job, transition
 from services.coordinator.space import SpaceKeeper, nospace_members
-from tests.integration.conftest import fill_etcd, small_etcds, start_coordinators
+from tests.integration.conftest import (
+    accepts_writes,
+    fill_etcd,
+    leader_of,
+    small_etcds,
+    start_coordinators,
+)
 from tests.integration.test_coordinator import SPEC, lone_leader
+from tests.integration.test_etcd_layer import started_member, stored_member
 from tests.support import eventually
 
 PREFIX = "/robustrl-space"
@@ -152,3 +162,65 @@ async def test_every_member_of_a_cluster_is_defragmented_and_disarmed(
         await client.put(f"{PREFIX}/after".encode(), b"taken")
     finally:
         await client.close()
+
+
+async def test_services_started_under_nospace_wait_and_a_coordinator_frees_it(
+    small_etcd: str,
+) -> None:
+    """No coordinator runs while etcd is out of space (all restarted at once, say), and etcd
+    grants no lease then, so no replica could register or campaign: each used to exit at
+    start, for good. Now a member started then waits instead of failing, and a coordinator
+    replica started then frees etcd itself, registers, leads, and the waiting member
+    registers too."""
+    settings = EtcdSettings(endpoints=small_etcd, prefix=PREFIX)
+    client = aetcd.Client(*settings.endpoint_list()[0])
+    member: asyncio.Task[ServiceRuntime] | None = None
+    runtimes: list[ServiceRuntime] = []
+    try:
+        await fill_etcd(client, PREFIX, one_key=True)
+        assert await nospace_members(client)
+        member = asyncio.create_task(started_member("rollout", "rollout-waits", settings))
+        await asyncio.sleep(3)
+        assert not member.done()  # waiting, not failed
+        assert await nospace_members(client)  # members do not free etcd themselves
+
+        runtimes = await start_coordinators(settings)
+
+        assert not await nospace_members(client)
+        runtimes.append(await asyncio.wait_for(member, 15))
+        assert await stored_member(client, settings, "rollout", "rollout-waits") is not None
+    finally:
+        if member is not None and not member.done():
+            await cancel_and_wait(member)
+        for runtime in runtimes:
+            await runtime.shutdown()
+        await client.close()
+
+
+async def test_replicas_that_all_lost_their_sessions_under_nospace_free_it_and_one_leads(
+    small_etcd: str,
+) -> None:
+    """Real replicas; etcd fills, and both lose their sessions (their leases revoked, as an
+    expiry does). None leads, so no supervision round frees etcd, and etcd grants the new
+    lease that re-registering and campaigning need to nobody: the replicas free it as they try
+    to register again, and one leads and takes writes. (Rounds a minute apart keep the leader
+    from freeing etcd in the moment before it learns that its session is gone.)"""
+    settings = EtcdSettings(endpoints=small_etcd, prefix=PREFIX)
+    runtimes = await start_coordinators(settings, tick_interval=60.0)
+    client = aetcd.Client(*settings.endpoint_list()[0])
+    try:
+        await fill_etcd(client, PREFIX, one_key=True)
+        for runtime in runtimes:
+            assert runtime.session is not None
+            await client.revoke_lease(runtime.session.lease_id)
+
+        async def led() -> bool:
+            leader = await leader_of(runtimes)
+            return leader is not None and await accepts_writes(leader)
+
+        await eventually(led, timeout=20)
+        assert not await nospace_members(client)
+    finally:
+        await client.close()
+        for runtime in runtimes:
+            await runtime.shutdown()
