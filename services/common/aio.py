@@ -18,7 +18,7 @@ RETRY_FIRST_S = 0.2
 RETRY_MAX_S = 2.0
 
 
-async def cancel_and_wait(*tasks: asyncio.Task[None] | None) -> None:
+async def cancel_and_wait(*tasks: asyncio.Task[Any] | None) -> None:
     """Cancel the tasks (None is skipped) and wait until each has finished unwinding."""
     live = [t for t in tasks if t is not None]
     for task in live:
