@@ -850,8 +850,25 @@ class JobDriver:
                 msg.lease_deadline.FromNanoseconds(int(deadline * 1e9))
         if saved is not None:
             # Outside the lock: leases asked for while this write is in flight share the next.
-            await saved
+            try:
+                await saved
+            except BaseException:
+                # Not stored, and not answered: held for nobody, these groups would wait out
+                # their lease (a minute) and, with enough failed asks in an etcd outage, fill
+                # the job's budget so that nothing else is leased meanwhile.
+                await self._unlease(request.job_id, request.instance_id, list(granted))
+                raise
         return reply
+
+    async def _unlease(self, job_id: str, instance_id: str, granted: list[str]) -> None:
+        async with self.lock(job_id):
+            ledger = self.ledgers.get(job_id)
+            back = work.unlease(ledger, instance_id, granted) if ledger is not None else []
+            if ledger is not None and back:
+                # The next write carries it; nobody waits for that one.
+                self.ledger_changed(ledger).add_done_callback(_retrieve)
+        if back:
+            log.info("coordinator.lease_undone", job=job_id, member=instance_id, groups=len(back))
 
     async def complete_work(self, request: coordinator_pb2.CompleteWorkRequest) -> None:
         async with self.lock(request.job_id):
@@ -972,6 +989,12 @@ class JobDriver:
         with contextlib.suppress(ValueError):
             # Steps after the trainer's durable checkpoint may still be rolled back.
             account.compact(horizon, checkpoint_step=max(0, request.durable_step))
+
+
+def _retrieve(done: asyncio.Future[None]) -> None:
+    """Take a future's outcome so that a failure nobody awaits is not logged as unretrieved."""
+    if not done.cancelled():
+        done.exception()
 
 
 def missing_members(

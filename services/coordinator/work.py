@@ -175,6 +175,17 @@ def lease(
     return granted
 
 
+def unlease(ledger: WorkLedger, instance_id: str, group_ids: list[str]) -> list[str]:
+    """Undo a lease whose answer never reached its holder (the write that stored it failed,
+    or the caller went away): the groups it still holds go back to the front of the queue,
+    in their order, without counting as taken back. Returns them. Mutates."""
+    back = [g for g in group_ids if (h := ledger.open.get(g)) and h.instance_id == instance_id]
+    for group in back:
+        del ledger.open[group]
+    ledger.requeued[:0] = [g for g in back if g not in ledger.requeued]
+    return back
+
+
 def complete(ledger: WorkLedger, instance_id: str, group_ids: list[str]) -> list[str]:
     """Mark the holder's open groups delivered; returns the ids it did not hold. Mutates.
 

@@ -14,6 +14,7 @@ import pytest
 
 from robustrl.v1 import coordinator_pb2 as pb
 from robustrl.v1 import coordinator_pb2_grpc
+from services.common import packed
 from services.common.aio import cancel_and_wait
 from services.common.config import EtcdSettings
 from services.common.runtime import ServiceRuntime
@@ -224,3 +225,41 @@ async def test_replicas_that_all_lost_their_sessions_under_nospace_free_it_and_o
         await client.close()
         for runtime in runtimes:
             await runtime.shutdown()
+
+
+async def test_a_lease_that_could_not_be_stored_goes_back_to_the_front_of_the_queue(
+    small_etcd: str,
+) -> None:
+    """A real leader and a bound rollout: while etcd is out of space, every lease the rollout
+    asks for fails, and its groups go back to the queue (they used to stay leased to it in the
+    leader's memory, for nobody, until their lease ran out, and repeated asks filled the job's
+    budget). Once etcd is freed, the next ask gets the same groups first, and they are stored."""
+    settings = EtcdSettings(endpoints=small_etcd, prefix=PREFIX)
+    async with lone_leader(settings, "unlease") as (runtime, leadership, driver):
+        assert runtime.client is not None
+        client = runtime.client
+        record = transition(new_job("ul", {"name": "arith"}, 0.0), Phase.RUNNING, "x", now=0.0)
+        await driver.store.create(record, leadership.guard())
+        driver.ledgers["ul"] = work.WorkLedger(job_id="ul")
+        rollout = await started_member("rollout", "r1", settings)
+        try:
+            await rollout.update_member(job_id="ul")
+            request = pb.LeaseWorkRequest(job_id="ul", instance_id="r1", epoch=1, max_groups=4)
+            first = [work.group_id("ul", i) for i in range(4)]
+            await fill_etcd(client, PREFIX, one_key=True)
+            for _ in range(3):
+                with pytest.raises(aetcd.exceptions.ClientError, match="space exceeded"):
+                    await driver.lease_work(request)
+                ledger = driver.ledger("ul")
+                assert ledger.open == {} and ledger.requeued == first
+                assert ledger.taken_back == 0
+
+            await SpaceKeeper(lambda: runtime.client, settings, check_every=0).keep()
+            reply = await driver.lease_work(request)
+
+            assert [g.group_id for g in reply.groups] == first
+            stored = await client.get(runtime.keys.work("ul"))
+            assert stored is not None
+            assert set(packed.load(work.WorkLedger, stored.value).open) == set(first)
+        finally:
+            await rollout.shutdown()

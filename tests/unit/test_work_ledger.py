@@ -38,6 +38,20 @@ def test_a_dead_holders_groups_are_leased_again_first_with_the_same_ids() -> Non
     assert not led.losses  # it may only have let its session lapse: not a loss
 
 
+def test_an_undone_lease_frees_the_budget_and_comes_back_first_uncounted() -> None:
+    led = ledger()
+    requeued = lease(led, "r0", 1)
+    work.release_holder(led, "r0", "left")
+    mine = lease(led, "r1", 3, budget=3)
+    assert lease(led, "r2", 1, budget=3) == []
+    assert work.unlease(led, "r1", [*mine, "j-g000009"]) == mine  # one it never held
+    assert led.open == {} and led.requeued == mine and mine[0] == requeued[0]
+    assert led.taken_back == 1 and list(led.released) == requeued  # the undo counts nothing
+    assert lease(led, "r2", 3, budget=3) == mine
+    assert work.unlease(led, "r1", mine) == []  # now another's: left alone
+    assert set(led.open) == set(mine)
+
+
 def test_the_groups_of_a_lost_holder_come_back_first_and_each_alone() -> None:
     led = ledger()
     mine = lease(led, "r0", 2)
