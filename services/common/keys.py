@@ -12,6 +12,7 @@
 <prefix>/fences/<instance_id>             a fenced instance: everything it sends is refused
 <prefix>/recovery/<job_id>/<incident_id>  what the leader did about an incident, and when
 <prefix>/provisioned/<instance_id>        a process a local provisioner started (pid, host)
+<prefix>/provisioning/<job_id>            when the leader last asked for the job's replacements
 <prefix>/ettr/<job_id>                    the job's ETTR account (kept time, wall time, incidents)
 """
 
@@ -74,6 +75,9 @@ class KeySpace:
 
     def provisioned(self, instance_id: str = "") -> bytes:
         return f"{self.prefix}/provisioned/{instance_id}".encode()
+
+    def provisioning(self, job_id: str) -> bytes:
+        return f"{self.prefix}/provisioning/{job_id}".encode()
 
 
 @dataclass(frozen=True)

@@ -55,6 +55,10 @@ CONTROL_DEADLINE = 30.0
 PREPARE_DEADLINE = 600.0
 """Seconds a standby gets to build a job's model ahead of need (PREPARE)."""
 
+ASKED_FOR_S = 120.0
+"""A replacement asked of the provisioner counts as coming for this long: it is not asked for
+again meanwhile, by this leader or (the time is stored in etcd) the next one."""
+
 ACCOUNTING_ONLY = frozenset({"step_started_at", "step_work_started_at", "step_ended_at"})
 """Progress metrics that feed ETTR and are not kept in the job record."""
 
@@ -154,6 +158,7 @@ class JobDriver:
         etcd). Finished jobs too: one that ended just before a failover still gets settled."""
         self.ledgers.clear()
         self.unreadable.clear()
+        self._provisioning.clear()
         records, _ = await self.store.list_all()
         for record, _ in records:
             await self._reload(record)
@@ -165,7 +170,8 @@ class JobDriver:
         newer release wrote in a shape this one does not know) costs that job alone, never the
         election: a job whose ledger is unreadable is failed at the next tick, since nobody can
         tell which of its groups were trained; an unreadable ETTR account leaves the job
-        running without one. Either value stays in etcd as it was, for a person to look at."""
+        running without one. Either value stays in etcd as it was, for a person to look at.
+        When the job's replacements were last asked for is loaded too (`_provision`)."""
         assert self.runtime.client is not None
         job_id, keys = record.job_id, self.runtime.keys
         raw = await self.runtime.client.get(keys.work(job_id))
@@ -179,6 +185,14 @@ class JobDriver:
                     f"groups were trained is unknown: {detail[:300]}"
                 )
                 log.error("coordinator.ledger_unreadable", job=job_id, error=detail)
+        raw = await self.runtime.client.get(keys.provisioning(job_id))
+        if raw is not None:
+            try:
+                asks = json.loads(raw.value)
+                for role, times in asks.items():
+                    self._provisioning[(job_id, str(role))] = [float(t) for t in times]
+            except (ValueError, TypeError, AttributeError) as exc:  # ask again: costs little
+                log.warning("coordinator.asks_unreadable", job=job_id, error=repr(exc))
         raw = await self.runtime.client.get(keys.ettr(job_id))
         if raw is not None:
             try:
@@ -636,8 +650,8 @@ class JobDriver:
         for role, short in shortfall.items():
             if short:
                 await self._provision(record.job_id, role, short)
-            else:
-                self._provisioning.pop((record.job_id, role), None)
+            elif self._provisioning.pop((record.job_id, role), None):
+                await self._save_asks(record.job_id)
         if not bound:
             return
         for member in bound:
@@ -682,17 +696,42 @@ class JobDriver:
             asked.pop(0)
 
     async def _provision(self, job_id: str, role: str, count: int) -> None:
-        """Ask for `count` members of `role`, minus those asked for recently (120 s)."""
+        """Ask for `count` members of `role`, minus those asked for recently (ASKED_FOR_S).
+        When is stored in etcd: a leader elected while they start must not ask again."""
         now = time.time()
-        asked = [t for t in self._provisioning.get((job_id, role), []) if now - t < 120.0]
-        for _ in range(count - len(asked)):
-            try:
-                await self.provisioner.request(role, job_id, f"replacement for job {job_id}")
-            except Exception as exc:
-                log.error("coordinator.provision_failed", role=role, job=job_id, error=repr(exc))
-                return
-            asked.append(now)
-        self._provisioning[(job_id, role)] = asked
+        earlier = self._provisioning.get((job_id, role), [])
+        asked = self._provisioning[(job_id, role)] = [t for t in earlier if now - t < ASKED_FOR_S]
+        try:
+            for _ in range(count - len(asked)):
+                try:
+                    await self.provisioner.request(role, job_id, f"replacement for job {job_id}")
+                except Exception as exc:
+                    log.error(
+                        "coordinator.provision_failed", role=role, job=job_id, error=repr(exc)
+                    )
+                    return
+                asked.append(now)
+        finally:
+            if asked != earlier:
+                await self._save_asks(job_id)
+
+    async def _save_asks(self, job_id: str) -> None:
+        """Store when this job's replacements were asked for (deleted once none is awaited).
+        A write that fails costs only a second ask after a failover: logged, not raised."""
+        client = self.runtime.client
+        assert client is not None
+        key, tx = self.runtime.keys.provisioning(job_id), client.transactions
+        asks = {role: times for (job, role), times in self._provisioning.items() if job == job_id}
+        write = tx.put(key, json.dumps(asks).encode()) if any(asks.values()) else tx.delete(key)
+        try:
+            ok, _ = await client.transaction(
+                compare=self.leadership.guard(), success=[write], failure=[]
+            )
+        except Exception as exc:
+            log.warning("coordinator.asks_not_stored", job=job_id, error=repr(exc))
+            return
+        if not ok:
+            log.warning("coordinator.asks_not_stored", job=job_id, error="lost leadership")
 
     async def _release(self, job_id: str, members: list[MemberRecord]) -> None:
         ledger = self.ledgers.get(job_id)
@@ -711,7 +750,10 @@ class JobDriver:
         if account is not None and account.ended_at is None:
             account.end(time.time())
             await self.save_account(job_id)
+        awaited = any(job == job_id for job, _ in self._provisioning)
         self._forget(job_id)
+        if awaited:
+            await self._save_asks(job_id)  # none now: deletes the stored asks
 
     def _forget(self, job_id: str) -> None:
         """Drop what this leader keeps in memory for a job that has ended (its records stay

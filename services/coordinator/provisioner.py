@@ -162,7 +162,9 @@ class ExternalProvisioner(Provisioner):
     fewest requests outstanding) and keeps it until that scheduler reports on it. A request
     made while no such scheduler is connected, or sent on a stream that broke before the
     report, goes to the next one that connects: nothing asked for is dropped. Pending requests
-    live in the leader's memory; a new leader asks again for what its jobs still miss."""
+    live in the leader's memory. A new leader asks again for what its jobs still miss once
+    `driver.ASKED_FOR_S` has passed since the last ask (stored in etcd): one that a scheduler
+    had taken is not asked for twice, one that none had taken yet is asked for again then."""
 
     def __init__(self, etcd: EtcdSettings) -> None:
         self.etcd = etcd

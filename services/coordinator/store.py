@@ -110,7 +110,12 @@ class JobStore:
             self.keys.weights(job_id) + b"/",
         ):
             ops.append(tx.delete(prefix, range_end=aetcd.utils.prefix_range_end(prefix)))
-        for exact in (self.keys.work(job_id), self.keys.ettr(job_id), self.keys.weights(job_id)):
+        for exact in (
+            self.keys.work(job_id),
+            self.keys.ettr(job_id),
+            self.keys.weights(job_id),
+            self.keys.provisioning(job_id),
+        ):
             ops.append(tx.delete(exact))
         ops.append(tx.delete(key))
         deleted = 0

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import os
 import sys
 import time
@@ -377,6 +378,54 @@ async def test_a_job_whose_supervision_fails_does_not_hold_up_the_jobs_after_it(
         await driver.tick()  # the failed job is released; the others are as they were
         assert (await driver.store.get("aaa"))[0].phase is Phase.FAILED
         assert "aaa" not in driver.ledgers
+
+
+async def test_a_new_leader_does_not_ask_again_for_replacements_already_asked_for(
+    etcd_settings: EtcdSettings,
+) -> None:
+    """Real leaders and etcd, with the external provisioner (no scheduler connected, so what
+    is asked waits in its list): a running job lost every member; its leader asks once for a
+    trainer and two rollouts, and its next rounds do not ask again. A leader elected after it
+    (the replacements still starting) does not ask again either: when they were asked for is in
+    etcd. Once that is older than ASKED_FOR_S, a leader asks again; once the job ends, the
+    stored asks are deleted."""
+    from services.coordinator.driver import ASKED_FOR_S
+    from services.coordinator.provisioner import ExternalProvisioner
+
+    wanted = ["rollout", "rollout", "trainer"]
+
+    def roles(provisioner: ExternalProvisioner) -> list[str]:
+        return sorted(p.role for p in provisioner.pending.values())
+
+    async with lone_leader(etcd_settings, "asks-a") as (runtime, leadership, driver):
+        assert runtime.client is not None
+        first = driver.provisioner = ExternalProvisioner(etcd_settings)
+        record = transition(new_job("pv", {"name": "pv"}, 0.0), Phase.RUNNING, "x", now=0.0)
+        await driver.store.create(record, leadership.guard())
+        await driver.save_ledger(driver.ledgers.setdefault("pv", work.WorkLedger(job_id="pv")))
+        await driver.tick()
+        await driver.tick()
+        assert roles(first) == wanted
+        stored = await runtime.client.get(runtime.keys.provisioning("pv"))
+        assert stored is not None and sorted(json.loads(stored.value)) == ["rollout", "trainer"]
+
+    async with lone_leader(etcd_settings, "asks-b") as (runtime, leadership, driver):
+        assert runtime.client is not None
+        second = driver.provisioner = ExternalProvisioner(etcd_settings)
+        await driver.tick()
+        assert roles(second) == []
+        long_ago = time.time() - ASKED_FOR_S - 1
+        old = {"trainer": [long_ago], "rollout": [long_ago, long_ago]}
+        await runtime.client.put(runtime.keys.provisioning("pv"), json.dumps(old).encode())
+
+    async with lone_leader(etcd_settings, "asks-c") as (runtime, leadership, driver):
+        assert runtime.client is not None
+        third = driver.provisioner = ExternalProvisioner(etcd_settings)
+        await driver.tick()
+        assert roles(third) == wanted
+        await driver.update_job("pv", {}, Phase.CANCELLED, "cancelled")
+        await driver.tick()
+        assert await runtime.client.get(runtime.keys.provisioning("pv")) is None
 
 
 async def test_the_leader_pages_dropped_groups_out_of_the_ledger_in_the_same_write(
