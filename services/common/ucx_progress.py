@@ -66,11 +66,17 @@ import array
 import asyncio
 import contextlib
 import inspect
+import logging
 import struct
+import sys
 import time
 import weakref
 from collections.abc import Callable, Iterator
 from typing import Any
+
+from services.common.logs import get_logger
+
+log = get_logger(__name__)
 
 _progressed: list[asyncio.Future[None]] = []
 """Futures resolved after the next progress of a mended worker (`_wake`)."""
@@ -213,10 +219,33 @@ def pending_handshakes() -> int:
     return sum(not request.completed for request, _ in _handshakes)
 
 
+class QuietHandshakeTimeouts(logging.Filter):
+    """ucxx logs a listener's handshake that timed out as an unexpected error, at ERROR, with
+    two tracebacks. Here it is expected: the peer that connected was killed or frozen before it
+    finished (a chaos fault, a hung puller). This logs it as one line instead
+    (`ucx.handshake_timed_out`); anything else ucxx logs passes as it was."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        args = record.args if isinstance(record.args, tuple) else ()
+        if (
+            args
+            and "Unexpected error in listener handler" in str(args[0])
+            and isinstance(sys.exc_info()[1], TimeoutError)  # logged in its except block
+        ):
+            log.warning("ucx.handshake_timed_out", side="listener", then="connection dropped")
+            return False
+        return True
+
+
 def _mend_handshake() -> None:
     """Replace ucxx's `exchange_peer_info` where its endpoints and listeners call it, if it
-    still takes what ours does (a ucxx that changed it is left alone)."""
+    still takes what ours does (a ucxx that changed it is left alone), and quiet its log of a
+    handshake that timed out (`QuietHandshakeTimeouts`)."""
     from ucxx._lib_async import application_context, listener
+
+    ucx_log = logging.getLogger("ucx")
+    if not any(isinstance(f, QuietHandshakeTimeouts) for f in ucx_log.filters):
+        ucx_log.addFilter(QuietHandshakeTimeouts())
 
     for module in (application_context, listener):
         theirs = getattr(module, "exchange_peer_info", None)
