@@ -112,6 +112,10 @@ def _run_key(group_id: str) -> tuple[str, int] | None:
     return None if numbered is None else (f"{numbered[0]}-g", numbered[1])
 
 
+DROPPED_REMEMBERED = 100_000
+"""Stale-dropped groups an intake remembers (about 100 bytes each)."""
+
+
 @dataclass
 class Intake:
     job_id: str
@@ -119,6 +123,9 @@ class Intake:
     groups: dict[str, Group] = field(default_factory=dict)
     trained_groups: TrainedGroups = field(default_factory=TrainedGroups)
     dropped_groups: dict[str, str] = field(default_factory=dict)
+    """The latest `DROPPED_REMEMBERED` groups dropped as stale, with why: their late
+    trajectories are refused with it. Older ones are forgotten (a trainer must not grow with
+    its job): a late trajectory of one starts a group that is dropped as stale again."""
     regenerate: dict[str, str] = field(default_factory=dict)
     """Groups refused because their trajectories were made with lost weights, with why: the
     coordinator must lease them again (until it hears of them, nothing else will)."""
@@ -179,6 +186,8 @@ class Intake:
                 )
                 dropped.append((group, why))
                 self.dropped_groups[group.group_id] = why
+                if len(self.dropped_groups) > DROPPED_REMEMBERED:
+                    del self.dropped_groups[next(iter(self.dropped_groups))]
                 del self.groups[group.group_id]
             elif len(batch) < groups_per_step:
                 batch.append(group)

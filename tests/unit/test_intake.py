@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from robustrl.v1 import trainer_pb2
 from services.coordinator.work import group_id
+from services.trainer import intake as intake_module
 from services.trainer.intake import Intake, TrainedGroups
 
 
@@ -56,6 +59,20 @@ def test_stale_groups_are_dropped_and_never_trained() -> None:
     assert [g.group_id for g in batch] == ["new"]
     assert [(g.group_id, "stale" in why) for g, why in dropped] == [("old", True)]
     assert intake.offer(traj("old", 0, version=1))[0] == "rejected"
+
+
+def test_only_the_latest_stale_drops_are_remembered(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(intake_module, "DROPPED_REMEMBERED", 3)
+    intake = Intake("j", max_staleness=0)
+    for n in range(5):
+        for i in range(2):
+            intake.offer(traj(f"old{n}", i, version=0))
+        intake.take_batch(5, 1)
+    assert list(intake.dropped_groups) == ["old2", "old3", "old4"]
+    assert intake.offer(traj("old4", 0))[0] == "rejected"
+    assert intake.offer(traj("old0", 0))[0] == "received"  # forgotten: stale again below
+    intake.offer(traj("old0", 1))
+    assert [g.group_id for g, _ in intake.take_batch(5, 1)[1]] == ["old0"]
 
 
 def test_a_group_mixing_versions_counts_as_its_oldest() -> None:
