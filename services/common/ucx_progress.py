@@ -220,19 +220,26 @@ def pending_handshakes() -> int:
 
 
 class QuietHandshakeTimeouts(logging.Filter):
-    """ucxx logs a listener's handshake that timed out as an unexpected error, at ERROR, with
-    two tracebacks. Here it is expected: the peer that connected was killed or frozen before it
-    finished (a chaos fault, a hung puller). This logs it as one line instead
-    (`ucx.handshake_timed_out`); anything else ucxx logs passes as it was."""
+    """ucxx logs a listener's handshake that failed as an unexpected error, at ERROR, with
+    two tracebacks. Here it is expected: the peer that connected was killed (the connection is
+    reset) or frozen (the wait times out) before it finished, by a chaos fault or a hung puller.
+    This logs it as one line instead (`ucx.handshake_failed`, with the error's type); anything
+    else ucxx logs, a failure of the handler's callback included, passes as it was."""
 
     def filter(self, record: logging.LogRecord) -> bool:
         args = record.args if isinstance(record.args, tuple) else ()
         if (
-            args
+            len(args) == 2
             and "Unexpected error in listener handler" in str(args[0])
-            and isinstance(sys.exc_info()[1], TimeoutError)  # logged in its except block
+            and "exchange_peer_info" in str(args[1])  # the traceback: failed in the handshake
         ):
-            log.warning("ucx.handshake_timed_out", side="listener", then="connection dropped")
+            error = sys.exc_info()[1]  # logged from its except block
+            log.warning(
+                "ucx.handshake_failed",
+                side="listener",
+                error=type(error).__name__,
+                then="connection dropped",
+            )
             return False
         return True
 
