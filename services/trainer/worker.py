@@ -25,7 +25,7 @@ from robustrl.v1 import coordinator_pb2, trainer_pb2
 from services.common.aio import cancel_and_wait
 from services.common.control import FIRST_EPOCH
 from services.common.coordinator_client import CoordinatorClient
-from services.common.errors import InvalidArgument
+from services.common.errors import Fenced, InvalidArgument
 from services.common.etcd_client import until_etcd_answers
 from services.common.fences import FenceSet
 from services.common.heartbeat import Progress
@@ -280,6 +280,11 @@ class TrainerWorker:
                     grpc_address=self.runtime.address,
                     host=self.runtime.settings.resolved_advertise_host(),
                     session_ttl=self.runtime.etcd_settings.session_ttl,
+                    checksum_algorithm=(
+                        None
+                        if spec.trainer.weight_checksum == "auto"
+                        else spec.trainer.weight_checksum
+                    ),
                 ),
                 "starting the weight transport",
             )
@@ -335,6 +340,12 @@ class TrainerWorker:
             log.info("trainer.finished", job=self.job_id, step=self.step)
         except asyncio.CancelledError:
             raise
+        except Fenced as exc:
+            # A newer trainer took over while this one was away (hung past its budget, or cut
+            # off from etcd past its session): expected, and nothing to report (the leader has
+            # recovered already). It used to be logged as a failure, with a traceback.
+            log.warning("trainer.fenced_out", job=self.job_id, step=self.step, reason=str(exc))
+            self.progress.enter(STOPPED_ON_ERROR)
         except Exception as exc:  # this trainer cannot go on: say why, then stop
             # The leader decides: recover on another trainer (a machine fault), or fail the job
             # when the same error came back after a replacement (coordinator/recovery.py).
