@@ -137,6 +137,7 @@ class Worker:
             relay=self.args.relay,
             max_pullers=self.args.max_pullers,
             pull_timeout=300,
+            checksum_algorithm=checksum_of(self.args),
         )
         await self.ucx.start()
         return {"address": self.ucx.address}
@@ -263,7 +264,7 @@ class Worker:
 
     async def do_plain(self, cmd: dict[str, Any]) -> dict[str, Any]:
         from services.common import ucx_progress
-        from services.common.checksums import algorithm_for, checksum_landed
+        from services.common.checksums import checksum_landed
         from services.common.ucx_transport import (
             IN_FLIGHT_BUCKETS,
             allocate_buffer,
@@ -284,7 +285,7 @@ class Worker:
             endpoint = self.plain_eps[verify] = await maker.create_endpoint(host, int(port))
         if self.plain_recv is None or self.plain_recv.numel() != nbytes:
             self.plain_recv = allocate_buffer(nbytes, self.device)
-        algorithm = algorithm_for(self.device)
+        algorithm = checksum_of(self.args)
         checks = []
         receives: collections.deque[tuple[torch.Tensor, asyncio.Future[Any]]] = collections.deque()
 
@@ -441,6 +442,8 @@ class Driver:
                 str(self.args.bucket_mib),
                 "--device",
                 self.args.device,
+                "--checksum",
+                self.args.checksum,
                 "--max-pullers",
                 str(max_pullers),
                 *(["--relay"] if relay else []),
@@ -482,19 +485,28 @@ def memcpy_gbps(nbytes: int, repeat: int, device: torch.device) -> float:
     return nbytes / statistics.median(times) / 1e9
 
 
-def checksum_gbps(nbytes: int, bucket: int, device: torch.device, threads: int) -> float:
+def checksum_of(args: argparse.Namespace) -> str:
+    """The bucket checksum the run uses: --checksum, or what a publisher picks by device."""
+    from services.common.checksums import algorithm_for
+
+    return algorithm_for(args.device) if args.checksum == "auto" else str(args.checksum)
+
+
+def checksum_gbps(
+    nbytes: int, bucket: int, device: torch.device, threads: int, algorithm: str
+) -> float:
     """What bucket checksums alone reach here on `threads` threads (the publisher hashes on
     the transport's pool; a puller hashes host buckets on one thread, its event loop's).
 
     Warm, as in a pull: an untimed pass first makes wsum128's coefficients and each thread's
     CUDA stream (timed, they made an H200's wsum128 read 0.7-4.5 GB/s on one thread against
     145-200 warm)."""
-    from services.common.checksums import algorithm_for, bucket_checksum
+    from services.common.checksums import bucket_checksum
 
     data = torch.randint(0, 256, (nbytes,), dtype=torch.uint8).to(device)
     sync(device)
     views = [data[s : s + bucket] for s in range(0, nbytes, bucket)]
-    algorithms = [algorithm_for(device)] * len(views)
+    algorithms = [algorithm] * len(views)
     with ThreadPoolExecutor(max_workers=threads) as pool:
         list(pool.map(bucket_checksum, views, algorithms))
         started = time.perf_counter()
@@ -656,7 +668,6 @@ def print_report(
     args: argparse.Namespace,
     checksum: dict[int, float],
 ) -> None:
-    from services.common.checksums import algorithm_for
 
     env = {k: v for k, v in os.environ.items() if k.startswith(("UCX_", "UCXPY_"))}
     load = ", ".join(f"{x:.1f}" for x in os.getloadavg())
@@ -667,7 +678,7 @@ def print_report(
         print(f"GPU: {torch.cuda.get_device_name()}; grpc moves host copies")
     print(f"host: {os.cpu_count()} cpus, load average {load} (other work skews every column)")
     print(f"UCX env: {env or 'transport defaults'}")
-    algorithm = algorithm_for(args.device)
+    algorithm = checksum_of(args)
     header = (
         f"{'payload':>9} {'memcpy':>8} {'plain ucxx':>11} {'+verify':>8} {'ours':>8}"
         f" {'ours again':>11} {'ours cold':>10} {'grpc':>8} {'ours/plain':>11}"
@@ -760,7 +771,9 @@ async def driver_main(args: argparse.Namespace) -> None:
 
     device = torch.device(args.device)
     checksum = {
-        threads: checksum_gbps(max(sizes) * MIB, args.bucket_mib * MIB, device, threads)
+        threads: checksum_gbps(
+            max(sizes) * MIB, args.bucket_mib * MIB, device, threads, checksum_of(args)
+        )
         for threads in sorted({1, DEFAULT_HASH_THREADS})
     }
     print_report(rows, fan, args, checksum)
@@ -769,6 +782,8 @@ async def driver_main(args: argparse.Namespace) -> None:
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
+    from services.common.checksums import CHECKSUM_ALGORITHMS
+
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--sizes", default="64,256", help="payload sizes in MiB (64,256,1024)")
     parser.add_argument("--bucket-mib", type=int, default=32)
@@ -783,6 +798,12 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--fanout-mib", type=int, default=256)
     parser.add_argument(
         "--device", choices=("cpu", "cuda"), default="cpu", help="where every buffer lives"
+    )
+    parser.add_argument(
+        "--checksum",
+        choices=("auto", *CHECKSUM_ALGORITHMS),
+        default="auto",
+        help="bucket checksum (auto: xxh3_128 on cpu, wsum128 on cuda, as a publisher picks)",
     )
     parser.add_argument(
         "--json", default="", help="also write every point and its raw samples to this file"

@@ -62,6 +62,11 @@ class TrainerSpec(_Strict):
     """How weight versions travel: UCX (point to point, rollouts relay to each other) or the
     gRPC stream (fallback and baseline; also used automatically when UCX cannot start)."""
 
+    weight_checksum: Literal["auto", "xxh3_128", "wsum128", "imm128"] = "auto"
+    """How UCX weight buckets are checksummed (services/common/checksums.py). auto: xxh3_128
+    for weights in host memory, wsum128 for weights in GPU memory. imm128 (one int8 matrix
+    product per bucket, meant for GPU memory) has run on CPU only so far, not on a GPU."""
+
     checkpoint_every: int = Field(default=1, ge=1)
     eval_every: int = Field(default=5, ge=1)
 

@@ -10,8 +10,11 @@ import torch
 
 from services.common.checksums import (
     CHECKSUM_ALGORITHMS,
+    IMM128,
+    ON_DEVICE,
     WSUM128,
     XXH3_128,
+    _as_rows,
     algorithm_for,
     bucket_checksum,
     checksum_landed,
@@ -38,27 +41,43 @@ def test_equal_bytes_give_equal_digests_wherever_they_sit(algorithm: str) -> Non
     assert bucket_checksum(_bytes(1 << 16, seed=2), algorithm) != digest
 
 
-@pytest.mark.parametrize("length", [1 << 12, (1 << 12) + 1, (1 << 12) + 3, 5])
-def test_wsum128_catches_every_single_byte_change(length: int) -> None:
+@pytest.mark.parametrize("algorithm", ON_DEVICE)
+@pytest.mark.parametrize("length", [1 << 12, (1 << 12) + 1, (1 << 12) + 3, 5, (20 << 12) + 7])
+def test_the_device_checksums_catch_every_single_byte_change(algorithm: str, length: int) -> None:
     data = _bytes(length, seed=length)
-    digest = bucket_checksum(data, WSUM128)
+    digest = bucket_checksum(data, algorithm)
     rng = random.Random(length)
-    positions = {0, length - 1, *(rng.randrange(length) for _ in range(200))}
+    positions = {0, length - 1, *(rng.randrange(length) for _ in range(100))}
 
     for position in positions:
         for flip in (0x01, 0x80, 0xFF):
             changed = data.clone()
             changed[position] ^= flip
-            assert bucket_checksum(changed, WSUM128) != digest, (position, flip)
+            assert bucket_checksum(changed, algorithm) != digest, (position, flip)
 
 
-def test_wsum128_catches_words_that_trade_places() -> None:
-    data = _bytes(1 << 12, seed=3)
+@pytest.mark.parametrize("algorithm", ON_DEVICE)
+@pytest.mark.parametrize(("size", "first", "second"), [(4, 0, 400), (4096, 0, 8192), (1, 5, 6)])
+def test_the_device_checksums_catch_pieces_that_trade_places(
+    algorithm: str, size: int, first: int, second: int
+) -> None:
+    """Words (wsum128's unit), whole 4 KiB rows (imm128's) and neighbouring bytes."""
+    data = _bytes(20 << 12, seed=3)
     swapped = data.clone()
-    swapped[0:4], swapped[400:404] = data[400:404].clone(), data[0:4].clone()
+    swapped[first : first + size] = data[second : second + size]
+    swapped[second : second + size] = data[first : first + size]
     assert not torch.equal(swapped, data)
 
-    assert bucket_checksum(swapped, WSUM128) != bucket_checksum(data, WSUM128)
+    assert bucket_checksum(swapped, algorithm) != bucket_checksum(data, algorithm)
+
+
+def test_imm128_reads_the_bucket_in_place_when_it_is_whole_rows() -> None:
+    data = _bytes(32 << 12, seed=8)
+    rows = _as_rows(data)
+    assert rows.data_ptr() == data.data_ptr() and rows.shape == (32, 4096)
+    short = _as_rows(data[: 3 << 12])  # too few rows for the kernel: padded with zero rows
+    assert short.shape == (17, 4096) and not short[3:].any()
+    assert bucket_checksum(data[:100], IMM128) != bucket_checksum(data[:101], IMM128)
 
 
 def test_wsum128_spans_chunks_as_one_sum() -> None:

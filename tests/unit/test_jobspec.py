@@ -1,11 +1,13 @@
 from __future__ import annotations
 
+import typing
 from pathlib import Path
 
 import pytest
 
+from services.common.checksums import CHECKSUM_ALGORITHMS
 from services.common.errors import InvalidArgument
-from services.common.jobspec import apply_overrides, parse_spec, validate_job_id
+from services.common.jobspec import TrainerSpec, apply_overrides, parse_spec, validate_job_id
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "arithmetic-grpo.yaml"
 
@@ -53,6 +55,7 @@ def test_overrides_do_not_mutate_the_input() -> None:
         ("name: a\n", ["rollout.long_tail_every=-1"], "rollout.long_tail_every"),
         ("name: a\n", ["rollout.long_tail_factor=0"], "rollout.long_tail_factor"),
         ("name: a\n", ["rollout.long_tail_factor=2.5"], "rollout.long_tail_factor"),
+        ("name: a\n", ["trainer.weight_checksum=crc32"], "trainer.weight_checksum"),
     ],
 )
 def test_bad_specs_name_the_field(text: str, overrides: list[str], names: str) -> None:
@@ -66,3 +69,9 @@ def test_job_ids() -> None:
     for bad in ["", "-a", "a-", "A", "a_b", "x" * 64]:
         with pytest.raises(InvalidArgument):
             validate_job_id(bad)
+
+
+def test_the_spec_offers_every_checksum_the_weight_plane_knows() -> None:
+    field = TrainerSpec.model_fields["weight_checksum"]
+    assert set(typing.get_args(field.annotation)) == {"auto", *CHECKSUM_ALGORITHMS}
+    assert field.default == "auto"
