@@ -84,6 +84,8 @@ _posted: list[tuple[Any, Any]] = []
 """(request, buffer) of quiet receives UCX has not completed: the buffer must outlive them."""
 _handshakes: list[tuple[Any, Any]] = []
 """(request, buffer) of the handshake messages of `exchange_peer_info`, kept until completed."""
+failed_handshakes = 0
+"""Handshakes a listener of this process gave up (`QuietHandshakeTimeouts` logged them)."""
 
 
 PROGRESS_INTERVAL = 0.02
@@ -233,6 +235,8 @@ class QuietHandshakeTimeouts(logging.Filter):
             and "Unexpected error in listener handler" in str(args[0])
             and "exchange_peer_info" in str(args[1])  # the traceback: failed in the handshake
         ):
+            global failed_handshakes
+            failed_handshakes += 1
             error = sys.exc_info()[1]  # logged from its except block
             log.warning(
                 "ucx.handshake_failed",
