@@ -24,6 +24,36 @@ log = get_logger(__name__)
 RPCS = Counter("robustrl_rpcs_total", "RPCs handled", ["method", "code"])
 RPC_SECONDS = Histogram("robustrl_rpc_seconds", "RPC handling time (unary calls)", ["method"])
 
+REPEAT_WINDOW_S = 10.0
+"""A failure logged for one method, status and reason is not logged again for this long; the
+next one logged says how many were not (`unlogged`). Every one is counted (RPCS)."""
+
+
+class Repeats:
+    """Which of many equal log lines to write. Through an etcd outage every rollout's lease
+    failed the same way several times a second, each logged: thousands of equal lines a minute
+    on a large job."""
+
+    def __init__(self, window: float, clock: Callable[[], float] = time.monotonic) -> None:
+        self.window = window
+        self.clock = clock
+        self._seen: dict[tuple[str, ...], tuple[float, int]] = {}  # -> (logged at, unlogged)
+
+    def admit(self, key: tuple[str, ...]) -> int | None:
+        """None: leave this one out; else how many were left out since the last one logged."""
+        now = self.clock()
+        if len(self._seen) > 4096:  # forget keys not seen for a window: bounded memory
+            self._seen = {k: v for k, v in self._seen.items() if now - v[0] < self.window}
+        logged_at, unlogged = self._seen.get(key, (float("-inf"), 0))
+        if now - logged_at < self.window:
+            self._seen[key] = (logged_at, unlogged + 1)
+            return None
+        self._seen[key] = (now, 0)
+        return unlogged
+
+
+_failures = Repeats(REPEAT_WINDOW_S)
+
 
 def _status_of(exc: BaseException) -> tuple[grpc.StatusCode, str, dict[str, str]] | None:
     if isinstance(exc, RobustrlError):
@@ -57,8 +87,8 @@ async def _abort(context: grpc.aio.ServicerContext, method: str, exc: BaseExcept
     RPCS.labels(method, code.name).inc()
     if code is grpc.StatusCode.INVALID_ARGUMENT or code is grpc.StatusCode.NOT_FOUND:
         log.info("grpc.rejected", method=method, code=code.name, reason=message)
-    else:
-        log.warning("grpc.failed", method=method, code=code.name, reason=message)
+    elif (unlogged := _failures.admit((method, code.name, message))) is not None:
+        log.warning("grpc.failed", method=method, code=code.name, reason=message, unlogged=unlogged)
     if metadata:
         context.set_trailing_metadata(tuple(metadata.items()))
     await context.abort(code, message)
