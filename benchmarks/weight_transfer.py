@@ -33,6 +33,7 @@ their own. Throughput is payload bytes / wall seconds (GB = 1e9 B); each point i
     python benchmarks/weight_transfer.py                      # 64 and 256 MiB, fan-out to 4
     python benchmarks/weight_transfer.py --sizes 64,256,1024  # the full list (~12 GiB RAM)
     python benchmarks/weight_transfer.py --device cuda        # GPU buffers on both sides
+    python benchmarks/weight_transfer.py --device cuda --checksum imm128   # another checksum
 
 With --device cuda every buffer of ours, plain ucxx and memcpy lives in GPU memory (UCX moves
 it device to device); the gRPC stream still serves and receives host copies, as it does for a
