@@ -184,10 +184,18 @@ def _step_dirs(directory: Path) -> list[tuple[int, Path]]:
     return sorted(found)
 
 
-def write_snapshot(directory: str | Path, snapshot: Snapshot, *, keep: int) -> Path:
+def write_snapshot(
+    directory: str | Path,
+    snapshot: Snapshot,
+    *,
+    keep: int,
+    still_wanted: Callable[[], bool] = lambda: True,
+) -> Path | None:
     """Write ``snapshot`` as ``directory/step-<N>`` atomically, point ``latest`` at it, prune.
 
-    Synchronous; :class:`CheckpointWriter` calls it from its thread.
+    Synchronous; :class:`CheckpointWriter` calls it from its thread. ``still_wanted`` is asked
+    once the files are written, before anything is published: if it says no (the trainer was
+    fenced meanwhile), the files are removed and None is returned.
     """
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
@@ -203,6 +211,9 @@ def write_snapshot(directory: str | Path, snapshot: Snapshot, *, keep: int) -> P
         for f in tmp.iterdir():
             _fsync_file(f)
         _fsync_dir(tmp)
+        if not still_wanted():
+            shutil.rmtree(tmp, ignore_errors=True)
+            return None
         final = directory / name
         if final.exists():
             # The same step written again (a restarted trainer): the new copy wins.
@@ -259,6 +270,7 @@ class CheckpointWriter:
         self._busy = False
         self._error: BaseException | None = None
         self._closed = False
+        self._abandoned = False
         self._cond = threading.Condition()
         self._thread = threading.Thread(target=self._run, name="checkpoint-writer", daemon=True)
         self._thread.start()
@@ -269,6 +281,8 @@ class CheckpointWriter:
             self._raise_error()
             if self._closed:
                 raise CheckpointError("checkpoint writer is closed")
+            if self._abandoned:
+                return
             self._pending = snapshot
             self._cond.notify_all()
 
@@ -283,6 +297,19 @@ class CheckpointWriter:
             if not done:
                 raise TimeoutError(f"checkpoint write still running after {timeout}s")
 
+    def abandon(self) -> None:
+        """The trainer was fenced (a newer one owns this directory): nothing more of this
+        writer reaches the disk. The queued snapshot is dropped, a write in progress is not
+        published (its files are removed, `latest` is left alone), and write errors are no
+        longer raised (the newer trainer clearing the unfinished write it found is one).
+        Before, a fenced trainer finished its queued write as it stopped and could point
+        `latest` at it after its replacement had restored and gone on."""
+        with self._cond:
+            self._abandoned = True
+            self._pending = None
+            self._error = None
+            self._cond.notify_all()
+
     def close(self, timeout: float | None = None) -> None:
         """Finish queued writes and stop the thread; raises a write error. Idempotent."""
         try:
@@ -294,11 +321,15 @@ class CheckpointWriter:
             self._thread.join(timeout)
 
     def _raise_error(self) -> None:
-        if self._error is not None:
+        if self._error is not None and not self._abandoned:
             error, self._error = self._error, None
             raise CheckpointError(
                 f"writing a checkpoint to {self.directory} failed: {error!r}"
             ) from error
+
+    def _wanted(self) -> bool:
+        with self._cond:
+            return not self._abandoned
 
     def _run(self) -> None:
         while True:
@@ -309,15 +340,18 @@ class CheckpointWriter:
                 snapshot, self._pending = self._pending, None
                 self._busy = True
             try:
-                write_snapshot(self.directory, snapshot, keep=self.keep)
-                if self.on_written is not None:
+                written = write_snapshot(
+                    self.directory, snapshot, keep=self.keep, still_wanted=self._wanted
+                )
+                if written is not None and self.on_written is not None:
                     self.on_written(snapshot.step, snapshot.extra)
             except BaseException as e:  # handed to the training thread
                 with self._cond:
-                    self._error = e
+                    self._error = None if self._abandoned else e
             else:
                 with self._cond:
-                    self.durable_step = snapshot.step
+                    if written is not None:
+                        self.durable_step = snapshot.step
             finally:
                 with self._cond:
                     self._busy = False

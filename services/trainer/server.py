@@ -43,6 +43,9 @@ class TrainerServicer(RoleControl, trainer_pb2_grpc.TrainerServicer):
         loop stopped on an error, or hung) would otherwise hold the rollout's trajectories
         until it writes again, and a rollout at its staleness bound never writes again."""
         job = self.worker.job_id if self.worker is not None else self.binding.job_id
+        if self.binding.fenced and isinstance(self.worker, TrainerWorker):
+            # Its replacement owns the job's checkpoints now: write nothing more there.
+            self.worker.abandon_checkpoints()
         for outbox in self._streams:
             outbox.put_nowait(FailedPrecondition(f"this trainer no longer works on job {job}"))
         await super().stop_worker()

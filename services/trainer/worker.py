@@ -222,6 +222,11 @@ class TrainerWorker:
         self.loop = asyncio.get_running_loop()
         self._task = asyncio.create_task(self._run(), name=f"train-{self.job_id}")
 
+    def abandon_checkpoints(self) -> None:
+        """This trainer was fenced: it writes no more checkpoints (`CheckpointWriter.abandon`)."""
+        if self.checkpoints is not None:
+            self.checkpoints.abandon()
+
     async def stop(self) -> None:
         self._stopping = True
         await cancel_and_wait(self._task)

@@ -6,6 +6,7 @@ import contextlib
 import json
 import random
 import shutil
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -14,6 +15,7 @@ import numpy as np
 import pytest
 import torch
 
+from services.trainer import checkpoint
 from services.trainer.checkpoint import (
     CheckpointError,
     CheckpointWriter,
@@ -181,6 +183,7 @@ def test_a_dangling_pointer_is_an_error(tmp_path: Path) -> None:
 def test_a_corrupt_checkpoint_is_an_error(tmp_path: Path) -> None:
     model, optimizer = _fresh(0)
     path = write_snapshot(tmp_path, to_host(model, optimizer, step=1), keep=3)
+    assert path is not None
     (path / "model.safetensors").write_bytes(b"garbage")
     with pytest.raises(CheckpointError, match="not a readable checkpoint"):
         load_latest(tmp_path)
@@ -200,3 +203,40 @@ def test_rng_capture_restores_every_generator() -> None:
 def test_writer_rejects_bad_keep(tmp_path: Path) -> None:
     with pytest.raises(ValueError):
         CheckpointWriter(tmp_path, keep=0)
+
+
+@pytest.mark.parametrize("cleared_meanwhile", [False, True])
+def test_an_abandoned_writer_publishes_nothing_and_raises_nothing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, cleared_meanwhile: bool
+) -> None:
+    """A fenced trainer's writer (abandon) mid-way through a slow write: the write is not
+    published (no step folder, `latest` unchanged, no durable step, no callback), and closing
+    raises nothing, also when its replacement cleared the unfinished write meanwhile (in a
+    demo the fenced trainer's close raised FileNotFoundError, through the leader's FENCE)."""
+    model, optimizer = _fresh(0)
+    written: list[int] = []
+    writer = CheckpointWriter(tmp_path, on_written=lambda step, _: written.append(step))
+    writer.save(to_host(model, optimizer, step=1))
+    writer.wait()
+    slow, release = threading.Event(), threading.Event()
+    real_fsync = checkpoint._fsync_file
+
+    def slow_fsync(path: Path) -> None:
+        slow.set()
+        assert release.wait(10)
+        real_fsync(path)
+
+    monkeypatch.setattr(checkpoint, "_fsync_file", slow_fsync)
+    writer.save(to_host(model, optimizer, step=2))
+    assert slow.wait(10)
+    writer.save(to_host(model, optimizer, step=3))  # queued behind it
+
+    writer.abandon()
+    if cleared_meanwhile:
+        CheckpointWriter(tmp_path).close()  # a replacement's writer clears unfinished writes
+    release.set()
+    writer.close(timeout=10)
+
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["latest", "step-1"]
+    assert (tmp_path / "latest").read_text().strip() == "step-1"
+    assert writer.durable_step == 1 and written == [1]
