@@ -350,6 +350,7 @@ class TrainerWorker:
             # off from etcd past its session): expected, and nothing to report (the leader has
             # recovered already). It used to be logged as a failure, with a traceback.
             log.warning("trainer.fenced_out", job=self.job_id, step=self.step, reason=str(exc))
+            self.abandon_checkpoints()
             self.progress.enter(STOPPED_ON_ERROR)
         except Exception as exc:  # this trainer cannot go on: say why, then stop
             # The leader decides: recover on another trainer (a machine fault), or fail the job
