@@ -35,6 +35,7 @@ async def retry_while(
     waiting: str,
     answered: str,
     on_wait: Callable[[], None] | None = None,
+    between: Callable[[], Awaitable[object]] | None = None,
     **context: Any,
 ) -> T:
     """`call()`, made again for as long as it fails with an error `transient` accepts (0.2 s
@@ -42,7 +43,8 @@ async def retry_while(
 
     For work that must wait out an outage rather than give up. Logs the event `waiting` once,
     on the first failure, and `answered` with the seconds waited when a call goes through
-    after it, both with `context`. `on_wait` is called once, on that first failure."""
+    after it, both with `context`. `on_wait` is called once, on that first failure;
+    `between` is awaited after every failure, before the pause (what may end the outage)."""
     delay = RETRY_FIRST_S
     since: float | None = None
     while True:
@@ -56,6 +58,8 @@ async def retry_while(
                 log.warning(waiting, error=str(exc)[:200], **context)
                 if on_wait is not None:
                     on_wait()
+            if between is not None:
+                await between()
             await asyncio.sleep(delay)
             delay = min(delay * 2, RETRY_MAX_S)
             continue

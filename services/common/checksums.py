@@ -198,7 +198,7 @@ def _imm128_sums(rows: torch.Tensor) -> torch.Tensor:
     is odd, so a change confined to one byte changes every S_j for certain (a nonzero change
     of at most 2^15 times an odd weight is nonzero mod 2^64); the row weights catch rows that
     trade places."""
-    products = torch._int_mm(rows, _imm_matrix(rows.device))
+    products = torch._int_mm(rows, _imm_matrix.get(_ROW_BYTES, rows.device))
     weights = _row_weights.get(rows.shape[0], rows.device)
     return (products.to(torch.int64) * weights).sum(dim=0)
 
@@ -313,14 +313,7 @@ def _make_imm_matrix() -> torch.Tensor:
 
 _coefficients = _PrefixCache(_make_coefficients, dim=1)
 _row_weights = _PrefixCache(_make_row_weights, dim=0)
-_imm_matrices: dict[torch.device, torch.Tensor] = {}
-
-
-def _imm_matrix(device: torch.device) -> torch.Tensor:
-    matrix = _imm_matrices.get(device)
-    if matrix is None:  # a race makes it twice, the same: harmless
-        matrix = _imm_matrices[device] = _make_imm_matrix().to(device)
-    return matrix
+_imm_matrix = _PrefixCache(lambda _: _make_imm_matrix(), dim=0)  # one size: [4096, 8]
 
 
 _streams = threading.local()

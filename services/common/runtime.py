@@ -16,11 +16,11 @@ import os
 import signal
 import socket
 import sys
-import time
 from collections.abc import Awaitable, Callable
 
 import aetcd
 
+from services.common.aio import retry_while
 from services.common.config import EtcdSettings, ServiceSettings
 from services.common.etcd_client import connect_etcd, etcd_out_of_space
 from services.common.heartbeat import HeartbeatSender, Progress
@@ -34,9 +34,6 @@ log = get_logger(__name__)
 
 CRASH_EXIT = 70
 """Exit status of `ServiceRuntime.crash` (EX_SOFTWARE: an internal error)."""
-
-START_RETRY_S = 1.0
-"""Between tries to register at start while etcd is out of space."""
 
 
 class ServiceRuntime:
@@ -122,7 +119,14 @@ class ServiceRuntime:
             labels=self.labels,
         )
         self._free_space = free_space
-        await self._first_session()
+        await retry_while(
+            self._open_session,
+            etcd_out_of_space,
+            waiting=f"{self.role}.start_waits_for_etcd_space",
+            answered=f"{self.role}.registered_after_etcd_space",
+            between=self._free_space_quietly,
+            frees_it=free_space is not None,
+        )
         self._keeper = asyncio.create_task(self._keep_registered(), name="keep-registered")
         if self._heartbeats:
             self.heartbeat = HeartbeatSender(
@@ -139,31 +143,6 @@ class ServiceRuntime:
         self.host.before_stop.append(self._leave)
         self.host.after_stop.append(self._close_etcd)
         log.info(f"{self.role}.started", address=self.address, epoch=self.settings.epoch)
-
-    async def _first_session(self) -> None:
-        since: float | None = None
-        while True:
-            try:
-                await self._open_session()
-            except Exception as exc:
-                if not etcd_out_of_space(exc):
-                    raise
-                if since is None:
-                    since = time.monotonic()
-                    log.error(
-                        f"{self.role}.start_waits_for_etcd_space",
-                        error=str(exc)[:200],
-                        frees_it=self._free_space is not None,
-                    )
-                await self._free_space_quietly()
-                await asyncio.sleep(START_RETRY_S)
-                continue
-            if since is not None:
-                log.info(
-                    f"{self.role}.registered_after_etcd_space",
-                    waited_s=round(time.monotonic() - since, 1),
-                )
-            return
 
     async def _free_space_quietly(self) -> None:
         if self._free_space is None:

@@ -85,7 +85,7 @@ _posted: list[tuple[Any, Any]] = []
 _handshakes: list[tuple[Any, Any]] = []
 """(request, buffer) of the handshake messages of `exchange_peer_info`, kept until completed."""
 failed_handshakes = 0
-"""Handshakes a listener of this process gave up (`QuietHandshakeTimeouts` logged them)."""
+"""Handshakes a listener of this process gave up (`QuietHandshakeFailures` logged them)."""
 
 
 PROGRESS_INTERVAL = 0.02
@@ -221,7 +221,7 @@ def pending_handshakes() -> int:
     return sum(not request.completed for request, _ in _handshakes)
 
 
-class QuietHandshakeTimeouts(logging.Filter):
+class QuietHandshakeFailures(logging.Filter):
     """ucxx logs a listener's handshake that failed as an unexpected error, at ERROR, with
     two tracebacks. Here it is expected: the peer that connected was killed (the connection is
     reset) or frozen (the wait times out) before it finished, by a chaos fault or a hung puller.
@@ -251,12 +251,12 @@ class QuietHandshakeTimeouts(logging.Filter):
 def _mend_handshake() -> None:
     """Replace ucxx's `exchange_peer_info` where its endpoints and listeners call it, if it
     still takes what ours does (a ucxx that changed it is left alone), and quiet its log of a
-    handshake that timed out (`QuietHandshakeTimeouts`)."""
+    handshake that failed (`QuietHandshakeFailures`)."""
     from ucxx._lib_async import application_context, listener
 
     ucx_log = logging.getLogger("ucx")
-    if not any(isinstance(f, QuietHandshakeTimeouts) for f in ucx_log.filters):
-        ucx_log.addFilter(QuietHandshakeTimeouts())
+    if not any(isinstance(f, QuietHandshakeFailures) for f in ucx_log.filters):
+        ucx_log.addFilter(QuietHandshakeFailures())
 
     for module in (application_context, listener):
         theirs = getattr(module, "exchange_peer_info", None)

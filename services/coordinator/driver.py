@@ -905,12 +905,11 @@ class JobDriver:
     async def _unlease(self, job_id: str, instance_id: str, granted: list[str]) -> None:
         async with self.lock(job_id):
             ledger = self.ledgers.get(job_id)
-            back = work.unlease(ledger, instance_id, granted) if ledger is not None else []
-            if ledger is not None and back:
-                # The next write carries it; nobody waits for that one.
-                self.ledger_changed(ledger).add_done_callback(_retrieve)
-        if back:
-            log.info("coordinator.lease_undone", job=job_id, member=instance_id, groups=len(back))
+            if ledger is None or not (back := work.unlease(ledger, instance_id, granted)):
+                return
+            # The next write carries it; nobody waits for that one.
+            self.ledger_changed(ledger).add_done_callback(_retrieve)
+        log.info("coordinator.lease_undone", job=job_id, member=instance_id, groups=len(back))
 
     async def complete_work(self, request: coordinator_pb2.CompleteWorkRequest) -> None:
         async with self.lock(request.job_id):

@@ -14,7 +14,9 @@ import aetcd
 import pytest
 
 from services.cli.stack import etcd_argv, etcd_healthy, free_ports
-from services.common.config import EtcdSettings
+from services.common.config import EtcdSettings, ServiceSettings
+from services.common.keys import KeySpace
+from services.common.registry import MemberRecord
 from services.common.runtime import ServiceRuntime
 from services.coordinator.config import CoordinatorSettings
 from services.coordinator.server import serve as serve_coordinator
@@ -158,3 +160,26 @@ async def fill_etcd(client: aetcd.Client, prefix: str, *, one_key: bool) -> int:
             await client.put(key, os.urandom(100_000))
             landed += 1
     return landed
+
+
+async def started_member(
+    role: str, instance_id: str, settings: EtcdSettings, labels: dict[str, str] | None = None
+) -> ServiceRuntime:
+    """A started ServiceRuntime with no services and no heartbeats: a registry member only."""
+    runtime = ServiceRuntime(
+        role,
+        ServiceSettings(instance_id=instance_id),
+        settings,
+        service_names=[],
+        heartbeats=False,
+        labels=labels,
+    )
+    await runtime.start()
+    return runtime
+
+
+async def stored_member(
+    client: aetcd.Client, settings: EtcdSettings, role: str, instance_id: str
+) -> MemberRecord | None:
+    raw = await client.get(KeySpace(settings.prefix).member(role, instance_id))
+    return None if raw is None else MemberRecord.model_validate_json(raw.value)

@@ -672,7 +672,7 @@ async def test_delete_job_removes_every_key_of_the_job_and_no_other(
     from services.coordinator.jobs import Phase, new_job, transition
     from services.monitor.detectors import MemberView
     from services.monitor.incidents import IncidentLog, new_incident
-    from tests.integration.test_etcd_layer import started_member
+    from tests.integration.conftest import started_member
 
     member: ServiceRuntime | None = None
     async with lone_leader(etcd_settings, "delete") as (runtime, leadership, driver):

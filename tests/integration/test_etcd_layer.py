@@ -11,16 +11,16 @@ import aetcd
 import pytest
 
 from services.cli.stack import StackState, etcd_healthy, start_etcd, stop_procs, wait_until
-from services.common.config import EtcdSettings, ServiceSettings
+from services.common.config import EtcdSettings
 from services.common.election import Election, current_leader
 from services.common.etcd_client import ETCD_UNREACHABLE, connect_etcd
 from services.common.keys import KeySpace
 from services.common.registry import MemberRecord, Registry
 from services.common.role_server import RoleControl
-from services.common.runtime import ServiceRuntime
 from services.common.session import Session
 from services.common.watch import Delete, Put, Resync, list_prefix, next_change, watch_prefix
 from tests.conftest import EtcdProcess
+from tests.integration.conftest import started_member, stored_member
 from tests.support import eventually, stop_process
 
 
@@ -229,29 +229,6 @@ async def test_observe_reports_each_leader_change(
     await stream.aclose()  # type: ignore[attr-defined]
     await s2.close()
     assert seen == [None, b"a", b"b"]
-
-
-async def started_member(
-    role: str, instance_id: str, settings: EtcdSettings, labels: dict[str, str] | None = None
-) -> ServiceRuntime:
-    """A started ServiceRuntime with no services and no heartbeats: a registry member only."""
-    runtime = ServiceRuntime(
-        role,
-        ServiceSettings(instance_id=instance_id),
-        settings,
-        service_names=[],
-        heartbeats=False,
-        labels=labels,
-    )
-    await runtime.start()
-    return runtime
-
-
-async def stored_member(
-    client: aetcd.Client, settings: EtcdSettings, role: str, instance_id: str
-) -> MemberRecord | None:
-    raw = await client.get(KeySpace(settings.prefix).member(role, instance_id))
-    return None if raw is None else MemberRecord.model_validate_json(raw.value)
 
 
 async def test_a_member_change_made_after_its_lease_expired_is_not_lost(

@@ -27,9 +27,10 @@ from tests.integration.conftest import (
     leader_of,
     small_etcds,
     start_coordinators,
+    started_member,
+    stored_member,
 )
 from tests.integration.test_coordinator import SPEC, lone_leader
-from tests.integration.test_etcd_layer import started_member, stored_member
 from tests.support import eventually
 
 PREFIX = "/robustrl-space"
