@@ -6,8 +6,9 @@ Compaction (the local stack keeps `stack.ETCD_HISTORY_RETENTION` of history) onl
 inside the file; the file shrinks and the alarm goes only once every member has been
 defragmented and the alarm disarmed, which etcd leaves to a person. The leader does it when it
 sees the alarm (`SpaceKeeper.keep`, from its supervision rounds): compact the history to the
-current revision, defragment each member in turn over the client address it advertises (a
-member is blocked while it defragments: seconds for a file of hundreds of MB), then disarm.
+current revision, defragment each member in turn over the client address it advertises (once
+that member has deleted the compacted history; a member is blocked while it defragments:
+seconds for a file of hundreds of MB), then disarm.
 Watches that were behind the compacted revision resync from the current state (watch.py).
 
 etcd grants no lease under NOSPACE, so a service that starts then cannot register, and a
@@ -128,14 +129,11 @@ class SpaceKeeper:
         revision = int((await client.get_prefix(b"\0")).header.revision)
         members = await self._members(client)
         before = await self._db_bytes(members)
-        try:
-            await client.compact(revision, physical=True)
-        except aetcd.exceptions.ClientError as exc:
-            if "compacted" not in str(exc):  # nothing new since the last compaction: fine
-                raise
+        await _compact(client, revision)
         after = []
         for host, port in members:
             async with _member_client(host, port, self.defrag_timeout) as member:
+                await _compact(member, revision)  # this member has deleted the history too
                 await member.defragment()
                 after.append((await member.status()).db_size)
         # One deactivation per member that raised it: etcd matches the member id exactly (0,
@@ -172,6 +170,19 @@ class SpaceKeeper:
             except aetcd.exceptions.ClientError:
                 continue  # a member that does not answer is not defragmented either: it fails
         return max(sizes, default=0)
+
+
+async def _compact(client: aetcd.Client, revision: int) -> None:
+    """Compact the history to `revision`, and wait until the member `client` talks to has
+    deleted it from its file. Each member deletes on its own time, after it applies the
+    compaction: a follower defragmented before that keeps its whole file (seen in CI). Asked
+    again of a member, etcd answers "compacted" only once that member's earlier deletions are
+    done, so asking each member before its defragment waits for exactly that."""
+    try:
+        await client.compact(revision, physical=True)
+    except aetcd.exceptions.ClientError as exc:
+        if "compacted" not in str(exc):  # compacted already (by us, or since): fine
+            raise
 
 
 async def nospace_members(client: aetcd.Client) -> set[int]:

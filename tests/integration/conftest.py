@@ -8,6 +8,7 @@ import functools
 import os
 import subprocess
 from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import aetcd
@@ -113,10 +114,17 @@ async def external_coordinators(
         await runtime.shutdown()
 
 
+@dataclass(frozen=True)
+class EtcdMember:
+    endpoint: str
+    """Its client endpoint, host:port."""
+    pid: int
+
+
 @contextlib.contextmanager
-def small_etcds(tmp_path: Path, count: int) -> Iterator[list[str]]:
-    """`count` etcd members in one cluster, each with a 1 MiB quota; their client endpoints.
-    Stopped by pid on the way out."""
+def small_etcds(tmp_path: Path, count: int) -> Iterator[list[EtcdMember]]:
+    """`count` etcd members in one cluster, each with a 1 MiB quota. Stopped by pid on the way
+    out."""
     ports = free_ports(2 * count)
     names = [f"small{i}" for i in range(count)]
     cluster = ",".join(f"{n}=http://127.0.0.1:{ports[2 * i + 1]}" for i, n in enumerate(names))
@@ -132,11 +140,11 @@ def small_etcds(tmp_path: Path, count: int) -> Iterator[list[str]]:
         )
         for i, n in enumerate(names)
     ]
-    endpoints = [f"127.0.0.1:{ports[2 * i]}" for i in range(count)]
+    members = [EtcdMember(f"127.0.0.1:{ports[2 * i]}", proc.pid) for i, proc in enumerate(procs)]
     try:
-        for endpoint in endpoints:
-            eventually_sync(functools.partial(etcd_healthy, endpoint), timeout=30)
-        yield endpoints
+        for member in members:
+            eventually_sync(functools.partial(etcd_healthy, member.endpoint), timeout=30)
+        yield members
     finally:
         for proc in procs:
             proc.kill()
@@ -146,8 +154,8 @@ def small_etcds(tmp_path: Path, count: int) -> Iterator[list[str]]:
 @pytest.fixture
 def small_etcd(tmp_path: Path) -> Iterator[str]:
     """An etcd with a 1 MiB quota; its client endpoint."""
-    with small_etcds(tmp_path, 1) as (endpoint,):
-        yield endpoint
+    with small_etcds(tmp_path, 1) as (member,):
+        yield member.endpoint
 
 
 async def fill_etcd(client: aetcd.Client, prefix: str, *, one_key: bool) -> int:

@@ -5,6 +5,8 @@ data, which it does not)."""
 from __future__ import annotations
 
 import asyncio
+import os
+import signal
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -22,6 +24,7 @@ from services.coordinator import work
 from services.coordinator.jobs import Phase, new_job, transition
 from services.coordinator.space import SpaceKeeper, nospace_members
 from tests.integration.conftest import (
+    EtcdMember,
     accepts_writes,
     fill_etcd,
     leader_of,
@@ -135,32 +138,48 @@ async def test_coordinator_replicas_answer_unavailable_under_nospace_until_the_l
 
 
 @pytest.fixture
-def small_cluster(tmp_path: Path) -> Iterator[list[str]]:
-    with small_etcds(tmp_path, 3) as endpoints:
-        yield endpoints
+def small_cluster(tmp_path: Path) -> Iterator[list[EtcdMember]]:
+    with small_etcds(tmp_path, 3) as members:
+        yield members
 
 
 async def test_every_member_of_a_cluster_is_defragmented_and_disarmed(
-    small_cluster: list[str],
+    small_cluster: list[EtcdMember],
 ) -> None:
     """A three-member cluster filled by rewrites: a member that reaches its quota raises
     NOSPACE under its own id (which members do, and when, varies: the test raises it for the
     others too). Given one endpoint only (as behind a service name), the keeper reaches every
-    member at the address it advertises, shrinks each file, and disarms every alarm."""
-    settings = EtcdSettings(endpoints=small_cluster[0], prefix=PREFIX)
+    member at the address it advertises, shrinks each file, and disarms every alarm.
+
+    One follower lags: it is paused (SIGSTOP) as the history is compacted, for a second, so it
+    applies the compaction late. Each member deletes the compacted history on its own time, and
+    a member defragmented before that keeps its whole file: the keeper waits for it."""
+    settings = EtcdSettings(endpoints=small_cluster[0].endpoint, prefix=PREFIX)
     client = aetcd.Client(*settings.endpoint_list()[0])
     try:
         await fill_etcd(client, PREFIX, one_key=True)
         async for member in client.members():
             await client.create_alarm(member.id)
         assert len(await nospace_members(client)) == 3
+        leader_urls = (await client.status()).leader.client_urls
+        lagging = next(m for m in small_cluster[1:] if f"http://{m.endpoint}" not in leader_urls)
+        compact = client.compact
+
+        async def compact_while_one_lags(revision: int, physical: bool = False) -> None:
+            os.kill(lagging.pid, signal.SIGSTOP)
+            asyncio.get_running_loop().call_later(1.0, os.kill, lagging.pid, signal.SIGCONT)
+            client.compact = compact  # once
+            await compact(revision, physical=physical)
+
+        client.compact = compact_while_one_lags
 
         recovery = await SpaceKeeper(lambda: client, settings, check_every=0).keep()
 
         assert recovery is not None and not await nospace_members(client)
-        for endpoint in small_cluster:
-            async with aetcd.Client(*EtcdSettings(endpoints=endpoint).endpoint_list()[0]) as one:
-                assert (await one.status()).db_size < recovery.db_bytes_before // 4
+        for member in small_cluster:
+            endpoint = EtcdSettings(endpoints=member.endpoint).endpoint_list()[0]
+            async with aetcd.Client(*endpoint) as one:
+                assert (await one.status()).db_size < recovery.db_bytes_before // 4, member
         await client.put(f"{PREFIX}/after".encode(), b"taken")
     finally:
         await client.close()
