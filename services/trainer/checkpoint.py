@@ -15,6 +15,12 @@ the weights it belongs to (the trainer keeps its committed-trajectory watermark 
 
 Layout of ``dir/step-<N>/``: ``model.safetensors``, ``optimizer.pt``, ``rng.pt`` and
 ``meta.json`` (``{"format": 1, "step": N, "extra": {...}}``).
+
+``dir/owner`` names the trainer epoch that owns the directory (``{"epoch": E}``). A trainer
+claims it (:func:`claim`, by its writer) before it reads ``latest``; a writer of an older
+epoch then publishes nothing more (:class:`Superseded`). That covers a fenced trainer that
+never heard of its fence: one frozen mid-write (SIGSTOP, a stalled disk) that resumes after
+its replacement restored used to publish that write and point ``latest`` at it.
 """
 
 from __future__ import annotations
@@ -37,11 +43,20 @@ from safetensors.torch import load_file, save_file
 
 FORMAT_VERSION = 1
 LATEST = "latest"
+OWNER = "owner"
 _STEP_DIR = re.compile(r"^step-(\d+)$")
 
 
 class CheckpointError(RuntimeError):
     """A checkpoint could not be written, or what is on disk is not a valid checkpoint."""
+
+
+class Superseded(CheckpointError):
+    """The directory was claimed by a newer trainer epoch: this trainer was fenced."""
+
+    def __init__(self, directory: Path, epoch: int, owner: int) -> None:
+        super().__init__(f"{directory} is owned by trainer epoch {owner}, newer than {epoch}")
+        self.owner = owner
 
 
 # --- RNG state ----------------------------------------------------------------------------
@@ -175,6 +190,33 @@ def _fsync_file(path: Path) -> None:
         os.fsync(f.fileno())
 
 
+def owner_epoch(directory: str | Path) -> int | None:
+    """The trainer epoch that claimed ``directory`` (None: no claim yet)."""
+    path = Path(directory) / OWNER
+    try:
+        return int(json.loads(path.read_text())["epoch"])
+    except FileNotFoundError:
+        return None
+    except (ValueError, KeyError, TypeError) as e:
+        raise CheckpointError(f"{path}: not an owner record: {e!r}") from e
+
+
+def claim(directory: str | Path, epoch: int) -> None:
+    """Make trainer ``epoch`` the owner of ``directory``; Superseded if a newer epoch owns it.
+    Epochs only grow (the leader numbers each trainer it binds to a job), so an older claim
+    never comes after a newer one from a live trainer."""
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    owner = owner_epoch(directory)
+    if owner is not None and owner > epoch:
+        raise Superseded(directory, epoch, owner)
+    tmp = directory / f".{OWNER}.tmp-{uuid.uuid4().hex[:8]}"
+    tmp.write_text(json.dumps({"epoch": epoch}) + "\n")
+    _fsync_file(tmp)
+    tmp.replace(directory / OWNER)
+    _fsync_dir(directory)
+
+
 def _step_dirs(directory: Path) -> list[tuple[int, Path]]:
     found = []
     for entry in directory.iterdir() if directory.is_dir() else []:
@@ -194,8 +236,9 @@ def write_snapshot(
     """Write ``snapshot`` as ``directory/step-<N>`` atomically, point ``latest`` at it, prune.
 
     Synchronous; :class:`CheckpointWriter` calls it from its thread. ``still_wanted`` is asked
-    once the files are written, before anything is published: if it says no (the trainer was
-    fenced meanwhile), the files are removed and None is returned.
+    once the files are written, before anything is published, and again before ``latest`` is
+    replaced: if it says no (the trainer was fenced meanwhile), what is not published yet is
+    removed and None is returned.
     """
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
@@ -223,6 +266,9 @@ def write_snapshot(
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     _fsync_dir(directory)
+    if not still_wanted():
+        shutil.rmtree(final, ignore_errors=True)
+        return None
     pointer_tmp = directory / f".{LATEST}.tmp"
     pointer_tmp.write_text(name + "\n")
     _fsync_file(pointer_tmp)
@@ -254,10 +300,16 @@ class CheckpointWriter:
         *,
         keep: int = 3,
         on_written: Callable[[int, dict[str, Any]], None] | None = None,
+        epoch: int | None = None,
     ) -> None:
+        """``epoch``: the trainer's; the directory is claimed for it (:func:`claim`) first, and
+        the writer publishes only while no newer epoch has claimed it. None: no claim."""
         if keep < 1:
             raise ValueError(f"keep must be >= 1, got {keep}")
         self.directory = Path(directory)
+        self.epoch = epoch
+        if epoch is not None:
+            claim(self.directory, epoch)
         self.directory.mkdir(parents=True, exist_ok=True)
         for stale in self.directory.glob(".tmp-step-*"):
             # Left by a writer that died mid-write; never referenced by `latest`.
@@ -271,13 +323,18 @@ class CheckpointWriter:
         self._error: BaseException | None = None
         self._closed = False
         self._abandoned = False
+        self.superseded_by: int | None = None
+        """The newer epoch that claimed the directory, once this writer saw it."""
         self._cond = threading.Condition()
         self._thread = threading.Thread(target=self._run, name="checkpoint-writer", daemon=True)
         self._thread.start()
 
     def save(self, snapshot: Snapshot) -> None:
-        """Queue ``snapshot`` for writing and return at once; raises an earlier write's error."""
+        """Queue ``snapshot`` for writing and return at once; raises an earlier write's error,
+        and Superseded once a newer epoch has claimed the directory."""
         with self._cond:
+            if self.superseded_by is not None and self.epoch is not None:
+                raise Superseded(self.directory, self.epoch, self.superseded_by)
             self._raise_error()
             if self._closed:
                 raise CheckpointError("checkpoint writer is closed")
@@ -328,8 +385,23 @@ class CheckpointWriter:
             ) from error
 
     def _wanted(self) -> bool:
+        """Publish? Not once abandoned, nor once a newer epoch claimed the directory (this
+        trainer was fenced, and may not know it yet: it was frozen, say). The claim is read
+        right before each publishing rename, which leaves the microseconds between the read
+        and the rename for a freeze to fall in."""
         with self._cond:
-            return not self._abandoned
+            if self._abandoned:
+                return False
+        try:
+            owner = owner_epoch(self.directory) if self.epoch is not None else None
+        except CheckpointError:
+            owner = None  # unreadable: the next claim says so
+        if owner is not None and self.epoch is not None and owner > self.epoch:
+            with self._cond:
+                self.superseded_by = owner
+                self._abandoned = True
+            return False
+        return True
 
     def _run(self) -> None:
         while True:
@@ -346,8 +418,9 @@ class CheckpointWriter:
                 if written is not None and self.on_written is not None:
                     self.on_written(snapshot.step, snapshot.extra)
             except BaseException as e:  # handed to the training thread
+                wanted = self._wanted()  # a newer owner clears the unfinished writes it finds
                 with self._cond:
-                    self._error = None if self._abandoned else e
+                    self._error = e if wanted else None
             else:
                 with self._cond:
                     if written is not None:

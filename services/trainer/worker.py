@@ -164,8 +164,9 @@ class TrainerWorker:
     def load(self) -> None:
         """Everything the job needs: `prepare` (if not done ahead), the checkpoint writer and
         the restore from the job's latest checkpoint, read now. The writer is not made ahead:
-        it clears the unfinished writes it finds, and a standby's must not clear those of
-        the trainer still running."""
+        it claims the folder for this trainer's epoch (a fenced trainer's writer publishes
+        nothing after that) and clears the unfinished writes it finds, and a standby's must
+        not do either while the trainer it stands by for still runs."""
         self.prepare()
         assert self.trainer is not None
         if self.epoch == FIRST_EPOCH:
@@ -174,6 +175,7 @@ class TrainerWorker:
             self.run_dir / "checkpoints",
             keep=self.settings.keep_checkpoints,
             on_written=self._on_written,
+            epoch=self.epoch,
         )
         restored = checkpoint.load_latest(self.run_dir / "checkpoints")
         if restored is not None:
@@ -345,10 +347,11 @@ class TrainerWorker:
             log.info("trainer.finished", job=self.job_id, step=self.step)
         except asyncio.CancelledError:
             raise
-        except Fenced as exc:
+        except (Fenced, checkpoint.Superseded) as exc:
             # A newer trainer took over while this one was away (hung past its budget, or cut
             # off from etcd past its session): expected, and nothing to report (the leader has
-            # recovered already). It used to be logged as a failure, with a traceback.
+            # recovered already). It used to be logged as a failure, with a traceback. The
+            # checkpoint folder can tell it first: its replacement claimed it at restore.
             log.warning("trainer.fenced_out", job=self.job_id, step=self.step, reason=str(exc))
             self.abandon_checkpoints()
             self.progress.enter(STOPPED_ON_ERROR)

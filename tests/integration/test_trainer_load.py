@@ -34,7 +34,7 @@ async def test_a_first_trainer_sets_an_earlier_jobs_run_aside_and_a_replacement_
     """An earlier job with this id left a checkpoint at step 7. The new job's first trainer
     (FIRST_EPOCH) starts at step 0 and keeps the earlier folder, renamed; it used to restore
     step 7, and that job then trained nothing. A replacement (a later epoch) restores the new
-    job's own checkpoint."""
+    job's own checkpoint, once it has claimed the folder for its epoch."""
     runs = tmp_path / "runs"
     runtime = ServiceRuntime(
         "trainer", TrainerSettings(instance_id="trainer-l"), etcd_settings, service_names=[]
@@ -65,3 +65,6 @@ def loads_only_its_own_jobs_run(runtime: ServiceRuntime, runs: Path, tiny_model_
     replacement.load()
     assert (replacement.step, replacement.restored_step) == (3, 3)
     assert len(list(runs.iterdir())) == 2
+    # It claimed the folder for its epoch before it read `latest`: the writer of `first`
+    # (fenced) publishes nothing more (tests/unit/test_checkpoint.py).
+    assert checkpoint.owner_epoch(runs / "same" / "checkpoints") == FIRST_EPOCH + 1

@@ -19,7 +19,9 @@ from services.trainer import checkpoint
 from services.trainer.checkpoint import (
     CheckpointError,
     CheckpointWriter,
+    Superseded,
     capture_rng,
+    claim,
     load_checkpoint,
     load_latest,
     restore,
@@ -240,3 +242,56 @@ def test_an_abandoned_writer_publishes_nothing_and_raises_nothing(
     assert sorted(p.name for p in tmp_path.iterdir()) == ["latest", "step-1"]
     assert (tmp_path / "latest").read_text().strip() == "step-1"
     assert writer.durable_step == 1 and written == [1]
+
+
+@pytest.mark.parametrize("replacement", ["writer", "claim only"])
+def test_a_writer_whose_folder_a_newer_epoch_claimed_publishes_nothing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, replacement: str
+) -> None:
+    """A fenced trainer that never heard of its fence: frozen mid-write (here a write held at
+    its fsync), it resumes after its replacement (a newer epoch) claimed the folder and read
+    `latest`. Its write is not published (it used to be, and `latest` named it), it raises
+    nothing, its next save says Superseded, and an older epoch cannot claim the folder back.
+    The replacement's writer also clears the unfinished write it finds ("writer"); a bare
+    claim leaves it, so the write reaches its publishing check ("claim only")."""
+    model, optimizer = _fresh(0)
+    old = CheckpointWriter(tmp_path, epoch=1)
+    old.save(to_host(model, optimizer, step=1))
+    old.wait()
+    held, release = threading.Event(), threading.Event()
+    real_fsync = checkpoint._fsync_file
+
+    def fsync_held_in_the_old_writer(path: Path) -> None:
+        if threading.current_thread() is old._thread:
+            held.set()
+            assert release.wait(10)
+        real_fsync(path)
+
+    monkeypatch.setattr(checkpoint, "_fsync_file", fsync_held_in_the_old_writer)
+    old.save(to_host(model, optimizer, step=2))
+    assert held.wait(10)
+
+    new = CheckpointWriter(tmp_path, epoch=2) if replacement == "writer" else None
+    if new is None:
+        claim(tmp_path, 2)
+    restored = load_latest(tmp_path)
+    assert restored is not None and restored.step == 1
+    release.set()
+    old.wait(timeout=10)
+
+    assert sorted(p.name for p in tmp_path.iterdir() if not p.name.startswith(".tmp-")) == [
+        "latest",
+        "owner",
+        "step-1",
+    ]
+    assert (tmp_path / "latest").read_text().strip() == "step-1"
+    assert old.durable_step == 1 and old.superseded_by == 2
+    with pytest.raises(Superseded, match="owned by trainer epoch 2, newer than 1"):
+        old.save(to_host(model, optimizer, step=3))
+    with pytest.raises(Superseded):
+        CheckpointWriter(tmp_path, epoch=1)
+    old.close(timeout=10)
+    if new is not None:
+        new.save(to_host(model, optimizer, step=2))
+        new.close(timeout=10)
+        assert (tmp_path / "latest").read_text().strip() == "step-2"
