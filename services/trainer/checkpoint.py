@@ -384,6 +384,12 @@ class CheckpointWriter:
                 f"writing a checkpoint to {self.directory} failed: {error!r}"
             ) from error
 
+    def ensure_owner(self) -> None:
+        """Superseded if a newer epoch has claimed the directory (the trainer asks before it
+        appends to the run's logs, which its replacement truncated at restore)."""
+        if self.epoch is not None and not self._wanted() and self.superseded_by is not None:
+            raise Superseded(self.directory, self.epoch, self.superseded_by)
+
     def _wanted(self) -> bool:
         """Publish? Not once abandoned, nor once a newer epoch claimed the directory (this
         trainer was fenced, and may not know it yet: it was frozen, say). The claim is read

@@ -497,7 +497,15 @@ class TrainerWorker:
                 for g in batch
             },
         }
-        with (self.run_dir / "trained.jsonl").open("a") as out:
+        self._append("trained.jsonl", line)
+
+    def _append(self, name: str, line: dict[str, Any]) -> None:
+        """One line to a run log, while this trainer still owns the run: a replacement
+        truncated the logs to the step it restored (`_forget_after`), and a fenced trainer
+        that had not heard of it yet appended a step the job never kept."""
+        if self.checkpoints is not None:
+            self.checkpoints.ensure_owner()
+        with (self.run_dir / name).open("a") as out:
             out.write(json.dumps(line) + "\n")
 
     async def _publish(self) -> None:
@@ -577,9 +585,9 @@ class TrainerWorker:
         return total / max(1, len(self.eval_items))
 
     async def _record(self, step: int, metrics: dict[str, float]) -> None:
-        line = {"step": step, "version": step, "time": time.time(), **metrics}
-        with (self.run_dir / "metrics.jsonl").open("a") as out:
-            out.write(json.dumps(line) + "\n")
+        self._append(
+            "metrics.jsonl", {"step": step, "version": step, "time": time.time(), **metrics}
+        )
 
     async def _report(
         self,

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
+
 from services.common.config import EtcdSettings
 from services.common.control import FIRST_EPOCH
 from services.common.jobspec import JobSpec, ModelSpec
@@ -61,6 +63,7 @@ def loads_only_its_own_jobs_run(runtime: ServiceRuntime, runs: Path, tiny_model_
     assert checkpoint.load_latest(aside / "checkpoints").step == 7  # type: ignore[union-attr]
 
     checkpoint_at(first, 3)
+    (runs / "same" / "metrics.jsonl").write_text('{"step": 3}\n')
     replacement = worker(runtime, runs, tiny_model_dir, FIRST_EPOCH + 1)
     replacement.load()
     assert (replacement.step, replacement.restored_step) == (3, 3)
@@ -68,3 +71,7 @@ def loads_only_its_own_jobs_run(runtime: ServiceRuntime, runs: Path, tiny_model_
     # It claimed the folder for its epoch before it read `latest`: the writer of `first`
     # (fenced) publishes nothing more (tests/unit/test_checkpoint.py).
     assert checkpoint.owner_epoch(runs / "same" / "checkpoints") == FIRST_EPOCH + 1
+    # Nor does it add to the run's logs, which the replacement kept only up to step 3.
+    with pytest.raises(checkpoint.Superseded):
+        first._append("metrics.jsonl", {"step": 4})  # as its metrics and audit lines go
+    assert (runs / "same" / "metrics.jsonl").read_text() == '{"step": 3}\n'
