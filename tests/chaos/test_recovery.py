@@ -19,6 +19,7 @@ from typing import Any
 
 import pytest
 
+from services.common.control import FIRST_EPOCH
 from tests.e2e.test_chaos_cli import chaos
 from tests.e2e.test_cli_stack import EXAMPLE, REPO, Cli
 from tests.e2e.test_detection import (
@@ -243,6 +244,37 @@ def test_a_killed_trainer_is_taken_over_by_a_standby_that_built_the_model_ahead(
         # Only the trainer was replaced: the same rollout processes served the whole job.
         assert {int(member(cli, r)["pid"]) for r in ("rollout-0", "rollout-1")} == rollout_pids
         assert_nothing_lost_or_trained_twice(cli, "tw", tmp_path / "runs" / "tw", STANDBY_STEPS)
+
+
+def test_a_hung_trainer_is_replaced_and_its_zombie_changes_nothing(
+    tmp_path: Path, model_dir: Path
+) -> None:
+    """A trainer frozen mid-job (SIGSTOP: mid-step, and most likely mid-write, since a
+    checkpoint is written every step) is replaced by the standby, then comes back. It learns
+    it was fenced and leaves the job, and nothing of it reaches the job: its replacement
+    claimed the checkpoint folder before restoring (`checkpoints/owner`), so the zombie's
+    checkpoint and run-log lines are not published, and every step is trained once."""
+    with detection_stack(tmp_path, "--standby-trainers", "1") as cli:
+        # The job stands still while its only trainer is frozen: STEPS outlast the recovery.
+        submit(cli, model_dir, "th")
+        eventually_sync(lambda: step_of(cli, "th") >= 8, timeout=180)
+        pid = int(member(cli, "trainer-0")["pid"])
+        os.kill(pid, signal.SIGSTOP)
+        try:
+            eventually_sync(lambda: any(r["done_at"] for r in recoveries(cli, "th")), timeout=90)
+        finally:
+            os.kill(pid, signal.SIGCONT)  # the zombie comes back after its replacement
+        zombie_log = tmp_path / "home" / "logs" / "trainer-0.log"
+        eventually_sync(lambda: "trainer.fenced" in zombie_log.read_text(), timeout=30)
+        finish(cli, "th")
+        [rec] = recoveries(cli, "th")
+        assert rec["actions"] == ["FENCE trainer-0", "RESTORE_TRAINER trainer-0"]
+        assert rec["replacements"] == ["standby-0"]
+        run = tmp_path / "runs" / "th"
+        owner = json.loads((run / "checkpoints" / "owner").read_text())["epoch"]
+        assert owner > FIRST_EPOCH, "the replacement's epoch owns the checkpoints"
+        assert "Traceback" not in zombie_log.read_text()
+        assert_nothing_lost_or_trained_twice(cli, "th", run)
 
 
 def test_a_full_restart_replaces_every_role_with_a_new_process(
