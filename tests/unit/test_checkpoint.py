@@ -207,6 +207,24 @@ def test_writer_rejects_bad_keep(tmp_path: Path) -> None:
         CheckpointWriter(tmp_path, keep=0)
 
 
+def hold_fsyncs(
+    monkeypatch: pytest.MonkeyPatch, writer: CheckpointWriter
+) -> tuple[threading.Event, threading.Event]:
+    """Hold `writer`'s thread at its next fsync (a slow disk, or a frozen process) until the
+    second event is set; the first is set once it is held."""
+    held, release = threading.Event(), threading.Event()
+    real_fsync = checkpoint._fsync_file
+
+    def held_fsync(path: Path) -> None:
+        if threading.current_thread() is writer._thread:
+            held.set()
+            assert release.wait(10)
+        real_fsync(path)
+
+    monkeypatch.setattr(checkpoint, "_fsync_file", held_fsync)
+    return held, release
+
+
 @pytest.mark.parametrize("cleared_meanwhile", [False, True])
 def test_an_abandoned_writer_publishes_nothing_and_raises_nothing(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, cleared_meanwhile: bool
@@ -220,15 +238,7 @@ def test_an_abandoned_writer_publishes_nothing_and_raises_nothing(
     writer = CheckpointWriter(tmp_path, on_written=lambda step, _: written.append(step))
     writer.save(to_host(model, optimizer, step=1))
     writer.wait()
-    slow, release = threading.Event(), threading.Event()
-    real_fsync = checkpoint._fsync_file
-
-    def slow_fsync(path: Path) -> None:
-        slow.set()
-        assert release.wait(10)
-        real_fsync(path)
-
-    monkeypatch.setattr(checkpoint, "_fsync_file", slow_fsync)
+    slow, release = hold_fsyncs(monkeypatch, writer)
     writer.save(to_host(model, optimizer, step=2))
     assert slow.wait(10)
     writer.save(to_host(model, optimizer, step=3))  # queued behind it
@@ -258,16 +268,7 @@ def test_a_writer_whose_folder_a_newer_epoch_claimed_publishes_nothing(
     old = CheckpointWriter(tmp_path, epoch=1)
     old.save(to_host(model, optimizer, step=1))
     old.wait()
-    held, release = threading.Event(), threading.Event()
-    real_fsync = checkpoint._fsync_file
-
-    def fsync_held_in_the_old_writer(path: Path) -> None:
-        if threading.current_thread() is old._thread:
-            held.set()
-            assert release.wait(10)
-        real_fsync(path)
-
-    monkeypatch.setattr(checkpoint, "_fsync_file", fsync_held_in_the_old_writer)
+    held, release = hold_fsyncs(monkeypatch, old)
     old.save(to_host(model, optimizer, step=2))
     assert held.wait(10)
 
