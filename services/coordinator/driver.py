@@ -27,6 +27,7 @@ from services.common.aio import cancel_and_wait
 from services.common.channels import open_channel
 from services.common.control import FIRST_EPOCH
 from services.common.errors import Aborted, FailedPrecondition, InvalidArgument, Unavailable
+from services.common.interceptors import REPEAT_WINDOW_S, Repeats
 from services.common.jobspec import JobSpec
 from services.common.logs import get_logger
 from services.common.registry import MemberRecord, Registry
@@ -128,6 +129,8 @@ class JobDriver:
         self._missing: dict[tuple[str, str], float] = {}
         """(job, bound member) -> since when it is missing from the registry (`_unreported`)."""
         self.space = space
+        self._undone = Repeats(REPEAT_WINDOW_S)
+        """Which `coordinator.lease_undone` lines to write (one per member per window)."""
 
     # ------------------------------------------------------------------ plumbing
 
@@ -909,7 +912,15 @@ class JobDriver:
                 return
             # The next write carries it; nobody waits for that one.
             self.ledger_changed(ledger).add_done_callback(_retrieve)
-        log.info("coordinator.lease_undone", job=job_id, member=instance_id, groups=len(back))
+        unlogged = self._undone.admit((job_id, instance_id))
+        if unlogged is not None:  # through an outage every ask is undone: once per window
+            log.info(
+                "coordinator.lease_undone",
+                job=job_id,
+                member=instance_id,
+                groups=len(back),
+                unlogged=unlogged,
+            )
 
     async def complete_work(self, request: coordinator_pb2.CompleteWorkRequest) -> None:
         async with self.lock(request.job_id):

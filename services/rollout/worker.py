@@ -42,6 +42,7 @@ from services.common.channels import open_channel
 from services.common.coordinator_client import NO_LEADER_ANSWER, CoordinatorClient
 from services.common.errors import InvalidArgument, Unavailable
 from services.common.etcd_client import etcd_unavailable, until_etcd_answers
+from services.common.interceptors import REPEAT_WINDOW_S, Repeats
 from services.common.jobspec import JobSpec
 from services.common.logs import get_logger
 from services.common.runtime import ServiceRuntime
@@ -307,6 +308,7 @@ class RolloutWorker:
             ),
             "starting the weight transport",
         )
+        lease_failures = Repeats(REPEAT_WINDOW_S)
         while True:
             request = coordinator_pb2.LeaseWorkRequest(
                 job_id=self.job_id,
@@ -317,7 +319,15 @@ class RolloutWorker:
             try:
                 reply = await self._lease(request)
             except (grpc.aio.AioRpcError, Unavailable) as exc:
-                log.info("rollout.lease_failed", error=str(exc)[:200])
+                # Equal failures once per window: an outage fails every ask twice a second.
+                error = (
+                    f"{exc.code().name}: {exc.details()}"
+                    if isinstance(exc, grpc.aio.AioRpcError)
+                    else str(exc)
+                )[:200]
+                unlogged = lease_failures.admit((error,))
+                if unlogged is not None:
+                    log.info("rollout.lease_failed", error=error, unlogged=unlogged)
                 await asyncio.sleep(0.5)
                 continue
             if reply.job_done:
