@@ -266,16 +266,31 @@ def write_snapshot(
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     _fsync_dir(directory)
-    if not still_wanted():
-        shutil.rmtree(final, ignore_errors=True)
+    pointer_tmp = directory / f".{LATEST}.tmp-{uuid.uuid4().hex[:8]}"
+    published = False
+    try:
+        pointer_tmp.write_text(name + "\n")
+        _fsync_file(pointer_tmp)
+        if still_wanted():  # asked again right before the rename that publishes
+            pointer_tmp.replace(directory / LATEST)
+            published = True
+    finally:
+        if not published:  # not wanted, or failed: no folder that `latest` does not name
+            pointer_tmp.unlink(missing_ok=True)
+            if _latest_name(directory) != name:
+                shutil.rmtree(final, ignore_errors=True)
+    if not published:
         return None
-    pointer_tmp = directory / f".{LATEST}.tmp"
-    pointer_tmp.write_text(name + "\n")
-    _fsync_file(pointer_tmp)
-    pointer_tmp.replace(directory / LATEST)
     _fsync_dir(directory)
     _prune(directory, keep=keep, current=final)
     return final
+
+
+def _latest_name(directory: Path) -> str | None:
+    try:
+        return (directory / LATEST).read_text().strip()
+    except FileNotFoundError:
+        return None
 
 
 def _prune(directory: Path, *, keep: int, current: Path) -> None:
@@ -314,6 +329,8 @@ class CheckpointWriter:
         for stale in self.directory.glob(".tmp-step-*"):
             # Left by a writer that died mid-write; never referenced by `latest`.
             shutil.rmtree(stale, ignore_errors=True)
+        for stale in self.directory.glob(f".{LATEST}.tmp*"):
+            stale.unlink(missing_ok=True)
         self.keep = keep
         self.on_written = on_written
         self.durable_step: int | None = None

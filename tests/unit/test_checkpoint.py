@@ -208,15 +208,16 @@ def test_writer_rejects_bad_keep(tmp_path: Path) -> None:
 
 
 def hold_fsyncs(
-    monkeypatch: pytest.MonkeyPatch, writer: CheckpointWriter
+    monkeypatch: pytest.MonkeyPatch, writer: CheckpointWriter, at: str = ""
 ) -> tuple[threading.Event, threading.Event]:
-    """Hold `writer`'s thread at its next fsync (a slow disk, or a frozen process) until the
-    second event is set; the first is set once it is held."""
+    """Hold `writer`'s thread at its next fsync of a file whose name starts with `at` (a slow
+    disk, or a frozen process) until the second event is set; the first is set once it is
+    held."""
     held, release = threading.Event(), threading.Event()
     real_fsync = checkpoint._fsync_file
 
     def held_fsync(path: Path) -> None:
-        if threading.current_thread() is writer._thread:
+        if threading.current_thread() is writer._thread and path.name.startswith(at):
             held.set()
             assert release.wait(10)
         real_fsync(path)
@@ -254,21 +255,24 @@ def test_an_abandoned_writer_publishes_nothing_and_raises_nothing(
     assert writer.durable_step == 1 and written == [1]
 
 
+@pytest.mark.parametrize("held_at", ["files", "pointer"])
 @pytest.mark.parametrize("replacement", ["writer", "claim only"])
 def test_a_writer_whose_folder_a_newer_epoch_claimed_publishes_nothing(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, replacement: str
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, replacement: str, held_at: str
 ) -> None:
     """A fenced trainer that never heard of its fence: frozen mid-write (here a write held at
-    its fsync), it resumes after its replacement (a newer epoch) claimed the folder and read
-    `latest`. Its write is not published (it used to be, and `latest` named it), it raises
-    nothing, its next save says Superseded, and an older epoch cannot claim the folder back.
-    The replacement's writer also clears the unfinished write it finds ("writer"); a bare
-    claim leaves it, so the write reaches its publishing check ("claim only")."""
+    an fsync: of its files, or of the new `latest` after its step folder was renamed into
+    place), it resumes after its replacement (a newer epoch) claimed the folder and read
+    `latest`. Its write is not published (it used to be, and `latest` named it), nothing of it
+    is left, it raises nothing, its next save says Superseded, and an older epoch cannot claim
+    the folder back. The replacement's writer also clears the unfinished writes it finds
+    ("writer"); a bare claim leaves them, so the write reaches its publishing checks ("claim
+    only")."""
     model, optimizer = _fresh(0)
     old = CheckpointWriter(tmp_path, epoch=1)
     old.save(to_host(model, optimizer, step=1))
     old.wait()
-    held, release = hold_fsyncs(monkeypatch, old)
+    held, release = hold_fsyncs(monkeypatch, old, at=".latest" if held_at == "pointer" else "")
     old.save(to_host(model, optimizer, step=2))
     assert held.wait(10)
 
@@ -280,11 +284,7 @@ def test_a_writer_whose_folder_a_newer_epoch_claimed_publishes_nothing(
     release.set()
     old.wait(timeout=10)
 
-    assert sorted(p.name for p in tmp_path.iterdir() if not p.name.startswith(".tmp-")) == [
-        "latest",
-        "owner",
-        "step-1",
-    ]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["latest", "owner", "step-1"]
     assert (tmp_path / "latest").read_text().strip() == "step-1"
     assert old.durable_step == 1 and old.superseded_by == 2
     with pytest.raises(Superseded, match="owned by trainer epoch 2, newer than 1"):
