@@ -201,14 +201,19 @@ def owner_epoch(directory: str | Path) -> int | None:
         raise CheckpointError(f"{path}: not an owner record: {e!r}") from e
 
 
+def newer_owner(directory: str | Path, epoch: int) -> int | None:
+    """The epoch that claimed ``directory`` if it is newer than ``epoch``, else None."""
+    owner = owner_epoch(directory)
+    return owner if owner is not None and owner > epoch else None
+
+
 def claim(directory: str | Path, epoch: int) -> None:
     """Make trainer ``epoch`` the owner of ``directory``; Superseded if a newer epoch owns it.
     Epochs only grow (the leader numbers each trainer it binds to a job), so an older claim
     never comes after a newer one from a live trainer."""
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
-    owner = owner_epoch(directory)
-    if owner is not None and owner > epoch:
+    if (owner := newer_owner(directory, epoch)) is not None:
         raise Superseded(directory, epoch, owner)
     tmp = directory / f".{OWNER}.tmp-{uuid.uuid4().hex[:8]}"
     tmp.write_text(json.dumps({"epoch": epoch}) + "\n")
@@ -350,8 +355,7 @@ class CheckpointWriter:
         """Queue ``snapshot`` for writing and return at once; raises an earlier write's error,
         and Superseded once a newer epoch has claimed the directory."""
         with self._cond:
-            if self.superseded_by is not None and self.epoch is not None:
-                raise Superseded(self.directory, self.epoch, self.superseded_by)
+            self._raise_superseded()
             self._raise_error()
             if self._closed:
                 raise CheckpointError("checkpoint writer is closed")
@@ -404,8 +408,26 @@ class CheckpointWriter:
     def ensure_owner(self) -> None:
         """Superseded if a newer epoch has claimed the directory (the trainer asks before it
         appends to the run's logs, which its replacement truncated at restore)."""
-        if self.epoch is not None and not self._wanted() and self.superseded_by is not None:
+        self._look_for_newer_owner()
+        self._raise_superseded()
+
+    def _raise_superseded(self) -> None:
+        if self.superseded_by is not None and self.epoch is not None:
             raise Superseded(self.directory, self.epoch, self.superseded_by)
+
+    def _look_for_newer_owner(self) -> None:
+        """Read the claim; a newer one is remembered (`superseded_by`) and abandons the
+        writer. Once seen, it is not read again."""
+        if self.epoch is None or self.superseded_by is not None:
+            return
+        try:
+            owner = newer_owner(self.directory, self.epoch)
+        except CheckpointError:
+            return  # unreadable: the next claim says so
+        if owner is not None:
+            with self._cond:
+                self.superseded_by = owner
+                self._abandoned = True
 
     def _wanted(self) -> bool:
         """Publish? Not once abandoned, nor once a newer epoch claimed the directory (this
@@ -415,16 +437,8 @@ class CheckpointWriter:
         with self._cond:
             if self._abandoned:
                 return False
-        try:
-            owner = owner_epoch(self.directory) if self.epoch is not None else None
-        except CheckpointError:
-            owner = None  # unreadable: the next claim says so
-        if owner is not None and self.epoch is not None and owner > self.epoch:
-            with self._cond:
-                self.superseded_by = owner
-                self._abandoned = True
-            return False
-        return True
+        self._look_for_newer_owner()
+        return self.superseded_by is None
 
     def _run(self) -> None:
         while True:

@@ -20,6 +20,7 @@ from typing import Any
 import pytest
 
 from services.common.control import FIRST_EPOCH
+from services.trainer import checkpoint
 from tests.e2e.test_chaos_cli import chaos
 from tests.e2e.test_cli_stack import EXAMPLE, REPO, Cli
 from tests.e2e.test_detection import (
@@ -271,8 +272,8 @@ def test_a_hung_trainer_is_replaced_and_its_zombie_changes_nothing(
         assert rec["actions"] == ["FENCE trainer-0", "RESTORE_TRAINER trainer-0"]
         assert rec["replacements"] == ["standby-0"]
         run = tmp_path / "runs" / "th"
-        owner = json.loads((run / "checkpoints" / "owner").read_text())["epoch"]
-        assert owner > FIRST_EPOCH, "the replacement's epoch owns the checkpoints"
+        owner = checkpoint.owner_epoch(run / "checkpoints")
+        assert owner is not None and owner > FIRST_EPOCH, "the replacement's epoch owns them"
         assert "Traceback" not in zombie_log.read_text()
         assert_nothing_lost_or_trained_twice(cli, "th", run)
 
