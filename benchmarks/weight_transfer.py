@@ -6,7 +6,7 @@ One run measures, per payload size, side by side:
                 processes, on an open endpoint into a ready buffer, as many buckets posted
                 ahead on each side as the transport posts (the transport's ceiling)
   + verify      the same plain ucxx, checking each bucket as it lands exactly as the
-                transport does (checksums.checksum_landed, the transport's algorithm), over an
+                transport does (checksums.LandedChecks, the transport's algorithm), over an
                 endpoint of the worker the transport pulls on (ucx_progress.pull_context unless
                 ROBUSTRL_UCX_PULL_THREAD=0): the ceiling of a verified pull (ours/+verify is
                 what our bookkeeping costs)
@@ -265,7 +265,7 @@ class Worker:
 
     async def do_plain(self, cmd: dict[str, Any]) -> dict[str, Any]:
         from services.common import ucx_progress
-        from services.common.checksums import checksum_landed
+        from services.common.checksums import LandedChecks
         from services.common.ucx_transport import (
             IN_FLIGHT_BUCKETS,
             allocate_buffer,
@@ -287,14 +287,16 @@ class Worker:
         if self.plain_recv is None or self.plain_recv.numel() != nbytes:
             self.plain_recv = allocate_buffer(nbytes, self.device)
         algorithm = checksum_of(self.args)
-        checks = []
-        receives: collections.deque[tuple[torch.Tensor, asyncio.Future[Any]]] = collections.deque()
+        checks = LandedChecks(algorithm, self.ucx._pool)
+        receives: collections.deque[tuple[int, torch.Tensor, asyncio.Future[Any]]] = (
+            collections.deque()
+        )
 
         async def land() -> None:
-            view, receive = receives.popleft()
+            index, view, receive = receives.popleft()
             await receive
             if verify:
-                checks.append(checksum_landed(view, algorithm, self.ucx._pool))
+                checks.landed(index, view)
 
         started = time.perf_counter()
         with ucx_progress.pulling():  # the worker kept hot as for our pulls
@@ -303,13 +305,13 @@ class Worker:
             for i, start in enumerate(range(0, nbytes, bucket)):
                 view = self.plain_recv[start : start + bucket]
                 receives.append(
-                    (view, asyncio.ensure_future(endpoint.recv(ucx_buffer(view), tag=i)))
+                    (i, view, asyncio.ensure_future(endpoint.recv(ucx_buffer(view), tag=i)))
                 )
                 if len(receives) >= IN_FLIGHT_BUCKETS:
                     await land()
             while receives:
                 await land()
-            await asyncio.gather(*checks)
+            await checks.results()
         return {"seconds": time.perf_counter() - started}
 
     async def do_plain_reset(self, cmd: dict[str, Any]) -> dict[str, Any]:

@@ -6,40 +6,40 @@ that one, on whatever device its copy lives:
     xxh3_128   xxhash's xxh3, 128 bits, on the host. ~30 GB/s a core. A CUDA copy must come
                back to the host to be hashed (measured on an H100: 1.3 GB/s, against 85-300
                GB/s for the GPU-to-GPU transfer itself).
-    wsum128    two position-weighted sums of the bucket's 32-bit words, in torch, on the
-               bucket's own device: a CUDA bucket is verified without leaving the GPU. The
-               same bytes give the same digest on any device (integer arithmetic only).
+    wsum128    two position-weighted sums of the bucket's 32-bit words, on the bucket's own
+               device: a CUDA bucket is verified without leaving the GPU (one Triton kernel
+               there, torch's kernels elsewhere). The same bytes give the same digest on any
+               device (integer arithmetic only).
     imm128     the bucket as int8 rows of 4 KiB times a fixed int8 matrix [4096, 8]
                (torch._int_mm, tensor cores on a GPU), each product weighted by its row: one
-               pass over the bucket, where wsum128's torch kernels move about 16 bytes per
-               byte (below). Same bytes, same digest on any device. Opt-in
-               (`trainer.weight_checksum`): run on CPU only so far (11.6 GB/s warm on this
-               2-core VM, against xxh3's 32), not yet on a GPU.
+               pass over the bucket. Same bytes, same digest on any device. Opt-in
+               (`trainer.weight_checksum`): 11.6 GB/s warm on this 2-core VM's CPU (xxh3:
+               32); on an H200 207-493 GB/s, slower than wsum128's Triton kernel (below).
 
 A publisher picks by where its packed buffer lives (`algorithm_for`), unless told one. A puller
-checks each bucket as it lands (`checksum_landed`): a host bucket under xxh3 on the event loop's
-own thread, anything else in a thread pool. Within one host UCX copies the bytes inside the
-progress call of the receiving worker (CMA's process_vm_readv). On hosts without CUDA a puller's
-worker is progressed by a thread of its own (ucx_progress.pull_context), so the next bucket
-copies while the loop hashes the last. With ROBUSTRL_UCX_PULL_THREAD=0 (and in the experiments
-below but the last) the event loop progresses the worker: the copy runs on the loop's thread but
-without the GIL, and xxh3 releases it too, so a pool thread could hash one bucket while the next
-one copies. That bought nothing: copy and hash both stream memory and share its bandwidth (xxh3
-reads a 32 MiB bucket at 30-44 GB/s from cache, 8-9 GB/s from DRAM, on 2 cores). Measured side
-by side on 2 cores, pulls with the hash inline, on the bucket just landed, were 20-35% faster in
-one run and level with the pool in another, and inline costs no thread hand-off per bucket.
-Hashing each bucket in 1-8 MiB frames as they land (each frame its own message, one streaming
-xxh3 per bucket), in the hope of reading them from cache, was no faster either: in one run at
-64-256 MiB, 0.68-0.78 of plain ucxx inline and 0.46-0.73 in a pool, against 0.72-0.80 for whole
-buckets inline. Nor was keeping fewer frames in flight, so that each is hashed before later
-copies push it out of cache: 256 MiB in 2-16 MiB frames with 1, 2 or 4 in flight, inline or on
-one pool thread, reached 0.63-0.73 of plain ucxx, against 0.66 inline and 0.68 pooled for whole
-32 MiB buckets in the same run (median of 7, 2 cores). Inline, even a hash from cache adds its
-time to the copy's; why the pool overlaps so little was not found. With the copy on the pulling
-thread, frames were no better: plain ucxx into a verified receive on that worker, 256 MiB in 2,
-4 or 8 MiB frames reached 0.67, 0.75 and 0.78 of plain ucxx, whole 32 MiB buckets 0.80; whole
-buckets at 64 MiB 0.72 and at 1 GiB 1.03, and 16 MiB buckets the same (median of 7, 2 cores, one
-run).
+checks each bucket as it lands (`LandedChecks`): a host bucket under xxh3 on the event loop's
+own thread, GPU buckets in runs on the GPU, anything else in a thread pool. Within one host UCX
+copies the bytes inside the progress call of the receiving worker (CMA's process_vm_readv). On
+hosts without CUDA a puller's worker is progressed by a thread of its own
+(ucx_progress.pull_context), so the next bucket copies while the loop hashes the last. With
+ROBUSTRL_UCX_PULL_THREAD=0 (and in the experiments below but the last) the event loop progresses
+the worker: the copy runs on the loop's thread but without the GIL, and xxh3 releases it too, so
+a pool thread could hash one bucket while the next one copies. That bought nothing: copy and
+hash both stream memory and share its bandwidth (xxh3 reads a 32 MiB bucket at 30-44 GB/s from
+cache, 8-9 GB/s from DRAM, on 2 cores). Measured side by side on 2 cores, pulls with the hash
+inline, on the bucket just landed, were 20-35% faster in one run and level with the pool in
+another, and inline costs no thread hand-off per bucket. Hashing each bucket in 1-8 MiB frames
+as they land (each frame its own message, one streaming xxh3 per bucket), in the hope of reading
+them from cache, was no faster either: in one run at 64-256 MiB, 0.68-0.78 of plain ucxx inline
+and 0.46-0.73 in a pool, against 0.72-0.80 for whole buckets inline. Nor was keeping fewer
+frames in flight, so that each is hashed before later copies push it out of cache: 256 MiB in
+2-16 MiB frames with 1, 2 or 4 in flight, inline or on one pool thread, reached 0.63-0.73 of
+plain ucxx, against 0.66 inline and 0.68 pooled for whole 32 MiB buckets in the same run (median
+of 7, 2 cores). Inline, even a hash from cache adds its time to the copy's; why the pool
+overlaps so little was not found. With the copy on the pulling thread, frames were no better:
+plain ucxx into a verified receive on that worker, 256 MiB in 2, 4 or 8 MiB frames reached 0.67,
+0.75 and 0.78 of plain ucxx, whole 32 MiB buckets 0.80; whole buckets at 64 MiB 0.72 and at 1
+GiB 1.03, and 16 MiB buckets the same (median of 7, 2 cores, one run).
 
 Why a verified pull on the loop's thread stays near two thirds of plain ucxx: copy and hash
 take turns on one core, so their rates add as 1/(1/copy + 1/hash). Measured here (2 cores,
@@ -56,16 +56,23 @@ gets past the bound: the pulling thread does. Transparent huge pages for the buf
 process_vm_readv of 256 MiB fell from 17-18 GB/s to 6.5-7.0, and xxh3 was no faster (30
 against 31.5 GB/s).
 
-On a GPU, wsum128 is what bounds a verified pull. Measured on an H200 (16 cores, one run each):
-its kernels ran at 180-200 GB/s, warm, on 32-256 MiB buckets: torch's product and its int64
-sum pass over memory several times (about 16 bytes moved per byte checksummed if the sum casts
-the products to int64 first, which fits the time; not profiled). Plain ucxx copied
-64 MiB-1 GiB between two processes on that one GPU at 110-690 GB/s, and verified pulls reached
-29-75 GB/s with 32 MiB buckets and 34-116 GB/s with 256 MiB ones (0.15-0.30 of plain ucxx). A
-kernel that reads each word once and makes its coefficients in registers would lift that bound.
-It is not written: it could not be measured on a GPU here. imm128 is the way round it with
-stock kernels (an int8 matrix product reads each byte once); it waits for a GPU to be measured
-against wsum128 (`benchmarks/weight_transfer.py --device cuda --checksum imm128`).
+On a GPU, wsum128 runs as one Triton kernel (wsum_triton) that reads each word once and makes
+its coefficients in registers, where torch's kernels read a coefficient table and write and read
+back the products. Measured on an H200 (16 cores, one run each): the kernel checksummed 32 MiB
+at 0.7-1.1 TB/s and 256 MiB at 2.1-2.4, torch's kernels 196-204 GB/s, imm128's int8 product
+207-493 GB/s (cuBLAS with 8 columns), a copy of the same bytes 1.8-2.1 TB/s. Where a bucket's
+kernels were queued per bucket and a pool thread waited for each, verified GPU-to-GPU pulls of
+64 MiB-1 GiB reached 0.16-0.25 of plain ucxx with the kernel (0.14-0.19 with torch's): each
+wait crossed threads and the GIL. LandedChecks now queues one launch per run of buckets and
+polls its event from the event loop: 0.32-0.35 with runs of 256 MiB, and "+verify" (plain ucxx
+checking as the transport does) rose from 0.20-0.32 to 0.41-0.70 of plain ucxx. Runs as long as
+the pull (GPU_RUN_BYTES), checked after the last bucket, beat runs that overlap the copies: in
+one run side by side at 64 MiB and 1 GiB, ours/plain 0.36 and 0.48 against 0.33 and 0.34 with
+256 MiB runs and 0.21 and 0.18 with a launch per 32 MiB bucket; +verify/plain 0.75 and 0.78,
+0.64 and 0.48, 0.46 and 0.21. What is left of ours is mostly fixed costs per pull at a GPU's
+speed: a 1 GiB pull took 6.0-6.7 ms, of which 0.3-0.7 ms the manifest, 0.4-0.8 ms the request,
+3.4-4.1 ms receiving and 1.0 ms verifying after the last bucket, against 2.6-3.5 ms for plain
+ucxx. imm128 is no faster than wsum128's kernel anywhere measured; it stays opt-in.
 
 No algorithm here is a defence against an adversary (see ucx_transport); all catch flipped
 bits, torn, misplaced and reordered transfers. wsum128 catches every change confined to one
@@ -78,7 +85,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import functools
+import os
 import threading
 from collections.abc import Callable
 from concurrent.futures import Executor
@@ -87,6 +94,10 @@ from typing import Any
 import numpy as np
 import torch
 import xxhash
+
+from services.common.logs import get_logger
+
+log = get_logger(__name__)
 
 XXH3_128 = "xxh3_128"
 WSUM128 = "wsum128"
@@ -127,45 +138,132 @@ def bucket_checksum(view: torch.Tensor, algorithm: str = XXH3_128) -> str:
     raise ValueError(f"unknown checksum algorithm {algorithm!r}; known: {CHECKSUM_ALGORITHMS}")
 
 
-def start_bucket_checksum(view: torch.Tensor, algorithm: str) -> Callable[[], str]:
-    """Begin checksumming one bucket; the returned call gives the digest (run it in a thread).
+class LandedChecks:
+    """The checksums of buckets as they land, in the order they land; call it from the event
+    loop. `landed` takes each bucket just received, `results` gives (key, digest) for every
+    one, in that order (the first failure to compute one is raised there).
 
-    A CUDA bucket under wsum128 whose coefficients are ready has its kernels queued right here,
-    on the calling thread (a few asynchronous launches), and the returned call only waits for
-    them: the thread pool then never holds the GIL to launch kernels while the event loop
-    needs it to take in the next bucket. Anything else is computed by the returned call.
+    Where each is computed (see the module docstring for why): a host bucket under xxh3 at
+    once, on the loop's own thread; a bucket in GPU memory under an on-device algorithm, by
+    kernels queued from the loop's thread on a stream of ours, in runs: consecutive buckets of
+    one size that lie back to back in memory (up to GPU_RUN_BYTES) are checked by one launch
+    of wsum_triton's kernel, their sums copied back in one transfer, and the loop learns they
+    are done by polling a CUDA event. No thread hand-off and no launch per bucket: on an H200,
+    with a pool thread waiting for each 32 MiB bucket's kernels, verified pulls ran at a fifth
+    to a quarter of plain ucxx, though the kernel alone checksums 1-2.4 TB/s. Anything else (and
+    a GPU's first run, which compiles the kernel or makes coefficients) in the thread pool.
     """
-    if (
-        algorithm not in ON_DEVICE
-        or view.device.type != "cuda"
-        # Coefficients take ~0.1 s of host time to make, once per process: not on the caller.
-        or not _coefficients_ready(algorithm, view)
-    ):
-        return functools.partial(bucket_checksum, view, algorithm)
-    with _own_stream(view.device):
-        sums = _device_sums(algorithm, view)
-        done = torch.cuda.Event()
-        done.record()
-    return functools.partial(_wait_for_digest, algorithm, sums, done)
+
+    def __init__(self, algorithm: str, pool: Executor) -> None:
+        if algorithm not in CHECKSUM_ALGORITHMS:
+            raise ValueError(
+                f"unknown checksum algorithm {algorithm!r}; known: {CHECKSUM_ALGORITHMS}"
+            )
+        self.algorithm = algorithm
+        self._pool = pool
+        self._run: list[tuple[int, torch.Tensor]] = []
+        self._run_bytes = 0
+        self._started: list[tuple[list[int], asyncio.Future[list[str]]]] = []
+
+    def landed(self, key: int, view: torch.Tensor) -> None:
+        """Take one bucket that has arrived whole (a flat uint8 tensor)."""
+        if self._run and not self._continues_run(view):
+            self._start_run()
+        self._run.append((key, view))
+        self._run_bytes += view.numel()
+        if not self._in_runs(view) or self._run_bytes >= GPU_RUN_BYTES:
+            self._start_run()
+
+    async def results(self) -> list[tuple[int, str]]:
+        """Every bucket's digest, once all are computed."""
+        if self._run:
+            self._start_run()
+        out: list[tuple[int, str]] = []
+        for keys, digests in self._started:
+            out.extend(zip(keys, await digests, strict=True))
+        return out
+
+    def _in_runs(self, view: torch.Tensor) -> bool:
+        # Whole words only: a ragged bucket (a version's last) is checked on its own.
+        return (
+            view.device.type == "cuda"
+            and self.algorithm in ON_DEVICE
+            and view.numel() % 4 == 0
+            and view.data_ptr() % 16 == 0
+        )
+
+    def _continues_run(self, view: torch.Tensor) -> bool:
+        first, last = self._run[0][1], self._run[-1][1]
+        return (
+            self._in_runs(view)
+            and view.numel() <= first.numel() == last.numel()
+            and view.device == first.device
+            and view.untyped_storage().data_ptr() == first.untyped_storage().data_ptr()
+            and view.data_ptr() == last.data_ptr() + last.numel()
+        )
+
+    def _start_run(self) -> None:
+        keys = [key for key, _ in self._run]
+        views = [view for _, view in self._run]
+        self._run, self._run_bytes = [], 0
+        self._started.append((keys, _run_digests(views, self.algorithm, self._pool)))
 
 
-def checksum_landed(view: torch.Tensor, algorithm: str, pool: Executor) -> asyncio.Future[str]:
-    """The digest of a bucket that has just been received, as a future (see the module
-    docstring for where it is computed). Call it from the event loop."""
+# Bytes of consecutive GPU buckets checked by one launch. Checked while later buckets copy,
+# runs slowed the copies more than they saved (module docstring): a pull of up to 1 GiB is
+# checked after its last bucket (~0.5 ms a GiB on an H200), a longer one a GiB at a time.
+GPU_RUN_BYTES = 1 << 30
+# Polls of a run's event on every turn of the loop before it waits a little between polls.
+_EAGER_POLLS = 1000
+_POLL_S = 0.0002
+
+
+def _run_digests(
+    views: list[torch.Tensor], algorithm: str, pool: Executor
+) -> asyncio.Future[list[str]]:
     loop = asyncio.get_running_loop()
-    if algorithm == XXH3_128 and view.device.type == "cpu":
-        digest: asyncio.Future[str] = loop.create_future()
+    first = views[0]
+    if algorithm == XXH3_128 and first.device.type == "cpu":
+        digests: asyncio.Future[list[str]] = loop.create_future()
         try:
-            digest.set_result(bucket_checksum(view, algorithm))
+            digests.set_result([bucket_checksum(view, algorithm) for view in views])
         except Exception as exc:  # handed to whoever awaits it, as the pool would
-            digest.set_exception(exc)
-        return digest
-    return loop.run_in_executor(pool, start_bucket_checksum(view, algorithm))
+            digests.set_exception(exc)
+        return digests
+    if algorithm in ON_DEVICE and first.device.type == "cuda" and _sums_ready(algorithm, first):
+        with _own_stream(first.device):
+            sums = _run_sums(algorithm, views)
+            on_host = torch.empty(sums.shape, dtype=sums.dtype, pin_memory=True)
+            on_host.copy_(sums, non_blocking=True)
+            done = torch.cuda.Event()
+            done.record()
+        return asyncio.ensure_future(_digests_when_done(algorithm, on_host, done))
+    return loop.run_in_executor(pool, _digests_of, views, algorithm)
 
 
-def _wait_for_digest(algorithm: str, sums: torch.Tensor, done: torch.cuda.Event) -> str:
-    done.synchronize()
-    return _digest(algorithm, sums)
+def _digests_of(views: list[torch.Tensor], algorithm: str) -> list[str]:
+    return [bucket_checksum(view, algorithm) for view in views]
+
+
+async def _digests_when_done(
+    algorithm: str, on_host: torch.Tensor, done: torch.cuda.Event
+) -> list[str]:
+    polls = 0
+    while not done.query():
+        polls += 1
+        await asyncio.sleep(0 if polls < _EAGER_POLLS else _POLL_S)
+    return [_digest(algorithm, sums) for sums in on_host]
+
+
+def _run_sums(algorithm: str, views: list[torch.Tensor]) -> torch.Tensor:
+    """[buckets, sums] for a run of back-to-back buckets, queued on the current stream."""
+    first = views[0]
+    kernel = _wsum128_kernels.get(first.device) if algorithm == WSUM128 else None
+    if kernel is None or len(views) == 1:
+        return torch.stack([_device_sums(algorithm, view) for view in views])
+    span = sum(view.numel() for view in views)
+    words = first.as_strided((span,), (1,)).view(torch.int32)
+    return kernel(words, first.numel() // 4)
 
 
 def _device_sums(algorithm: str, view: torch.Tensor) -> torch.Tensor:
@@ -175,9 +273,13 @@ def _device_sums(algorithm: str, view: torch.Tensor) -> torch.Tensor:
     return _imm128_sums(_as_rows(view))
 
 
-def _coefficients_ready(algorithm: str, view: torch.Tensor) -> bool:
+def _sums_ready(algorithm: str, view: torch.Tensor) -> bool:
+    """Whether the bucket's sums can be queued at once: the kernel checked, or the tables made
+    (making either takes 0.1-1 s of host time, once per process and device)."""
     if algorithm == WSUM128:
-        return _coefficients.ready((view.numel() + 3) // 4, view.device)
+        return _wsum128_kernels.get(view.device) is not None or _coefficients.ready(
+            (view.numel() + 3) // 4, view.device
+        )
     return _row_weights.ready(_row_count(view.numel()), view.device)
 
 
@@ -205,6 +307,14 @@ def _imm128_sums(rows: torch.Tensor) -> torch.Tensor:
 
 def _wsum128_sums(words: torch.Tensor) -> torch.Tensor:
     """The two sums as an int64 tensor [2] on the words' device (queued, not waited for)."""
+    if words.device.type == "cuda":
+        kernel = _wsum128_kernel(words.device)
+        if kernel is not None:
+            return kernel(words, words.numel())[0]
+    return _wsum128_torch_sums(words)
+
+
+def _wsum128_torch_sums(words: torch.Tensor) -> torch.Tensor:
     coefficients = _coefficients.get(words.numel(), words.device)  # [2, words]
     sums = [
         # int32 products wrap mod 2^32; their int64 sum over a chunk is exact. Few kernels per
@@ -217,6 +327,59 @@ def _wsum128_sums(words: torch.Tensor) -> torch.Tensor:
     if not sums:
         return torch.zeros(2, dtype=torch.int64, device=words.device)
     return torch.stack(sums).sum(dim=0)
+
+
+# wsum_triton.wsum128_sums: (words, words per bucket) -> [buckets, 2].
+_Kernel = Callable[[torch.Tensor, int], torch.Tensor]
+# Per CUDA device: wsum_triton's kernel once it has given torch's sums on a probe there, or
+# None where it may not be used (no triton, turned off, or it failed the probe).
+_wsum128_kernels: dict[torch.device, _Kernel | None] = {}
+_wsum128_kernels_lock = threading.Lock()
+# Probe: several buckets of many programs each, the last bucket and each bucket's last
+# program ragged.
+_PROBE_WORDS = (1 << 20) + 5
+_PROBE_BUCKET_WORDS = (1 << 18) + 3
+
+
+def _wsum128_kernel(device: torch.device) -> _Kernel | None:
+    """wsum_triton's kernel for `device`, checked on first use there (compiling it takes a
+    second or so), or None to use torch's kernels. ROBUSTRL_WSUM_KERNEL=torch turns it off."""
+    if device in _wsum128_kernels:
+        return _wsum128_kernels[device]
+    with _wsum128_kernels_lock:
+        if device not in _wsum128_kernels:
+            _wsum128_kernels[device] = _checked_wsum128_kernel(device)
+        return _wsum128_kernels[device]
+
+
+def _checked_wsum128_kernel(device: torch.device) -> _Kernel | None:
+    if os.environ.get("ROBUSTRL_WSUM_KERNEL", "triton") == "torch":
+        return None
+    try:
+        from services.common import wsum_triton
+    except ImportError as exc:
+        log.info("checksums.wsum128_kernel_unavailable", device=str(device), error=str(exc))
+        return None
+    generator = torch.Generator().manual_seed(128)
+    probe = torch.randint(
+        -(1 << 31), 1 << 31, (_PROBE_WORDS,), dtype=torch.int64, generator=generator
+    )
+    probe = probe.to(torch.int32).to(device)
+    try:
+        got = wsum_triton.wsum128_sums(probe, _PROBE_BUCKET_WORDS).tolist()
+    except Exception as exc:  # a kernel that cannot compile or run here: torch's kernels do
+        log.warning("checksums.wsum128_kernel_failed", device=str(device), error=repr(exc))
+        return None
+    wanted = [
+        _wsum128_torch_sums(probe[start : start + _PROBE_BUCKET_WORDS]).tolist()
+        for start in range(0, _PROBE_WORDS, _PROBE_BUCKET_WORDS)
+    ]
+    if got != wanted:
+        log.error("checksums.wsum128_kernel_mismatch", device=str(device), got=got, wanted=wanted)
+        return None
+    log.info("checksums.wsum128_kernel_ready", device=str(device))
+    kernel: _Kernel = wsum_triton.wsum128_sums
+    return kernel
 
 
 def _as_words(view: torch.Tensor) -> torch.Tensor:

@@ -68,9 +68,9 @@ from services.common import ucx_listeners, ucx_progress
 from services.common.checksums import (
     CHECKSUM_ALGORITHMS,
     XXH3_128,
+    LandedChecks,
     algorithm_for,
     bucket_checksum,
-    checksum_landed,
 )
 from services.common.errors import Aborted, Fenced
 from services.common.keys import KeySpace, WeightKeys
@@ -1430,13 +1430,13 @@ class UcxTransport(WeightTransport):
         timings: PullTimings,
         gone: asyncio.Event,
     ) -> None:
-        """Stream `wanted` from one holder, checking each bucket as it lands (checksum_landed).
+        """Stream `wanted` from one holder, checking each bucket as it lands (LandedChecks).
         Verified buckets leave `pending` even if the holder fails later.
 
         A _SourceGuard aborts the endpoint once `gone` is set (the holder's record was deleted)
         or after stall_timeout without a bucket; the pull then fails with SourceLeft or
         TimeoutError."""
-        checks: list[tuple[int, asyncio.Future[str]]] = []
+        checks = LandedChecks(manifest.checksum_algorithm, self._pool)
         started = time.perf_counter()
         conn = await self._connect(holder.address)
         guard = _SourceGuard(
@@ -1471,8 +1471,7 @@ class UcxTransport(WeightTransport):
             else:
                 await conn.close()
             # Buckets that fully arrived count even when the source failed after them.
-            for index, check in checks:
-                digest = await check
+            for index, digest in await checks.results():
                 bucket = manifest.buckets[index]
                 if digest == bucket.checksum:
                     pending.discard(index)
@@ -1497,18 +1496,17 @@ class UcxTransport(WeightTransport):
         buffer: torch.Tensor,
         seq: int,
         sizes: list[tuple[int, int]],
-        checks: list[tuple[int, asyncio.Future[str]]],
+        checks: LandedChecks,
     ) -> None:
-        """Receive the buckets of one request, IN_FLIGHT_BUCKETS posted ahead, starting each
-        one's checksum (appended to `checks`) as it lands."""
+        """Receive the buckets of one request, IN_FLIGHT_BUCKETS posted ahead, handing each
+        to `checks` as it lands."""
         receives: collections.deque[tuple[int, asyncio.Future[None]]] = collections.deque()
 
         async def verify_next() -> None:
             index, received = receives.popleft()
             await received
             guard.progressed()
-            view = _bucket_view(manifest, buffer, index)
-            checks.append((index, checksum_landed(view, manifest.checksum_algorithm, self._pool)))
+            checks.landed(index, _bucket_view(manifest, buffer, index))
 
         try:
             for index, _ in sizes:

@@ -1209,3 +1209,28 @@ async def test_a_puller_on_the_other_device_verifies_the_publishers_checksums(
     assert result["ok"] and result["device"] == puller_device
     assert result["digest"] == tensors_digest(make_tensors(6))
     assert result["counters"]["checksum_failures"] == 0
+
+
+@pytest.mark.gpu
+async def test_a_corrupt_bucket_in_gpu_memory_is_caught_in_its_run_and_pulled_again(
+    peers: Any,
+) -> None:
+    cuda = ("--device", "cuda")
+    trainer, relay, puller = await peers(
+        ("trainer", *cuda), ("relay", *cuda, "--corrupt", "1"), ("puller", *cuda)
+    )
+    # The puller's first pull checks the kernel (in the thread pool); the second is checked
+    # in runs on the GPU, as every later one is.
+    await trainer.call("publish", version=1, seed=9)
+    assert (await puller.call("pull", version=1))["ok"]
+    await trainer.call("publish", version=2, seed=10)
+    await relay.call("pull", version=2)
+    await _sees(puller, 2, "relay")
+
+    result = await puller.call("pull", version=2)
+
+    assert result["ok"] and result["device"] == "cuda"
+    assert result["digest"] == tensors_digest(make_tensors(10))
+    assert result["counters"]["checksum_failures"] == 1
+    by_source = {"relay": N_BUCKETS - 1, "trainer": N_BUCKETS + 1}
+    assert result["counters"]["buckets_by_source"] == by_source

@@ -8,17 +8,17 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import torch
 
+from services.common import checksums
 from services.common.checksums import (
     CHECKSUM_ALGORITHMS,
     IMM128,
     ON_DEVICE,
     WSUM128,
     XXH3_128,
+    LandedChecks,
     _as_rows,
     algorithm_for,
     bucket_checksum,
-    checksum_landed,
-    start_bucket_checksum,
 )
 
 
@@ -89,23 +89,34 @@ def test_wsum128_spans_chunks_as_one_sum() -> None:
     assert bucket_checksum(data, WSUM128) != digest
 
 
-@pytest.mark.parametrize("algorithm", CHECKSUM_ALGORITHMS)
-def test_a_started_checksum_gives_the_same_digest(algorithm: str) -> None:
-    data = _bytes((1 << 16) + 5, seed=6)
-
-    assert start_bucket_checksum(data, algorithm)() == bucket_checksum(data, algorithm)
+def _buckets(buffer: torch.Tensor, size: int) -> list[torch.Tensor]:
+    return [buffer[start : start + size] for start in range(0, buffer.numel(), size)]
 
 
 @pytest.mark.parametrize("algorithm", CHECKSUM_ALGORITHMS)
-async def test_a_landed_bucket_gets_the_same_digest_and_host_xxh3_at_once(algorithm: str) -> None:
-    data = _bytes((1 << 16) + 5, seed=7)
+async def test_landed_buckets_get_their_own_digests_in_landing_order(algorithm: str) -> None:
+    buckets = _buckets(_bytes(5 * 4096 + 5, seed=7), 4096)  # the last one ragged
+    order = [1, 0, 2, 3, 5, 4]
+    expected = [(i, bucket_checksum(buckets[i], algorithm)) for i in order]
+
     with ThreadPoolExecutor(max_workers=1) as pool:
-        landed = checksum_landed(data, algorithm, pool)
-        # A host bucket under xxh3 is hashed on the calling thread, before anything awaits.
-        assert landed.done() == (algorithm == XXH3_128)
-        assert await landed == bucket_checksum(data, algorithm)
-        with pytest.raises(ValueError, match="unknown checksum algorithm 'crc32'"):
-            await checksum_landed(data, "crc32", pool)
+        checks = LandedChecks(algorithm, pool)
+        for i in order:
+            checks.landed(i, buckets[i])
+        if algorithm == XXH3_128:
+            # A host bucket under xxh3 is hashed as it lands, on the calling thread.
+            for bucket in buckets:
+                bucket.zero_()
+
+        assert await checks.results() == expected
+
+
+def test_landed_checks_refuse_an_unknown_algorithm() -> None:
+    with (
+        ThreadPoolExecutor(max_workers=1) as pool,
+        pytest.raises(ValueError, match="unknown checksum algorithm 'crc32'"),
+    ):
+        LandedChecks("crc32", pool)
 
 
 def test_the_publisher_picks_by_where_its_buffer_lives_and_unknown_names_are_refused() -> None:
@@ -124,7 +135,44 @@ def test_a_gpu_copy_has_the_digest_of_the_host_copy(algorithm: str, length: int)
     on_gpu = data.cuda()
 
     assert bucket_checksum(on_gpu, algorithm) == expected
-    # Queued from this thread, waited for in another, as the transport does.
-    finishes = [start_bucket_checksum(on_gpu[:length], algorithm) for _ in range(3)]
-    with ThreadPoolExecutor(max_workers=2) as pool:
-        assert list(pool.map(lambda finish: finish(), finishes)) == [expected] * 3
+    if algorithm == WSUM128:
+        # Computed by wsum_triton's one kernel, not torch's (slower) ones.
+        assert checksums._wsum128_kernel(on_gpu.device) is not None
+
+
+@pytest.mark.gpu
+def test_a_wsum128_kernel_that_disagrees_on_the_probe_is_never_used(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from services.common import wsum_triton
+
+    real = wsum_triton.wsum128_sums
+    monkeypatch.setattr(wsum_triton, "wsum128_sums", lambda words, size: real(words, size) + 1)
+    monkeypatch.setattr(checksums, "_wsum128_kernels", {})
+    data = _bytes((1 << 20) + 3, seed=7)
+
+    assert bucket_checksum(data.cuda(), WSUM128) == bucket_checksum(data, WSUM128)
+    assert checksums._wsum128_kernel(torch.device("cuda", 0)) is None
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("algorithm", ON_DEVICE)
+async def test_gpu_buckets_are_checked_in_runs_on_the_gpu_with_no_thread(
+    algorithm: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Runs of at most 3 buckets; bucket 4 lands out of order, so 3 and 5 start new runs; the
+    # ragged last bucket is checked on its own.
+    monkeypatch.setattr(checksums, "GPU_RUN_BYTES", 3 << 20)
+    on_host = _bytes(9 * (1 << 20) + 3, seed=8)
+    buckets = _buckets(on_host.cuda(), 1 << 20)
+    order = [0, 1, 2, 3, 5, 4, 6, 7, 8, 9]
+    expected = [bucket_checksum(b, algorithm) for b in _buckets(on_host, 1 << 20)]
+    bucket_checksum(buckets[0], algorithm)  # the kernel checked, the tables made
+    pool = ThreadPoolExecutor(max_workers=1)
+    pool.shutdown()  # nothing may go to a thread
+
+    checks = LandedChecks(algorithm, pool)
+    for i in order:
+        checks.landed(i, buckets[i])
+
+    assert await checks.results() == [(i, expected[i]) for i in order]
