@@ -27,7 +27,7 @@ demo: $(STAMP)
 
 ## The whole test suite (unit, integration with a real etcd, e2e through real processes).
 test: $(STAMP)
-	$(PY) -m pytest -m "not gpu" -p no:cacheprovider
+	$(PY) -m pytest -m "not gpu" -p no:cacheprovider --durations=25
 
 test-fast: $(STAMP)
 	$(PY) -m pytest tests/unit -m "not gpu and not slow" -p no:cacheprovider
