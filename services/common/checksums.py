@@ -135,7 +135,11 @@ def bucket_checksum(view: torch.Tensor, algorithm: str = XXH3_128) -> str:
     if algorithm in ON_DEVICE:
         with _own_stream(view.device):
             return _digest(algorithm, _device_sums(algorithm, view))
-    raise ValueError(f"unknown checksum algorithm {algorithm!r}; known: {CHECKSUM_ALGORITHMS}")
+    raise _unknown(algorithm)
+
+
+def _unknown(algorithm: str) -> ValueError:
+    return ValueError(f"unknown checksum algorithm {algorithm!r}; known: {CHECKSUM_ALGORITHMS}")
 
 
 class LandedChecks:
@@ -148,21 +152,17 @@ class LandedChecks:
     kernels queued from the loop's thread on a stream of ours, in runs: consecutive buckets of
     one size that lie back to back in memory (up to GPU_RUN_BYTES) are checked by one launch
     of wsum_triton's kernel, their sums copied back in one transfer, and the loop learns they
-    are done by polling a CUDA event. No thread hand-off and no launch per bucket: on an H200,
-    with a pool thread waiting for each 32 MiB bucket's kernels, verified pulls ran at a fifth
-    to a quarter of plain ucxx, though the kernel alone checksums 1-2.4 TB/s. Anything else (and
-    a GPU's first run, which compiles the kernel or makes coefficients) in the thread pool.
+    are done by polling a CUDA event: no thread hand-off and no launch per bucket. Anything
+    else (and a GPU's first run, which compiles the kernel or makes coefficients) in the thread
+    pool.
     """
 
     def __init__(self, algorithm: str, pool: Executor) -> None:
         if algorithm not in CHECKSUM_ALGORITHMS:
-            raise ValueError(
-                f"unknown checksum algorithm {algorithm!r}; known: {CHECKSUM_ALGORITHMS}"
-            )
+            raise _unknown(algorithm)
         self.algorithm = algorithm
         self._pool = pool
         self._run: list[tuple[int, torch.Tensor]] = []
-        self._run_bytes = 0
         self._started: list[tuple[list[int], asyncio.Future[list[str]]]] = []
 
     def landed(self, key: int, view: torch.Tensor) -> None:
@@ -170,8 +170,7 @@ class LandedChecks:
         if self._run and not self._continues_run(view):
             self._start_run()
         self._run.append((key, view))
-        self._run_bytes += view.numel()
-        if not self._in_runs(view) or self._run_bytes >= GPU_RUN_BYTES:
+        if not self._in_runs(view) or sum(v.numel() for _, v in self._run) >= GPU_RUN_BYTES:
             self._start_run()
 
     async def results(self) -> list[tuple[int, str]]:
@@ -205,7 +204,7 @@ class LandedChecks:
     def _start_run(self) -> None:
         keys = [key for key, _ in self._run]
         views = [view for _, view in self._run]
-        self._run, self._run_bytes = [], 0
+        self._run = []
         self._started.append((keys, _run_digests(views, self.algorithm, self._pool)))
 
 
@@ -226,7 +225,7 @@ def _run_digests(
     if algorithm == XXH3_128 and first.device.type == "cpu":
         digests: asyncio.Future[list[str]] = loop.create_future()
         try:
-            digests.set_result([bucket_checksum(view, algorithm) for view in views])
+            digests.set_result(_digests_of(views, algorithm))
         except Exception as exc:  # handed to whoever awaits it, as the pool would
             digests.set_exception(exc)
         return digests

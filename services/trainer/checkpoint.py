@@ -506,9 +506,9 @@ def load_latest(directory: str | Path) -> Checkpoint | None:
     """The checkpoint ``directory/latest`` names, or None when nothing was ever written."""
     directory = Path(directory)
     pointer = directory / LATEST
-    if not pointer.exists():
+    name = _latest_name(directory)
+    if name is None:
         return None
-    name = pointer.read_text().strip()
     if not _STEP_DIR.match(name):
         raise CheckpointError(f"{pointer}: does not name a checkpoint: {name!r}")
     target = directory / name
