@@ -80,9 +80,11 @@ Timed bucket by bucket there, ours received its 32 buckets in the time plain ucx
 against 2.2 ms from the first to the last); the rest is the request's round trip (the holder's
 reply came 0.46 ms after the pull began; posting the first receives before it made the reply
 arrive later, 0.73 ms, and the pull slower), queuing the run's kernel after the last bucket
-(0.1-0.2 ms) and the kernel itself (0.43 ms a GiB, 2.5 TB/s). At 64 MiB plain ucxx takes 0.6 ms
-and these fixed costs hold ours near a third of it. imm128 is no faster than wsum128's kernel
-anywhere measured; it stays opt-in.
+and the kernel itself (0.43 ms a GiB, 2.5 TB/s; near the GPU's integer throughput, as
+splitmix64 takes three 64-bit products a word). Queuing took 0.09-0.2 ms timed alone but 0.26
+ms inside 64 MiB pulls, ours and "+verify" alike; why was not found. At 64 MiB, where plain ucxx
+takes 0.6 ms, these fixed costs hold ours near 0.3-0.4 of it. imm128 is no faster than
+wsum128's kernel anywhere measured; it stays opt-in.
 
 No algorithm here is a defence against an adversary (see ucx_transport); all catch flipped
 bits, torn, misplaced and reordered transfers. wsum128 catches every change confined to one

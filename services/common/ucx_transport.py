@@ -706,7 +706,14 @@ class HolderConnection:
     ) -> tuple[int, list[tuple[int, int]]]:
         """Ask for buckets; (seq, [(index, nbytes)]) or HolderRefused with the holder's reason.
 
-        No timeout here or in receive: a _SourceGuard bounds both by aborting the endpoint."""
+        No timeout here or in receive: a _SourceGuard bounds both by aborting the endpoint.
+
+        The round trip cost a 64 MiB pull on 2 cores 0.6-0.9 ms, and a 1 GiB GPU pull on an
+        H200 0.4-0.5. Tried and dropped, each timed side by side with this: posting the reply's
+        receive before the request's send completed, and the holder posting its reply without
+        waiting for it (no change in 3-4 runs each on 2 cores); posting the first receives of
+        buckets before the reply came (on 2 cores no change; on the H200 the reply then came
+        later, 0.73 ms against 0.46, and the pull was slower)."""
         self._seq += 1
         body = {
             "op": "pull",
