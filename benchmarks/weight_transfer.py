@@ -39,7 +39,10 @@ With --device cuda every buffer of ours, plain ucxx and memcpy lives in GPU memo
 it device to device); the gRPC stream still serves and receives host copies, as it does for a
 GPU trainer.
 
-BENCH_LOG_LEVEL=info makes the workers log every transfer, with where a pull's time went
+It also prints where ours' time went, the median of each part of its pulls (reading the
+manifest, the request's round trip, receiving, verifying after the last bucket) beside plain
+ucxx's whole pull: at GPU speed fixed costs per pull, not the bytes, set ours/plain.
+BENCH_LOG_LEVEL=info makes the workers log every transfer, with the same parts
 (`weights.pulled`: manifest_s, request_s, receive_s, verify_wait_s); --keep-logs DIR keeps
 their logs (otherwise only a dead worker's log tail is printed); --json FILE writes every point
 with its raw samples.
@@ -59,6 +62,7 @@ import argparse
 import asyncio
 import collections
 import contextlib
+import dataclasses
 import json
 import os
 import shutil
@@ -249,7 +253,12 @@ class Worker:
         tensors = await self.ucx.pull(UCX_JOB, int(cmd["version"]), device=self.device)
         seconds = time.perf_counter() - started
         del tensors
-        return {"seconds": seconds, "counters": self.ucx.counters.as_dict()}
+        parts = self.ucx.last_pull
+        return {
+            "seconds": seconds,
+            "counters": self.ucx.counters.as_dict(),
+            "parts_s": dataclasses.asdict(parts) if parts is not None else {},
+        }
 
     async def do_grpc_fetch(self, cmd: dict[str, Any]) -> dict[str, Any]:
         from services.common.weights import GrpcStreamTransport, latest_announcement
@@ -544,6 +553,7 @@ async def point_to_point(driver: Driver, sizes_mib: list[int]) -> list[dict[str,
                 key: [] for key in ("plain", "plain_verified", "ucx", "ucx_again", "grpc")
             }
             publish_s: list[float] = []
+            parts_s: list[dict[str, float]] = []  # where each first pull's time went
             # The sender's CPU seconds while it served each kind of pull, summed over repeats.
             serving_cpu = dict.fromkeys(("plain", "plain_verified", "ucx", "ucx_again"), 0.0)
             await receiver.call("plain_reset")
@@ -581,6 +591,8 @@ async def point_to_point(driver: Driver, sizes_mib: list[int]) -> list[dict[str,
                     )
                     times[key].append(pulled["seconds"])
                     serving_cpu[key] += cpu
+                    if key == "ucx":
+                        parts_s.append(pulled["parts_s"])
             # The gRPC fetches in a loop of their own: at 1 GiB one takes longer than
             # PARK_SECONDS, and a UCX pull after it opened a new endpoint instead of using the
             # one kept by a pipeline that pulls every step (ours read 8.8-9.3 GB/s at 1 GiB so,
@@ -600,6 +612,10 @@ async def point_to_point(driver: Driver, sizes_mib: list[int]) -> list[dict[str,
             row["samples_s"] = times
             row["ucx_cold"] = nbytes / cold / 1e9
             row["publish"] = nbytes / pick(publish_s) / 1e9
+            row["ucx_parts_ms"] = {
+                part: 1e3 * statistics.median(p[part] for p in parts_s) for part in parts_s[0]
+            }
+            row["plain_ms"] = 1e3 * statistics.median(times["plain"])
             served_gb = nbytes * args.repeat / 1e9
             row["serving_cpu_per_gb"] = {k: v / served_gb for k, v in serving_cpu.items()}
             rows.append(row)
@@ -723,6 +739,15 @@ def print_report(
         f"{r['size_mib']} MiB {r['plain_verified'] / r['plain']:.2f}" for r in rows
     )
     print(f"+verify/plain, on the worker ours pulls on: {verified}")
+    # Fixed costs show here: at GPU speed they, not the bytes, set ours/plain.
+    print("where ours' time went, median ms of its pulls (plain ucxx's whole pull beside it):")
+    for r in rows:
+        parts = r["ucx_parts_ms"]
+        print(
+            f"  {r['size_mib']} MiB: manifest {parts['manifest_s']:.2f}, request"
+            f" {parts['request_s']:.2f}, receive {parts['receive_s']:.2f}, verify after the"
+            f" last bucket {parts['verify_wait_s']:.2f} (plain ucxx {r['plain_ms']:.2f})"
+        )
     if fan:
         print(
             f"\nfan-out of a {args.fanout_mib} MiB version to {args.pullers} pullers: the first"
@@ -734,7 +759,7 @@ def print_report(
         )
         for f in fan:
             print(
-                f"{f['mode']:<36} {f['first_seconds']:>8.2f} {f['seconds']:>8.2f}"
+                f"{f['mode']:<36} {f['first_seconds']:>8.3f} {f['seconds']:>8.3f}"
                 f" {f['gbps']:>15.2f} {f['trainer_share']:>12.0%}"
             )
         at_once, one_at_a_time, relayed = (f["seconds"] for f in fan)

@@ -922,6 +922,7 @@ class UcxTransport(WeightTransport):
         self.checksum_algorithm = checksum_algorithm
         self.faults = faults or HolderFaults()
         self.counters = TransferCounters()
+        self.last_pull: PullTimings | None = None  # where the last completed pull's time went
         self._rng = random.Random(instance_id if seed is None else seed)
         self._pool = ThreadPoolExecutor(
             max_workers=hash_threads or DEFAULT_HASH_THREADS,
@@ -1202,6 +1203,7 @@ class UcxTransport(WeightTransport):
         with ucx_progress.pulling():
             await self._pull_buckets(manifest, revision, buffer, timings, holders)
         self.counters.pulls_completed += 1
+        self.last_pull = timings
         if self.relay and not self._closed:
             self._held[version] = _Held(manifest, buffer, ROLE_RELAY, revision)
             # Registered in the background: the caller has its tensors without waiting for an
@@ -1768,6 +1770,10 @@ class UcxTransport(WeightTransport):
             if ok:
                 held.recorded_pullers = record.active_pullers
                 self.counters.records_written += 1
+                if self._record_lags_cap(held):
+                    # The holder filled up or freed its slot while this write was under way (a
+                    # pull shorter than an etcd write): say so at once, not record_delay later.
+                    self._schedule_record(version)
         if not ok and held is self._held.get(version):
             # Deleted (GC), or written again after we read it: by a restored trainer, maybe
             # with the bytes we hold (a pull that finished from its standby does) and kept.
@@ -1781,12 +1787,16 @@ class UcxTransport(WeightTransport):
         or freed its last slot (pullers skip a full holder and wait for a busy one's record to
         change), else record_delay later (see PULLERS_RECORD_DELAY_S)."""
         version = held.manifest.version
-        cap = self.max_pullers
-        if cap and (held.active_pullers >= cap) != (held.recorded_pullers >= cap):
+        if self._record_lags_cap(held):
             self._schedule_record(version)
         elif version not in self._record_due:
             self._record_due.add(version)
             self._background(self._record_pullers_later(version))
+
+    def _record_lags_cap(self, held: _Held) -> bool:
+        """Whether our record says full where we are not, or the other way round."""
+        cap = self.max_pullers
+        return bool(cap) and (held.active_pullers >= cap) != (held.recorded_pullers >= cap)
 
     async def _record_pullers_later(self, version: int) -> None:
         try:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import gc
 import json
 import os
@@ -304,6 +305,30 @@ async def test_a_holder_that_fills_up_says_so_in_its_record_without_the_delay(
     await eventually(full, timeout=10)
     puller.kill()
     await puller.proc.wait()
+
+
+async def test_a_slot_freed_while_the_full_record_is_written_is_recorded_at_once(
+    peers: Any, etcd_client: Any, etcd_settings: EtcdSettings
+) -> None:
+    # A pull shorter than an etcd write: the holder frees its one slot while the write that
+    # says it is full is under way. Pullers skip a holder whose record says full, so the
+    # freed slot must be written at once, not a record delay (here 600 s) later.
+    trainer, puller = await peers(
+        ("trainer", "--max-pullers", "1", "--record-delay", "600"), ("puller", "--no-relay")
+    )
+    await trainer.call("publish", version=1, seed=4)
+    await _sees(puller, 1, "trainer")
+    await trainer.call("gate_txns")
+
+    assert (await puller.call("pull", version=1))["ok"]  # taken and freed; the write waits
+    await trainer.call("ungate_txns")  # the write says full, of a holder free again
+
+    async def written(count: int) -> bool:
+        return (await trainer.call("state"))["counters"]["records_written"] >= count
+
+    await eventually(functools.partial(written, 2), timeout=10)  # the publish's, then "full"
+    await eventually(functools.partial(written, 3), timeout=10)  # then "free", at once
+    assert await _pullers_in_record(etcd_client, etcd_settings, "trainer") == 0
 
 
 async def test_a_relay_serves_the_next_puller_instead_of_the_trainer(peers: Any) -> None:

@@ -39,3 +39,10 @@ def test_the_weight_benchmark_measures_every_column(tmp_path: Path) -> None:
         assert 0 < fan["trainer_share"] <= 1 and fan["seconds"] > 0 and fan["first_seconds"] > 0
         assert len(fan["samples_s"]) == 2  # the first version, then --repeat warm ones
     assert "+verify/plain, on the worker ours pulls on: 1 MiB" in done.stdout
+    for row in report["rows"]:
+        # Where ours' time went, from the transport's own timings of each pull.
+        parts = row["ucx_parts_ms"]
+        assert set(parts) == {"manifest_s", "request_s", "receive_s", "verify_wait_s"}, parts
+        assert parts["receive_s"] > 0 and parts["request_s"] > 0, parts
+        assert sum(parts.values()) <= 1e3 * max(row["samples_s"]["ucx"]), (parts, row)
+    assert "where ours' time went" in done.stdout

@@ -18,6 +18,9 @@ Stdout carries only those lines; logs go to stderr. Commands:
     state {}                       counters, held versions, versions its watch listed
     lag {version, holder}          drop holder's record of version from this process's view
                                    only, as if its watch had not delivered it yet
+    gate_txns {}                   hold this transport's etcd transactions until ungate_txns,
+                                   as a slow etcd would (each waits before it is sent)
+    ungate_txns {}                 let them go
     close {}                       close the transport, keep the process (commands that need
                                    a transport fail until reopen)
     reopen {}                      start a new transport like the first; reply with its address
@@ -114,6 +117,9 @@ def _parse_args(argv: list[str]) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
+_gates: list[asyncio.Event] = []  # gate_txns
+
+
 async def _handle(
     transport: UcxTransport,
     client: Any,
@@ -206,6 +212,22 @@ async def _handle(
         view = transport._view
         view.apply(Delete(WeightKeys(keys).holder(job, int(cmd["version"]), cmd["holder"]), 0))
         return {"ok": True, "listed": transport.listed_versions()}
+    if op == "gate_txns":
+        gate = asyncio.Event()
+        send = transport.client.transaction
+
+        async def gated(*args: Any, **kwargs: Any) -> Any:
+            await gate.wait()
+            return await send(*args, **kwargs)
+
+        # Shadows the method on this process's client only; the transactions still go to etcd.
+        setattr(transport.client, "transaction", gated)  # noqa: B010
+        _gates.append(gate)
+        return {"ok": True}
+    if op == "ungate_txns":
+        delattr(transport.client, "transaction")
+        _gates.pop().set()
+        return {"ok": True}
     raise ValueError(f"unknown command {op!r}")
 
 
