@@ -39,7 +39,10 @@ of 7, 2 cores). Inline, even a hash from cache adds its time to the copy's; why 
 overlaps so little was not found. With the copy on the pulling thread, frames were no better:
 plain ucxx into a verified receive on that worker, 256 MiB in 2, 4 or 8 MiB frames reached 0.67,
 0.75 and 0.78 of plain ucxx, whole 32 MiB buckets 0.80; whole buckets at 64 MiB 0.72 and at 1
-GiB 1.03, and 16 MiB buckets the same (median of 7, 2 cores, one run).
+GiB 1.03, and 16 MiB buckets the same (median of 7, 2 cores, one run). Frames for the last
+bucket only, to shorten the hash after the last byte lands (~1 ms of a 64 MiB pull): 8 MiB
+frames took 64 MiB pulls from 7.95 to 7.66 ms (medians of five runs side by side, noise as
+large), not enough for a tag per frame in the protocol; not kept.
 
 Why a verified pull on the loop's thread stays near two thirds of plain ucxx: copy and hash
 take turns on one core, so their rates add as 1/(1/copy + 1/hash). Measured here (2 cores,
