@@ -211,31 +211,37 @@ class BucketManifest:
 
     @classmethod
     def from_json(cls, raw: bytes) -> BucketManifest:
-        body = json.loads(raw)
-        algorithm = body.get("checksum_algorithm")
+        """The manifest in raw; WeightIntegrityError for anything that is not one this
+        process can verify (unreadable, a field missing or of the wrong type, an unknown
+        checksum algorithm, a digest that does not match its contents)."""
+        try:
+            body = json.loads(raw)
+            algorithm = body.get("checksum_algorithm")
+            manifest = cls(
+                job_id=body["job_id"],
+                version=int(body["version"]),
+                trainer_epoch=int(body["trainer_epoch"]),
+                total_bytes=int(body["total_bytes"]),
+                bucket_bytes=int(body["bucket_bytes"]),
+                tensors=tuple(
+                    TensorEntry(t["name"], t["dtype"], tuple(t["shape"]), t["offset"], t["nbytes"])
+                    for t in body["tensors"]
+                ),
+                buckets=tuple(
+                    BucketEntry(b["index"], b["offset"], b["nbytes"], b["checksum"])
+                    for b in body["buckets"]
+                ),
+                published_at=float(body.get("published_at", 0.0)),
+                checksum_algorithm=str(algorithm),
+            )
+        except (ValueError, KeyError, TypeError, AttributeError) as exc:
+            raise WeightIntegrityError(f"unreadable weight manifest: {exc!r}"[:300]) from exc
         if algorithm not in CHECKSUM_ALGORITHMS:
             raise WeightIntegrityError(
-                f"version {body.get('version')}: its buckets carry {algorithm or 'no'} "
+                f"version {manifest.version}: its buckets carry {algorithm or 'no'} "
                 f"checksums and this process verifies {' and '.join(CHECKSUM_ALGORITHMS)} only: "
                 "are the trainer and this process on different robustrl releases?"
             )
-        manifest = cls(
-            job_id=body["job_id"],
-            version=int(body["version"]),
-            trainer_epoch=int(body["trainer_epoch"]),
-            total_bytes=int(body["total_bytes"]),
-            bucket_bytes=int(body["bucket_bytes"]),
-            tensors=tuple(
-                TensorEntry(t["name"], t["dtype"], tuple(t["shape"]), t["offset"], t["nbytes"])
-                for t in body["tensors"]
-            ),
-            buckets=tuple(
-                BucketEntry(b["index"], b["offset"], b["nbytes"], b["checksum"])
-                for b in body["buckets"]
-            ),
-            published_at=float(body.get("published_at", 0.0)),
-            checksum_algorithm=algorithm,
-        )
         if body.get("digest") not in (None, manifest.digest):
             raise WeightIntegrityError(f"version {manifest.version}: manifest digest mismatch")
         return manifest
@@ -1914,9 +1920,7 @@ class UcxTransport(WeightTransport):
             if parsed[0] not in self._held:
                 if isinstance(event, Put):
                     # Parsed now, before a pull of it asks (a bad one is reported by that pull).
-                    with contextlib.suppress(
-                        WeightIntegrityError, ValueError, KeyError, TypeError, AttributeError
-                    ):
+                    with contextlib.suppress(WeightIntegrityError):
                         self._manifest(event.entry.value)
                 continue
             version = parsed[0]
@@ -1936,7 +1940,7 @@ class UcxTransport(WeightTransport):
         held = self._held[version]
         try:
             manifest = self._manifest(raw)
-        except (WeightIntegrityError, ValueError, KeyError) as exc:
+        except WeightIntegrityError as exc:
             log.warning("weights.bad_manifest", version=version, error=str(exc)[:200])
             manifest = None
         same = (

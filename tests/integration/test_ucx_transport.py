@@ -1208,6 +1208,21 @@ def test_a_manifest_whose_checksums_this_process_cannot_verify_is_refused() -> N
         BucketManifest.from_json(json.dumps(body).encode())
 
 
+def test_a_malformed_manifest_is_refused_as_such() -> None:
+    entries, total, spans = plan_layout(make_tensors(0), 256 << 10)
+    buckets = tuple(BucketEntry(i, o, n, "0" * 32) for i, (o, n) in enumerate(spans))
+    good = json.loads(BucketManifest(JOB, 1, 1, total, 256 << 10, entries, buckets).to_json())
+    missing = {k: v for k, v in good.items() if k != "tensors"}
+    malformed = [b"{not json", b"[1, 2]", json.dumps(missing).encode()]
+    malformed.append(json.dumps({**good, "version": None}).encode())
+    malformed.append(json.dumps({**good, "buckets": [{"index": 0}]}).encode())
+    malformed.append(json.dumps({**good, "digest": "0" * 64}).encode())
+
+    for raw in malformed:
+        with pytest.raises(WeightIntegrityError):
+            BucketManifest.from_json(raw)
+
+
 @pytest.mark.gpu
 async def test_cuda_tensors_move_device_to_device(
     peers: Any, etcd_client: Any, etcd_settings: EtcdSettings
