@@ -218,7 +218,7 @@ class Worker:
         many posted ahead as the transport's holder posts (IN_FLIGHT_BUCKETS).
 
         It waits for the next request, and for its sends, as the transport's holder does
-        (ucx_progress.receive_obj and send): ucxx's own recv_obj and send poll on every turn
+        (ucx_progress.receive_message and send): ucxx's own recv_obj and send poll on every turn
         of the loop, and the spinning took a core from the puller. With ucxx's send, plain
         ucxx verified on the pulling thread (two busy threads on the puller) ran at 0.5-0.6 of
         unverified, below ours."""
@@ -227,7 +227,7 @@ class Worker:
 
         with contextlib.suppress(Exception):
             while True:
-                request = json.loads(bytes(await ucx_progress.receive_obj(ep, bytearray)))
+                request = json.loads(await ucx_progress.receive_message(ep, 1 << 16))
                 assert self.plain_buffer is not None
                 bucket = int(request["bucket"])
                 sends: collections.deque[asyncio.Future[Any]] = collections.deque()
@@ -309,7 +309,8 @@ class Worker:
 
         started = time.perf_counter()
         with ucx_progress.pulling():  # the worker kept hot as for our pulls
-            await endpoint.send_obj(json.dumps({"bytes": nbytes, "bucket": bucket}).encode())
+            request = json.dumps({"bytes": nbytes, "bucket": bucket}).encode()
+            await ucx_progress.send_message(endpoint, request)  # one message, as ours sends
             # As many receives posted ahead as the transport posts (IN_FLIGHT_BUCKETS).
             for i, start in enumerate(range(0, nbytes, bucket)):
                 view = self.plain_recv[start : start + bucket]

@@ -28,8 +28,9 @@ two-endpoint ucxx program used 1.45 s of CPU in 3 s idle; 0.00 s with `install`.
 
 In this mode a coroutine that awaits a UCX request polls it on every turn of the loop (ucxx's
 `wait_yield`), so a receive left posted keeps the loop busy. A holder waits for a puller's
-next request, which may come seconds later or never, so it waits with `receive_obj` instead:
-each progress of a mended worker wakes it to check its receive, and it sleeps in between.
+next request, which may come seconds later or never, so it waits with `receive_message`
+instead: each progress of a mended worker wakes it to check its receive, and it sleeps in
+between.
 When every rollout kept its endpoints between pulls, the trainer's main thread polled a
 fifth of the time and the local stack's 150-step job took twice as long (56 s against 28 s).
 It sends buckets with `send` for the same reason: a polled send would keep its loop busy
@@ -62,7 +63,6 @@ the holder's worker in thread mode too, pulls ran at half the speed (7.8-8.1 GB/
 
 from __future__ import annotations
 
-import array
 import asyncio
 import contextlib
 import inspect
@@ -71,7 +71,7 @@ import struct
 import sys
 import time
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import Any
 
 from services.common.logs import get_logger
@@ -317,22 +317,71 @@ def _wake() -> None:
         _posted = [posted for posted in _posted if not posted[0].completed]
 
 
-async def receive_obj(endpoint: Any, allocator: Callable[[int], Any]) -> Any:
-    """`endpoint.recv_obj(allocator=...)`, waiting without polling: the next object a peer
-    sent with `send_obj` and no tag, in a buffer from `allocator`.
+FRAME_BYTES = 4096
+"""Bytes of a control message's first UCX message (`send_message`): its header and as much of
+its body as fits. A longer body follows in a second message."""
+_FRAME_HEADER = struct.Struct("<4sI")
+_FRAME_MAGIC = b"rrl\x02"
 
-    A worker's messages and errors land only when it is progressed, so each receive is posted
+
+class FrameError(ValueError):
+    """A control message that is not one of ours, or longer than its receiver takes."""
+
+
+async def send_message(endpoint: Any, body: bytes) -> None:
+    """Send a control message (a request or a reply) that `receive_message` takes: one UCX
+    message while the body fits in FRAME_BYTES with its header, where ucxx's `send_obj` sends
+    two (the length, then the body), and the receiver waits for each.
+
+    Where a mended worker progresses the endpoint, its sends and receives wait without
+    polling: a worker's messages and errors land only when it is progressed, so each is posted
     and then checked after every progress of the worker, sleeping in between (the watchdog
-    progresses at least every PROGRESS_INTERVAL). Where no mended worker drives progress (a
-    ucxx this module does not know, another progress mode) this is ucxx's own `recv_obj`.
-    """
+    progresses at least every PROGRESS_INTERVAL). Elsewhere (a puller's thread-progressed
+    worker, a ucxx this module does not know) they are ucxx's own `send` and `recv`."""
+    room = FRAME_BYTES - _FRAME_HEADER.size
+    await _send_untagged(endpoint, _FRAME_HEADER.pack(_FRAME_MAGIC, len(body)) + body[:room])
+    if len(body) > room:
+        await _send_untagged(endpoint, body[room:])
+
+
+async def receive_message(endpoint: Any, limit: int) -> bytes:
+    """The body of the next control message a peer sent with `send_message`. FrameError for
+    anything else (ucxx's `send_obj` from a peer of another protocol, say) or a body over
+    `limit` bytes; the endpoint is then out of step and should be closed."""
+    frame = bytearray(FRAME_BYTES)
+    await _receive_untagged(endpoint, frame)
+    magic, length = _FRAME_HEADER.unpack_from(frame)
+    if magic != _FRAME_MAGIC:
+        raise FrameError(f"not a control message of this protocol (starts {bytes(frame[:8])!r})")
+    if length > limit:
+        raise FrameError(f"control message of {length} bytes; at most {limit} are taken")
+    start = _FRAME_HEADER.size
+    if start + length <= FRAME_BYTES:
+        return bytes(frame[start : start + length])
+    rest = bytearray(start + length - FRAME_BYTES)
+    await _receive_untagged(endpoint, rest)
+    return bytes(frame[start:]) + bytes(rest)
+
+
+async def _send_untagged(endpoint: Any, buffer: Any) -> None:
     if not _quiet(endpoint):
-        return await endpoint.recv_obj(allocator=allocator)
-    size = array.array("Q", [0])
-    await _receive(endpoint, size)
-    buffer = allocator(size[0])
-    await _receive(endpoint, buffer)
-    return buffer
+        await endpoint.send(buffer)
+        return
+    from ucxx._lib.arr import Array
+    from ucxx._lib.libucxx import UCXCloseError
+    from ucxx.types import Tag
+
+    endpoint._ep.raise_on_error()
+    if endpoint.closed:
+        raise UCXCloseError("Endpoint closed")
+    await _completion(endpoint._ep.tag_send(Array(buffer), Tag(endpoint._tags["msg_send"])), buffer)
+
+
+async def _receive_untagged(endpoint: Any, buffer: Any) -> None:
+    if _quiet(endpoint):
+        await _receive(endpoint, buffer)
+    else:
+        await endpoint.recv(buffer)
 
 
 def _quiet(endpoint: Any) -> bool:
@@ -350,7 +399,7 @@ def _quiet(endpoint: Any) -> bool:
 
 
 async def send(endpoint: Any, buffer: Any, tag: int) -> None:
-    """`endpoint.send(buffer, tag=tag)`, waiting without polling (see `receive_obj`): the
+    """`endpoint.send(buffer, tag=tag)`, waiting without polling (see `send_message`): the
     send is checked after every progress of the worker. The peer receives it with ucxx's
     `recv(..., tag=tag)`."""
     if not _quiet(endpoint):

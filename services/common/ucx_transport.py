@@ -29,10 +29,14 @@ from it, and a receive buffer no tensor uses any more is received into again (a 
 pays its page faults inside the transfer). A publisher packs into the buffer of a version it
 has dropped, the same way. See HostBuffers for why that is safe.
 
-Wire protocol (per UCX endpoint, puller -> holder): a JSON request framed by ucxx's
-send_obj, a JSON reply (ok with the bucket sizes, or an explicit error code and message), then
-on ok one tagged message per bucket. The holder never sends bytes it was not asked for and
-never answers a version or bucket it does not hold with anything but an error reply.
+Wire protocol (per UCX endpoint, puller -> holder): a JSON request (the version, its manifest's
+digest, the buckets wanted as [start, stop) ranges), a JSON reply (ok with the bucket count and
+the layout's bucket and total bytes, or an explicit error code and message), then on ok one
+tagged message per bucket. Requests and replies are framed by ucx_progress.send_message: one
+UCX message each, however many buckets a version has (ucxx's send_obj took two, and a reply that
+listed every bucket's size outgrew the 64 KiB control limit at ~4,000 buckets, a 70B model in
+32 MiB buckets). The holder never sends bytes it was not asked for and never answers a version
+or bucket it does not hold with anything but an error reply.
 
 UCX runs on CPU over TCP and shared memory; on GPU hosts buffers may live on the device (the
 staging buffer is allocated on the pull's device and ucxx moves CUDA memory directly). A
@@ -110,13 +114,13 @@ IN_FLIGHT_BUCKETS = 4
 # (the holder's transaction, etcd, and the puller's watch all ran while the bytes moved).
 PULLERS_RECORD_DELAY_S = 0.05
 ALIGN_BYTES = 64  # every tensor starts aligned, so views of the buffer are valid for any dtype
-MAX_CONTROL_BYTES = 1 << 16  # requests and replies are small JSON; refuse anything bigger
+MAX_CONTROL_BYTES = 1 << 20  # requests and replies are small JSON; refuse anything bigger
 MAX_IDLE_CONNECTIONS = 4  # endpoints kept open between pulls, to the holders used last
 PARK_SECONDS = 2.0
 """How long a puller keeps an endpoint it does not use: a job that pulls every step keeps its
 endpoints, an idle one gives its holders theirs back. A kept endpoint costs the holder nothing
-while it waits (ucx_progress.receive_obj)."""
-PROTOCOL_VERSION = 1
+while it waits (ucx_progress.receive_message)."""
+PROTOCOL_VERSION = 2
 PARSED_MANIFESTS = 8
 """Manifests a transport keeps parsed (UcxTransport._manifest): parsing one of 3,000 tensors
 took 6 ms here, and a pull, the watch and the checks of a stranded pull each want it."""
@@ -236,6 +240,21 @@ class BucketManifest:
             )
         except (ValueError, KeyError, TypeError, AttributeError) as exc:
             raise WeightIntegrityError(f"unreadable weight manifest: {exc!r}"[:300]) from exc
+        size, total = manifest.bucket_bytes, manifest.total_bytes
+        if (
+            size <= 0
+            or len(manifest.buckets) != -(-total // size)
+            or any(
+                (b.index, b.offset, b.nbytes) != (i, i * size, min(size, total - i * size))
+                for i, b in enumerate(manifest.buckets)
+            )
+        ):
+            # Pullers and holders derive a bucket's place from these two (a request's reply
+            # carries only them).
+            raise WeightIntegrityError(
+                f"version {manifest.version}: its buckets do not cut {total} bytes into "
+                f"buckets of {size}"
+            )
         if algorithm not in CHECKSUM_ALGORITHMS:
             raise WeightIntegrityError(
                 f"version {manifest.version}: its buckets carry {algorithm or 'no'} "
@@ -556,10 +575,25 @@ def ucx_buffer(view: torch.Tensor) -> Any:
     return view.numpy() if view.device.type == "cpu" else view
 
 
-def _bounded_bytearray(nbytes: int) -> bytearray:
-    if nbytes > MAX_CONTROL_BYTES:
-        raise WeightIntegrityError(f"control message of {nbytes} bytes: protocol mismatch")
-    return bytearray(nbytes)
+async def _receive_control(endpoint: Any) -> bytes:
+    """The next request or reply on endpoint; WeightIntegrityError for anything that is not
+    one of this protocol's control messages."""
+    try:
+        return await ucx_progress.receive_message(endpoint, MAX_CONTROL_BYTES)
+    except ucx_progress.FrameError as exc:
+        raise WeightIntegrityError(f"{exc}: protocol mismatch") from exc
+
+
+def bucket_ranges(indexes: Sequence[int]) -> list[list[int]]:
+    """Ascending bucket indexes as [start, stop) ranges, as a request carries them: a whole
+    version is one range however many buckets it has."""
+    ranges: list[list[int]] = []
+    for index in indexes:
+        if ranges and ranges[-1][1] == index:
+            ranges[-1][1] = index + 1
+        else:
+            ranges.append([index, index + 1])
+    return ranges
 
 
 def _data_tag(seq: int, index: int) -> int:
@@ -710,7 +744,8 @@ class HolderConnection:
     async def request(
         self, job_id: str, version: int, digest: str, buckets: Sequence[int]
     ) -> tuple[int, list[tuple[int, int]]]:
-        """Ask for buckets; (seq, [(index, nbytes)]) or HolderRefused with the holder's reason.
+        """Ask for buckets (in ascending order); (seq, [(index, nbytes)]) or HolderRefused with
+        the holder's reason.
 
         No timeout here or in receive: a _SourceGuard bounds both by aborting the endpoint.
 
@@ -728,20 +763,26 @@ class HolderConnection:
             "job_id": job_id,
             "version": version,
             "digest": digest,
-            "buckets": list(buckets),
+            "buckets": bucket_ranges(buckets),
         }
         with self._aborted_is_reset():
-            await self._ep.send_obj(json.dumps(body).encode())
-            raw = await self._ep.recv_obj(allocator=_bounded_bytearray)
+            await ucx_progress.send_message(self._ep, json.dumps(body).encode())
+            try:
+                raw = await _receive_control(self._ep)
+            except WeightIntegrityError as exc:  # a holder of another protocol: pull elsewhere
+                raise HolderRefused("bad_reply", f"from {self.address}: {exc}") from exc
         try:
-            reply = json.loads(bytes(raw))
+            reply = json.loads(raw)
             if reply.get("status") != "ok":
                 raise HolderRefused(
                     str(reply.get("code", "unknown")),
                     str(reply.get("message", "")),
                     reply.get("held", []),
                 )
-            return self._seq, [(int(i), int(n)) for i, n in reply["buckets"]]
+            if int(reply["seq"]) != self._seq or int(reply["buckets"]) != len(buckets):
+                raise ValueError(f"answers request {reply['seq']} with {reply['buckets']} buckets")
+            size, total = int(reply["bucket_bytes"]), int(reply["total_bytes"])
+            return self._seq, [(i, max(0, min(size, total - i * size))) for i in buckets]
         except (ValueError, KeyError, TypeError, AttributeError) as exc:
             detail = f"unreadable reply from {self.address}: {exc!r}"
             raise HolderRefused("bad_reply", detail) from exc
@@ -752,8 +793,8 @@ class HolderConnection:
 
     @contextlib.contextmanager
     def _aborted_is_reset(self) -> Iterator[None]:
-        """An endpoint aborted under a call (by a _SourceGuard, between the two messages of
-        ucxx's send_obj, say) fails it as a reset connection. ucxx raises AttributeError
+        """An endpoint aborted under a call (by a _SourceGuard, between a request and its
+        reply, say) fails it as a reset connection. ucxx raises AttributeError
         there: its endpoint's handle is gone. Seen in the demo as a rollout's first pull met
         its holder's record being deleted; it crashed the rollout."""
         try:
@@ -1617,11 +1658,16 @@ class UcxTransport(WeightTransport):
         try:
             while not self._closed:
                 try:
-                    raw = await ucx_progress.receive_obj(endpoint, _bounded_bytearray)
+                    raw = await _receive_control(endpoint)
+                except WeightIntegrityError as exc:
+                    # Not a request of ours: the endpoint is out of step, so close it.
+                    self.counters.requests_refused += 1
+                    log.warning("weights.bad_request", error=str(exc)[:200])
+                    return
                 except Exception:
                     return  # the puller closed or died: nothing to answer
                 try:
-                    await self._answer(endpoint, bytes(raw))
+                    await self._answer(endpoint, raw)
                 except self._transfer_errors as exc:
                     log.info("weights.serve_aborted", error=repr(exc)[:200])
                     return
@@ -1655,15 +1701,21 @@ class UcxTransport(WeightTransport):
                 f"(trainer epoch {held.manifest.trainer_epoch})",
                 self.held_versions(),
             )
-        buckets = request.get("buckets", [])
+        ranges = request.get("buckets", [])
         count = len(held.manifest.buckets)
-        missing = [b for b in buckets if not isinstance(b, int) or not 0 <= b < count]
+        if not isinstance(ranges, list) or not all(
+            isinstance(r, list) and len(r) == 2 and all(type(i) is int for i in r) and r[0] < r[1]
+            for r in ranges
+        ):
+            raise HolderRefused("bad_request", "buckets must be a list of [start, stop) ranges")
+        missing = [r for r in ranges if not 0 <= r[0] < r[1] <= count]
         if missing:
             raise HolderRefused(
                 "no_such_bucket",
                 f"version {version} has buckets 0..{count - 1}; asked for {missing[:8]}",
                 self.held_versions(),
             )
+        buckets = [i for start, stop in ranges for i in range(start, stop)]
         if self.max_pullers and held.active_pullers >= self.max_pullers:
             raise HolderRefused("busy", f"holder {self.instance_id} serves {held.active_pullers}")
         return held, buckets
@@ -1686,15 +1738,21 @@ class UcxTransport(WeightTransport):
                 "message": refusal.message,
                 "held": refusal.held,
             }
-            await endpoint.send_obj(json.dumps(reply).encode())
+            await ucx_progress.send_message(endpoint, json.dumps(reply).encode())
             return
         # Take the slot before the first await, so two requests cannot both pass the cap.
         held.active_pullers += 1
         self._pullers_changed(held)
         try:
-            sizes = [[i, held.manifest.buckets[i].nbytes] for i in buckets]
-            reply_ok = {"status": "ok", "seq": seq, "buckets": sizes}
-            await endpoint.send_obj(json.dumps(reply_ok).encode())
+            manifest = held.manifest
+            reply_ok = {
+                "status": "ok",
+                "seq": seq,
+                "buckets": len(buckets),
+                "bucket_bytes": manifest.bucket_bytes,
+                "total_bytes": manifest.total_bytes,
+            }
+            await ucx_progress.send_message(endpoint, json.dumps(reply_ok).encode())
             sends: collections.deque[asyncio.Future[Any]] = collections.deque()
             try:
                 for index in buckets:

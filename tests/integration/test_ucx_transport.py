@@ -24,22 +24,25 @@ from typing import Any
 import pytest
 import torch
 
-from services.common import ucx_progress
+from services.common import ucx_listeners, ucx_progress
 from services.common.checksums import CHECKSUM_ALGORITHMS, WSUM128
 from services.common.config import EtcdSettings
 from services.common.fences import withdraw_holder_records
 from services.common.keys import KeySpace, WeightKeys
 from services.common.ucx_transport import (
+    PROTOCOL_VERSION,
     ROLE_RELAY,
     ROLE_TRAINER,
     BucketEntry,
     BucketManifest,
     HolderConnection,
     HolderRecord,
+    HolderRefused,
     HostBuffers,
     UcxTransport,
     VersionsView,
     allocate_buffer,
+    bucket_ranges,
     choose_holder,
     make_transport,
     pack_into,
@@ -371,7 +374,7 @@ async def test_processes_that_moved_weights_sleep_while_idle(peers: Any) -> None
 async def test_a_holder_waiting_for_a_parked_pullers_next_request_sleeps(peers: Any) -> None:
     """A holder waits for the next request of every puller that kept its endpoint. ucxx's own
     receive polled that wait on every turn of the loop: a trainer whose rollouts pulled every
-    step spun a core between pulls (ucx_progress.receive_obj waits without polling)."""
+    step spun a core between pulls (ucx_progress.receive_message waits without polling)."""
     trainer, puller = await peers(("trainer",), ("puller", "--park-seconds", "60"))
     await trainer.call("publish", version=1, seed=4)
     assert (await puller.call("pull", version=1))["ok"]
@@ -637,6 +640,117 @@ def test_pulls_use_the_pulling_thread_on_a_host_without_cuda_unless_turned_off(
         else:
             monkeypatch.setenv("ROBUSTRL_UCX_PULL_THREAD", value)
         assert UcxTransport(etcd_client, keys, JOB, instance_id="p").pull_thread is expected
+
+
+def test_a_request_names_its_buckets_as_ranges() -> None:
+    assert bucket_ranges([]) == []
+    assert bucket_ranges(range(5000)) == [[0, 5000]]
+    assert bucket_ranges([0, 1, 2, 5, 7, 8]) == [[0, 3], [5, 6], [7, 9]]
+
+
+async def test_a_version_of_thousands_of_buckets_moves_in_one_request(peers: Any) -> None:
+    """A version of 8,600 buckets (256 bytes each): its reply used to list every bucket's size
+    and outgrew the 64 KiB control limit from about 4,000 buckets (a 70B model in 32 MiB
+    buckets); the pull failed as a protocol mismatch."""
+    small = ("--bucket-bytes", "256")
+    trainer, puller = await peers(("trainer", *small), ("puller", *small, "--no-relay"))
+    await trainer.call("publish", version=1, seed=8)
+
+    result = await puller.call("pull", version=1, timeout=60)
+
+    assert result["ok"], result
+    assert result["digest"] == tensors_digest(make_tensors(8))
+    buckets = result["counters"]["buckets_by_source"]["trainer"]
+    assert buckets == len(plan_layout(make_tensors(8), 256)[2]) > 8000
+    assert result["counters"]["source_failures"] == 0
+
+
+async def test_a_request_that_is_not_one_gets_a_clear_error_and_changes_nothing(
+    etcd_client: Any, etcd_settings: EtcdSettings
+) -> None:
+    """Malformed requests are refused with a code saying why; a message that is not a
+    request of this protocol (ucxx's send_obj, as an older release sends) closes the endpoint.
+    Either way the holder serves the next puller as before."""
+    keys = KeySpace(etcd_settings.prefix)
+    holder = UcxTransport(etcd_client, keys, JOB, instance_id="h", bucket_bytes=256 << 10)
+    puller = UcxTransport(etcd_client, keys, JOB, instance_id="p", relay=False)
+    for transport in (holder, puller):
+        await transport.start()
+    try:
+        await holder.publish(1, make_tensors(5))
+        digest = holder._held[1].manifest.digest
+        conn = await HolderConnection.open(puller.endpoints_for_pulls(), holder.address, 5.0)
+        base = {"op": "pull", "protocol": PROTOCOL_VERSION, "seq": 1, "job_id": JOB}
+        bad = [
+            ({**base, "version": "1"}, "bad_request"),
+            ({**base, "version": 1, "buckets": [0, 1]}, "bad_request"),
+            ({**base, "version": 1, "buckets": [[2, 1]]}, "bad_request"),
+            ({**base, "version": 1, "buckets": [[0, True]]}, "bad_request"),
+            ({**base, "version": 1, "buckets": [[0, N_BUCKETS + 1]]}, "no_such_bucket"),
+            ({**base, "version": 1, "digest": "0" * 64, "buckets": [[0, 1]]}, "digest_mismatch"),
+            ({**base, "protocol": 1, "version": 1, "buckets": [[0, 1]]}, "bad_request"),
+        ]
+        for body, code in bad:
+            await ucx_progress.send_message(conn._ep, json.dumps(body).encode())
+            reply = json.loads(await ucx_progress.receive_message(conn._ep, 1 << 16))
+            assert (reply["status"], reply["code"]) == ("error", code), body
+        # The same endpoint still serves a good request.
+        seq, sizes = await conn.request(JOB, 1, digest, [0, 1])
+        assert sizes == [(0, 256 << 10), (1, 256 << 10)]
+        for index, nbytes in sizes:
+            await conn.receive(torch.zeros(nbytes, dtype=torch.uint8), seq, index)
+        await conn.close()
+
+        legacy = await HolderConnection.open(puller.endpoints_for_pulls(), holder.address, 5.0)
+        # send_obj's second message may fail: the holder hangs up after its first.
+        with contextlib.suppress(Exception):
+            await legacy._ep.send_obj(json.dumps({**base, "version": 1}).encode())
+
+        async def refused_and_closed() -> bool:
+            return holder.counters.requests_refused == len(bad) + 1 and not holder._endpoints
+
+        await eventually(refused_and_closed, timeout=10)
+        await legacy.close()
+        pulled = await puller.pull(JOB, 1)
+        assert tensors_digest(pulled) == tensors_digest(make_tensors(5))
+
+        async def all_served() -> bool:  # a send is counted once the holder sees it done
+            return holder.counters.buckets_served == 2 + N_BUCKETS
+
+        await eventually(all_served, timeout=10)
+    finally:
+        for transport in (puller, holder):
+            await transport.close()
+
+
+async def test_a_reply_of_another_protocol_refuses_that_holder_and_nothing_else(
+    etcd_client: Any, etcd_settings: EtcdSettings
+) -> None:
+    """A holder answering as the release before did (ucxx's send_obj, the length first) is a
+    refusal (`bad_reply`), which a pull answers by trying another holder; it used to fail the
+    whole pull as a WeightIntegrityError."""
+    puller = UcxTransport(etcd_client, KeySpace(etcd_settings.prefix), JOB, instance_id="p")
+    await puller.start()
+    answered: list[bytes] = []
+
+    async def old_holder(endpoint: Any) -> None:
+        answered.append(await ucx_progress.receive_message(endpoint, 1 << 16))
+        reply = {"status": "ok", "seq": 1, "buckets": [[0, 256]]}
+        await endpoint.send_obj(json.dumps(reply).encode())
+
+    slot = ucx_listeners.borrow(puller._ucxx, old_holder)
+    try:
+        conn = await HolderConnection.open(
+            puller.endpoints_for_pulls(), f"127.0.0.1:{slot.port}", 5.0
+        )
+        with pytest.raises(HolderRefused) as refused:
+            await conn.request(JOB, 1, "", [0])
+        await conn.close()
+        assert refused.value.code == "bad_reply" and "protocol mismatch" in refused.value.message
+        assert json.loads(answered[0])["buckets"] == [[0, 1]]
+    finally:
+        ucx_listeners.give_back(slot)
+        await puller.close()
 
 
 @pytest.mark.parametrize("pull_thread", [True, False])
@@ -1217,6 +1331,13 @@ def test_a_malformed_manifest_is_refused_as_such() -> None:
     malformed.append(json.dumps({**good, "version": None}).encode())
     malformed.append(json.dumps({**good, "buckets": [{"index": 0}]}).encode())
     malformed.append(json.dumps({**good, "digest": "0" * 64}).encode())
+    # Buckets that do not cut the buffer in bucket_bytes pieces, in order (a reply gives the
+    # layout by those two numbers only).
+    shifted = [dict(b) for b in good["buckets"]]
+    shifted[1]["offset"] += 64
+    malformed.append(json.dumps({**good, "buckets": shifted}).encode())
+    malformed.append(json.dumps({**good, "buckets": good["buckets"][:-1]}).encode())
+    malformed.append(json.dumps({**good, "bucket_bytes": 0}).encode())
 
     for raw in malformed:
         with pytest.raises(WeightIntegrityError):
