@@ -67,6 +67,12 @@ class TrainerSpec(_Strict):
     for weights in host memory, wsum128 for weights in GPU memory. imm128 (one int8 matrix
     product per bucket, meant for GPU memory) has run on CPU only so far, not on a GPU."""
 
+    weight_bucket_mib: int = Field(default=32, ge=1, le=4096)
+    """Size of the buckets a UCX weight version is cut into (one message and one checksum
+    each). Larger buckets mean fewer messages and a smaller manifest: a version's manifest
+    must fit in one etcd write, which takes about 28,000 buckets beside 1,000 tensors (0.9 TB
+    at 32 MiB); a publish that would not fit fails and says so."""
+
     checkpoint_every: int = Field(default=1, ge=1)
     eval_every: int = Field(default=5, ge=1)
 

@@ -287,6 +287,7 @@ class TrainerWorker:
                     grpc_address=self.runtime.address,
                     host=self.runtime.settings.resolved_advertise_host(),
                     session_ttl=self.runtime.etcd_settings.session_ttl,
+                    bucket_bytes=spec.trainer.weight_bucket_mib << 20,
                     checksum_algorithm=(
                         None
                         if spec.trainer.weight_checksum == "auto"

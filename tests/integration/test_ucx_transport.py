@@ -39,14 +39,17 @@ from services.common.ucx_transport import (
     HolderRecord,
     HolderRefused,
     HostBuffers,
+    ManifestTooLarge,
     UcxTransport,
     VersionsView,
     allocate_buffer,
     bucket_ranges,
+    check_manifest_size,
     choose_holder,
     make_transport,
     pack_into,
     plan_layout,
+    unpack_views,
 )
 from services.common.watch import Delete, Entry, Put, Resync
 from services.common.weights import Announcement, GrpcStreamTransport, WeightIntegrityError
@@ -723,6 +726,45 @@ async def test_a_request_that_is_not_one_gets_a_clear_error_and_changes_nothing(
             await transport.close()
 
 
+async def test_control_messages_of_any_length_up_to_the_limit_arrive_whole(
+    etcd_client: Any, etcd_settings: EtcdSettings
+) -> None:
+    """One UCX message while a body fits in FRAME_BYTES with its header, two beyond; both
+    ways (the pulling thread's worker sending, the mended worker receiving, and back)."""
+    puller = UcxTransport(etcd_client, KeySpace(etcd_settings.prefix), JOB, instance_id="p")
+    await puller.start()
+    too_long: list[Exception] = []
+
+    async def echo(endpoint: Any) -> None:
+        while True:
+            try:
+                body = await ucx_progress.receive_message(endpoint, 1 << 16)
+            except ucx_progress.FrameError as exc:
+                too_long.append(exc)
+                endpoint.abort()  # out of step, as a holder leaves it (its rest is unread)
+                return
+            await ucx_progress.send_message(endpoint, body)
+
+    slot = ucx_listeners.borrow(puller._ucxx, echo)
+    room = ucx_progress.FRAME_BYTES - 8
+    try:
+        conn = await HolderConnection.open(
+            puller.endpoints_for_pulls(), f"127.0.0.1:{slot.port}", 5.0
+        )
+        for length in (0, 1, room - 1, room, room + 1, 3 * room, 1 << 16):
+            body = random.Random(length).randbytes(length)
+            await ucx_progress.send_message(conn._ep, body)
+            assert await ucx_progress.receive_message(conn._ep, 1 << 16) == body, length
+        # Its second message fails: the receiver hangs up after the first.
+        with contextlib.suppress(Exception):
+            await ucx_progress.send_message(conn._ep, b"x" * ((1 << 16) + 1))
+        assert len(too_long) == 1 and "at most 65536" in str(too_long[0])
+        await conn.close()
+    finally:
+        ucx_listeners.give_back(slot)
+        await puller.close()
+
+
 async def test_a_reply_of_another_protocol_refuses_that_holder_and_nothing_else(
     etcd_client: Any, etcd_settings: EtcdSettings
 ) -> None:
@@ -1310,6 +1352,26 @@ def test_packing_into_a_used_buffer_gives_the_bytes_of_a_fresh_one() -> None:
     assert torch.equal(fresh, used)
 
 
+def test_unpacked_tensors_are_contiguous_views_equal_to_the_packed_ones() -> None:
+    tensors = [
+        *make_tensors(2),
+        ("odd.after_bool", torch.arange(5, dtype=torch.int16)),
+        ("zero_dim_int", torch.tensor(7, dtype=torch.int32)),
+    ]
+    entries, total, spans = plan_layout(tensors, 256 << 10)
+    buckets = tuple(BucketEntry(i, o, n, "0" * 32) for i, (o, n) in enumerate(spans))
+    manifest = BucketManifest(JOB, 1, 1, total, 256 << 10, entries, buckets)
+    buffer = allocate_buffer(total)
+    pack_into(tensors, entries, buffer)
+
+    unpacked = unpack_views(manifest, buffer)
+
+    for (name, want), (got_name, got) in zip(tensors, unpacked, strict=True):
+        assert got_name == name and got.dtype == want.dtype and got.shape == want.shape
+        assert got.is_contiguous() and got.untyped_storage().data_ptr() == buffer.data_ptr()
+        assert torch.equal(got, want), name
+
+
 def test_a_manifest_whose_checksums_this_process_cannot_verify_is_refused() -> None:
     entries, total, spans = plan_layout(make_tensors(0), 256 << 10)
     buckets = tuple(BucketEntry(i, o, n, "0" * 32) for i, (o, n) in enumerate(spans))
@@ -1329,19 +1391,49 @@ def test_a_malformed_manifest_is_refused_as_such() -> None:
     missing = {k: v for k, v in good.items() if k != "tensors"}
     malformed = [b"{not json", b"[1, 2]", json.dumps(missing).encode()]
     malformed.append(json.dumps({**good, "version": None}).encode())
-    malformed.append(json.dumps({**good, "buckets": [{"index": 0}]}).encode())
+    malformed.append(json.dumps({**good, "checksums": [{"index": 0}] * len(spans)}).encode())
+    malformed.append(json.dumps({**good, "tensors": [["w", "uint8"]]}).encode())
     malformed.append(json.dumps({**good, "digest": "0" * 64}).encode())
-    # Buckets that do not cut the buffer in bucket_bytes pieces, in order (a reply gives the
-    # layout by those two numbers only).
-    shifted = [dict(b) for b in good["buckets"]]
-    shifted[1]["offset"] += 64
-    malformed.append(json.dumps({**good, "buckets": shifted}).encode())
-    malformed.append(json.dumps({**good, "buckets": good["buckets"][:-1]}).encode())
+    # Checksums that do not cut total_bytes into bucket_bytes (a bucket's place is derived
+    # from those two).
+    malformed.append(json.dumps({**good, "checksums": good["checksums"][:-1]}).encode())
     malformed.append(json.dumps({**good, "bucket_bytes": 0}).encode())
+    malformed.append(json.dumps({**good, "bucket_bytes": 128 << 10}).encode())
+    # Tensors that do not lie within the buffer as their dtype and shape say.
+    for field, value in ((3, total), (4, 3), (1, "complex1024"), (2, [-1, 4])):
+        rows = [list(t) for t in good["tensors"]]
+        rows[0][field] = value
+        malformed.append(json.dumps({**good, "tensors": rows, "digest": None}).encode())
 
     for raw in malformed:
         with pytest.raises(WeightIntegrityError):
             BucketManifest.from_json(raw)
+    assert BucketManifest.from_json(json.dumps(good).encode()).buckets == buckets
+
+
+async def test_a_version_whose_manifest_etcd_cannot_take_is_refused_before_any_write(
+    etcd_client: Any, etcd_settings: EtcdSettings
+) -> None:
+    """A manifest over etcd's request limit failed the publish with etcd's own error
+    (RESOURCE_EXHAUSTED, 'received message larger than max') and no word of the bucket size.
+    A bucket is its checksum in the manifest: 31,250 buckets here, over the limit; 24,000
+    (810 GB in 32 MiB buckets) fit."""
+    keys = KeySpace(etcd_settings.prefix)
+    trainer = UcxTransport(etcd_client, keys, JOB, instance_id="t", bucket_bytes=64)
+    await trainer.start()
+    try:
+        with pytest.raises(ManifestTooLarge, match=r"raise trainer\.weight_bucket_mib"):
+            await trainer.publish(1, [("w", torch.zeros(2_000_000, dtype=torch.uint8))])
+        assert list(await etcd_client.get_prefix(WeightKeys(keys).announcement(JOB))) == []
+        assert trainer.held_versions() == []
+    finally:
+        await trainer.close()
+    # A thousand tensors beside the 24,000 checksums.
+    tensors = [(f"model.layers.{i}.mlp.weight", torch.zeros(1, 1)) for i in range(1000)]
+    entries = plan_layout(tensors, 1)[0]
+    checksums = tuple(BucketEntry(i, 0, 0, "f" * 32) for i in range(24_000))
+    big = BucketManifest(JOB, 1, 1, 24_000 * (32 << 20), 32 << 20, entries, checksums)
+    check_manifest_size(big, big.to_json())
 
 
 @pytest.mark.gpu

@@ -56,6 +56,8 @@ def test_overrides_do_not_mutate_the_input() -> None:
         ("name: a\n", ["rollout.long_tail_factor=0"], "rollout.long_tail_factor"),
         ("name: a\n", ["rollout.long_tail_factor=2.5"], "rollout.long_tail_factor"),
         ("name: a\n", ["trainer.weight_checksum=crc32"], "trainer.weight_checksum"),
+        ("name: a\n", ["trainer.weight_bucket_mib=0"], "trainer.weight_bucket_mib"),
+        ("name: a\n", ["trainer.weight_bucket_mib=8192"], "trainer.weight_bucket_mib"),
     ],
 )
 def test_bad_specs_name_the_field(text: str, overrides: list[str], names: str) -> None:
