@@ -1411,6 +1411,25 @@ def test_a_malformed_manifest_is_refused_as_such() -> None:
     assert BucketManifest.from_json(json.dumps(good).encode()).buckets == buckets
 
 
+async def test_a_manifest_this_release_cannot_read_is_replaced_by_the_next_publish(
+    etcd_client: Any, etcd_settings: EtcdSettings
+) -> None:
+    """A manifest in the format before this one (a bucket an object), left in etcd across an
+    upgrade: reading its epoch failed the trainer's publish of that version."""
+    keys = KeySpace(etcd_settings.prefix)
+    key = WeightKeys(keys).manifest(JOB, 1)
+    old = {"job_id": JOB, "version": 1, "trainer_epoch": 1, "total_bytes": 8, "bucket_bytes": 8}
+    old["buckets"] = [{"index": 0, "offset": 0, "nbytes": 8, "checksum": "0" * 32}]
+    await etcd_client.put(key, json.dumps(old).encode())
+    trainer = UcxTransport(etcd_client, keys, JOB, instance_id="t", epoch=2)
+    await trainer.start()
+    try:
+        await trainer.publish(1, make_tensors(1))
+        assert (await _manifest(etcd_client, etcd_settings, 1)).trainer_epoch == 2
+    finally:
+        await trainer.close()
+
+
 async def test_a_version_whose_manifest_etcd_cannot_take_is_refused_before_any_write(
     etcd_client: Any, etcd_settings: EtcdSettings
 ) -> None:
