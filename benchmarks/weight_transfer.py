@@ -40,10 +40,12 @@ it device to device); the gRPC stream still serves and receives host copies, as 
 GPU trainer.
 
 It also prints where ours' time went, the median of each part of its pulls (reading the
-manifest, the request's round trip, receiving, verifying after the last bucket) beside plain
-ucxx's whole pull: at GPU speed fixed costs per pull, not the bytes, set ours/plain.
-BENCH_LOG_LEVEL=info makes the workers log every transfer, with the same parts
-(`weights.pulled`: manifest_s, request_s, receive_s, verify_wait_s); --keep-logs DIR keeps
+manifest, the request's round trip, receiving, and of that the loop's time checking buckets
+as they landed, verifying after the last bucket) beside plain ucxx's whole pull: at GPU speed
+fixed costs per pull, not the bytes, set ours/plain; on a host the hashes (the last bucket's
+after its last byte) weigh most. BENCH_LOG_LEVEL=info makes the workers log every transfer,
+with the same parts (`weights.pulled`: manifest_s, request_s, receive_s, check_s,
+verify_wait_s); --keep-logs DIR keeps
 their logs (otherwise only a dead worker's log tail is printed); --json FILE writes every point
 with its raw samples.
 
@@ -746,8 +748,9 @@ def print_report(
         plain_ms = 1e3 * statistics.median(r["samples_s"]["plain"])
         print(
             f"  {r['size_mib']} MiB: manifest {parts['manifest_s']:.2f}, request"
-            f" {parts['request_s']:.2f}, receive {parts['receive_s']:.2f}, verify after the"
-            f" last bucket {parts['verify_wait_s']:.2f} (plain ucxx {plain_ms:.2f})"
+            f" {parts['request_s']:.2f}, receive {parts['receive_s']:.2f} (of which checking"
+            f" buckets as they landed {parts['check_s']:.2f}), verify after the last bucket"
+            f" {parts['verify_wait_s']:.2f} (plain ucxx {plain_ms:.2f})"
         )
     if fan:
         print(

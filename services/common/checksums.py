@@ -57,7 +57,14 @@ the puller's 16.2, and verified pulls came out at 10.9 GB/s either way (256 MiB,
 gets past the bound: the pulling thread does. Transparent huge pages for the buffers
 (madvise MADV_HUGEPAGE; this host's THP mode is madvise) were tried too, to spare the TLB:
 process_vm_readv of 256 MiB fell from 17-18 GB/s to 6.5-7.0, and xxh3 was no faster (30
-against 31.5 GB/s).
+against 31.5 GB/s). Where a 64 MiB pull's time goes on the pulling thread, traced event by
+event on 2 cores (two 32 MiB buckets, three pulls): the holder posted its first send 0.73-0.81
+ms after the pull began (plain ucxx 0.48-0.61: ours has a reply before it), the first bucket
+landed 2.5 ms later, its hash took 1.2-1.35 ms on the loop while the second bucket copied
+(which took 2.9-3.0 ms, against 2.3-2.5 for plain ucxx's second copy, as the hash shares
+memory bandwidth with it), and the second bucket's hash the same again after its last byte.
+The benchmark prints the hashing as check_s: 2.45 ms of 6.29 receiving at 64 MiB, 11.3 of
+22.4 at 256 (median of 7).
 
 On a GPU, wsum128 runs as one Triton kernel (wsum_triton) that reads each word once and makes
 its coefficients in registers, where torch's kernels read a coefficient table and write and read

@@ -533,11 +533,15 @@ def choose_holder(holders: Sequence[HolderRecord], rng: random.Random) -> Holder
 class PullTimings:
     """Where one pull's time went, for its log line: reading the manifest and its holders,
     asking holders for buckets (connect, request, reply), receiving them, and waiting for
-    checksums after the last one arrived."""
+    checksums after the last one arrived. check_s is the part of receive_s the loop spent
+    checking buckets as they landed (LandedChecks.landed: hashing a host bucket there and
+    then, or queuing a GPU run's kernel); on a host the last bucket's hash is in it, not in
+    verify_wait_s."""
 
     manifest_s: float = 0.0
     request_s: float = 0.0
     receive_s: float = 0.0
+    check_s: float = 0.0
     verify_wait_s: float = 0.0
 
     def rounded(self) -> dict[str, float]:
@@ -1634,7 +1638,7 @@ class UcxTransport(WeightTransport):
                     raise HolderRefused(
                         "bad_reply", f"offered {sizes[:4]}..., asked {wanted[:4]}..."
                     )
-                await self._receive(conn, guard, manifest, buffer, seq, sizes, checks)
+                await self._receive(conn, guard, manifest, buffer, seq, sizes, checks, timings)
                 completed = True
         finally:
             timings.receive_s += time.perf_counter() - started
@@ -1670,6 +1674,7 @@ class UcxTransport(WeightTransport):
         seq: int,
         sizes: list[tuple[int, int]],
         checks: LandedChecks,
+        timings: PullTimings,
     ) -> None:
         """Receive the buckets of one request, IN_FLIGHT_BUCKETS posted ahead, handing each
         to `checks` as it lands."""
@@ -1681,7 +1686,9 @@ class UcxTransport(WeightTransport):
             index, view, received = receives.popleft()
             await received
             guard.progressed()
+            started = time.perf_counter()
             checks.landed(index, view)
+            timings.check_s += time.perf_counter() - started
 
         try:
             for index, _ in sizes:
