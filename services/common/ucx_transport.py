@@ -258,7 +258,7 @@ class BucketManifest:
                     TensorEntry(
                         str(name),
                         str(dtype),
-                        tuple(int(d) for d in shape),
+                        tuple(map(int, shape)),
                         int(offset),
                         int(nbytes),
                     )
