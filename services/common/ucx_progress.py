@@ -339,9 +339,9 @@ async def send_message(endpoint: Any, body: bytes) -> None:
     progresses at least every PROGRESS_INTERVAL). Elsewhere (a puller's thread-progressed
     worker, a ucxx this module does not know) they are ucxx's own `send` and `recv`."""
     room = FRAME_BYTES - _FRAME_HEADER.size
-    await _send_untagged(endpoint, _FRAME_HEADER.pack(_FRAME_MAGIC, len(body)) + body[:room])
+    await send(endpoint, _FRAME_HEADER.pack(_FRAME_MAGIC, len(body)) + body[:room])
     if len(body) > room:
-        await _send_untagged(endpoint, body[room:])
+        await send(endpoint, body[room:])
 
 
 async def receive_message(endpoint: Any, limit: int) -> bytes:
@@ -349,7 +349,7 @@ async def receive_message(endpoint: Any, limit: int) -> bytes:
     anything else (ucxx's `send_obj` from a peer of another protocol, say) or a body over
     `limit` bytes; the endpoint is then out of step and should be closed."""
     frame = bytearray(FRAME_BYTES)
-    await _receive_untagged(endpoint, frame)
+    await _receive(endpoint, frame)
     magic, length = _FRAME_HEADER.unpack_from(frame)
     if magic != _FRAME_MAGIC:
         raise FrameError(f"not a control message of this protocol (starts {bytes(frame[:8])!r})")
@@ -359,29 +359,8 @@ async def receive_message(endpoint: Any, limit: int) -> bytes:
     if start + length <= FRAME_BYTES:
         return bytes(frame[start : start + length])
     rest = bytearray(start + length - FRAME_BYTES)
-    await _receive_untagged(endpoint, rest)
+    await _receive(endpoint, rest)
     return bytes(frame[start:]) + bytes(rest)
-
-
-async def _send_untagged(endpoint: Any, buffer: Any) -> None:
-    if not _quiet(endpoint):
-        await endpoint.send(buffer)
-        return
-    from ucxx._lib.arr import Array
-    from ucxx._lib.libucxx import UCXCloseError
-    from ucxx.types import Tag
-
-    endpoint._ep.raise_on_error()
-    if endpoint.closed:
-        raise UCXCloseError("Endpoint closed")
-    await _completion(endpoint._ep.tag_send(Array(buffer), Tag(endpoint._tags["msg_send"])), buffer)
-
-
-async def _receive_untagged(endpoint: Any, buffer: Any) -> None:
-    if _quiet(endpoint):
-        await _receive(endpoint, buffer)
-    else:
-        await endpoint.recv(buffer)
 
 
 def _quiet(endpoint: Any) -> bool:
@@ -398,7 +377,7 @@ def _quiet(endpoint: Any) -> bool:
     )
 
 
-async def send(endpoint: Any, buffer: Any, tag: int) -> None:
+async def send(endpoint: Any, buffer: Any, tag: int | None = None) -> None:
     """`endpoint.send(buffer, tag=tag)`, waiting without polling (see `send_message`): the
     send is checked after every progress of the worker. The peer receives it with ucxx's
     `recv(..., tag=tag)`."""
@@ -414,11 +393,16 @@ async def send(endpoint: Any, buffer: Any, tag: int) -> None:
     if endpoint.closed:
         raise UCXCloseError("Endpoint closed")
     # ucxx mixes a user tag with the endpoint's own, as its send does.
-    wire_tag = Tag(hash64bits(endpoint._tags["msg_send"], hash(tag)))
+    own = endpoint._tags["msg_send"]
+    wire_tag = Tag(own if tag is None else hash64bits(own, hash(tag)))
     await _completion(endpoint._ep.tag_send(Array(buffer), wire_tag), buffer)
 
 
 async def _receive(endpoint: Any, buffer: Any) -> None:
+    """`endpoint.recv(buffer)` (no tag), waiting without polling where `send` does."""
+    if not _quiet(endpoint):
+        await endpoint.recv(buffer)
+        return
     from ucxx._lib.arr import Array
     from ucxx._lib.libucxx import UCXCloseError
     from ucxx.types import Tag, TagMaskFull

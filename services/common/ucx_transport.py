@@ -220,7 +220,7 @@ class BucketManifest:
     def to_json(self) -> bytes:
         """The manifest as etcd keeps it: a tensor a row, a bucket its checksum (a bucket's
         place follows from bucket_bytes), so that a version of 24,000 buckets (810 GB in 32
-        MiB buckets) fits in one etcd write (`check_manifest_size`)."""
+        MiB buckets) fits in one etcd write (`manifest_for_etcd`)."""
         body = {
             "job_id": self.job_id,
             "version": self.version,
@@ -265,7 +265,7 @@ class BucketManifest:
                     for name, dtype, shape, offset, nbytes in body["tensors"]
                 ),
                 buckets=tuple(
-                    BucketEntry(i, i * size, min(size, total - i * size), _checksum(c))
+                    BucketEntry(i, i * size, bucket_nbytes(i, size, total), _checksum(c))
                     for i, c in enumerate(checksums)
                 ),
                 published_at=float(body.get("published_at", 0.0)),
@@ -302,8 +302,9 @@ def _epoch_of(raw: bytes) -> int:
         return 0
 
 
-def check_manifest_size(manifest: BucketManifest, raw: bytes) -> None:
-    """ManifestTooLarge unless raw (manifest.to_json()) fits in one etcd write."""
+def manifest_for_etcd(manifest: BucketManifest) -> bytes:
+    """manifest.to_json(), or ManifestTooLarge if one etcd write could not carry it."""
+    raw = manifest.to_json()
     if len(raw) > MAX_MANIFEST_BYTES:
         raise ManifestTooLarge(
             f"version {manifest.version}: its manifest takes {len(raw)} bytes, over the "
@@ -311,6 +312,7 @@ def check_manifest_size(manifest: BucketManifest, raw: bytes) -> None:
             f"buckets of {manifest.bucket_bytes >> 20} MiB, {len(manifest.tensors)} tensors): "
             "raise trainer.weight_bucket_mib"
         )
+    return raw
 
 
 def manifest_digest(
@@ -323,6 +325,12 @@ def manifest_digest(
     for b in buckets:
         hasher.update(f"{b.index}|{b.offset}|{b.nbytes}|{b.checksum}\n".encode())
     return hasher.hexdigest()
+
+
+def bucket_nbytes(index: int, bucket_bytes: int, total_bytes: int) -> int:
+    """The size of bucket `index` of a buffer cut into buckets of bucket_bytes (the last may be
+    shorter; 0 past the end): pullers and holders derive the layout from these two numbers."""
+    return max(0, min(bucket_bytes, total_bytes - index * bucket_bytes))
 
 
 def _align(n: int) -> int:
@@ -344,7 +352,8 @@ def plan_layout(
         entries.append(TensorEntry(name, dtype, tuple(tensor.shape), offset, nbytes))
         offset += nbytes
     total = offset
-    spans = [(start, min(bucket_bytes, total - start)) for start in range(0, total, bucket_bytes)]
+    count = -(-total // bucket_bytes)
+    spans = [(i * bucket_bytes, bucket_nbytes(i, bucket_bytes, total)) for i in range(count)]
     return tuple(entries), total, spans
 
 
@@ -674,15 +683,6 @@ def ucx_buffer(view: torch.Tensor) -> Any:
     return view.numpy() if view.device.type == "cpu" else view
 
 
-async def _receive_control(endpoint: Any) -> bytes:
-    """The next request or reply on endpoint; WeightIntegrityError for anything that is not
-    one of this protocol's control messages."""
-    try:
-        return await ucx_progress.receive_message(endpoint, MAX_CONTROL_BYTES)
-    except ucx_progress.FrameError as exc:
-        raise WeightIntegrityError(f"{exc}: protocol mismatch") from exc
-
-
 def bucket_ranges(indexes: Sequence[int]) -> list[list[int]]:
     """Ascending bucket indexes as [start, stop) ranges, as a request carries them: a whole
     version is one range however many buckets it has."""
@@ -867,9 +867,11 @@ class HolderConnection:
         with self._aborted_is_reset():
             await ucx_progress.send_message(self._ep, json.dumps(body).encode())
             try:
-                raw = await _receive_control(self._ep)
-            except WeightIntegrityError as exc:  # a holder of another protocol: pull elsewhere
-                raise HolderRefused("bad_reply", f"from {self.address}: {exc}") from exc
+                raw = await ucx_progress.receive_message(self._ep, MAX_CONTROL_BYTES)
+            except ucx_progress.FrameError as exc:  # a holder of another protocol: pull elsewhere
+                raise HolderRefused(
+                    "bad_reply", f"protocol mismatch with {self.address}: {exc}"
+                ) from exc
         try:
             reply = json.loads(raw)
             if reply.get("status") != "ok":
@@ -881,7 +883,7 @@ class HolderConnection:
             if int(reply["seq"]) != self._seq or int(reply["buckets"]) != len(buckets):
                 raise ValueError(f"answers request {reply['seq']} with {reply['buckets']} buckets")
             size, total = int(reply["bucket_bytes"]), int(reply["total_bytes"])
-            return self._seq, [(i, max(0, min(size, total - i * size))) for i in buckets]
+            return self._seq, [(i, bucket_nbytes(i, size, total)) for i in buckets]
         except (ValueError, KeyError, TypeError, AttributeError) as exc:
             detail = f"unreadable reply from {self.address}: {exc!r}"
             raise HolderRefused("bad_reply", detail) from exc
@@ -1192,8 +1194,7 @@ class UcxTransport(WeightTransport):
         """Write manifest and announcement in one transaction unless a newer trainer epoch
         owns them (Fenced); the manifest's revision. Aborted if they keep changing under us;
         ManifestTooLarge, before any write, if etcd could not take it."""
-        raw = manifest.to_json()
-        check_manifest_size(manifest, raw)
+        raw = manifest_for_etcd(manifest)
         tx = self.client.transactions
         key = self.wkeys.manifest(self.job_id, manifest.version)
         ann_key = self.wkeys.announcement(self.job_id)
@@ -1763,8 +1764,8 @@ class UcxTransport(WeightTransport):
         try:
             while not self._closed:
                 try:
-                    raw = await _receive_control(endpoint)
-                except WeightIntegrityError as exc:
+                    raw = await ucx_progress.receive_message(endpoint, MAX_CONTROL_BYTES)
+                except ucx_progress.FrameError as exc:
                     # Not a request of ours: the endpoint is out of step, so close it.
                     self.counters.requests_refused += 1
                     log.warning("weights.bad_request", error=str(exc)[:200])

@@ -44,9 +44,9 @@ from services.common.ucx_transport import (
     VersionsView,
     allocate_buffer,
     bucket_ranges,
-    check_manifest_size,
     choose_holder,
     make_transport,
+    manifest_for_etcd,
     pack_into,
     plan_layout,
     unpack_views,
@@ -726,13 +726,30 @@ async def test_a_request_that_is_not_one_gets_a_clear_error_and_changes_nothing(
             await transport.close()
 
 
+@contextlib.asynccontextmanager
+async def _connection_to(settings: EtcdSettings, client: Any, serve: Any) -> AsyncIterator[Any]:
+    """A puller's HolderConnection to a bare ucxx listener that `serve`s each endpoint (a
+    holder speaking whatever the test needs)."""
+    puller = UcxTransport(client, KeySpace(settings.prefix), JOB, instance_id="p")
+    await puller.start()
+    slot = ucx_listeners.borrow(puller._ucxx, serve)
+    try:
+        address = f"127.0.0.1:{slot.port}"
+        conn = await HolderConnection.open(puller.endpoints_for_pulls(), address, 5.0)
+        try:
+            yield conn
+        finally:
+            await conn.close()
+    finally:
+        ucx_listeners.give_back(slot)
+        await puller.close()
+
+
 async def test_control_messages_of_any_length_up_to_the_limit_arrive_whole(
     etcd_client: Any, etcd_settings: EtcdSettings
 ) -> None:
     """One UCX message while a body fits in FRAME_BYTES with its header, two beyond; both
     ways (the pulling thread's worker sending, the mended worker receiving, and back)."""
-    puller = UcxTransport(etcd_client, KeySpace(etcd_settings.prefix), JOB, instance_id="p")
-    await puller.start()
     too_long: list[Exception] = []
 
     async def echo(endpoint: Any) -> None:
@@ -745,12 +762,8 @@ async def test_control_messages_of_any_length_up_to_the_limit_arrive_whole(
                 return
             await ucx_progress.send_message(endpoint, body)
 
-    slot = ucx_listeners.borrow(puller._ucxx, echo)
     room = ucx_progress.FRAME_BYTES - 8
-    try:
-        conn = await HolderConnection.open(
-            puller.endpoints_for_pulls(), f"127.0.0.1:{slot.port}", 5.0
-        )
+    async with _connection_to(etcd_settings, etcd_client, echo) as conn:
         for length in (0, 1, room - 1, room, room + 1, 3 * room, 1 << 16):
             body = random.Random(length).randbytes(length)
             await ucx_progress.send_message(conn._ep, body)
@@ -759,10 +772,6 @@ async def test_control_messages_of_any_length_up_to_the_limit_arrive_whole(
         with contextlib.suppress(Exception):
             await ucx_progress.send_message(conn._ep, b"x" * ((1 << 16) + 1))
         assert len(too_long) == 1 and "at most 65536" in str(too_long[0])
-        await conn.close()
-    finally:
-        ucx_listeners.give_back(slot)
-        await puller.close()
 
 
 async def test_a_reply_of_another_protocol_refuses_that_holder_and_nothing_else(
@@ -771,8 +780,6 @@ async def test_a_reply_of_another_protocol_refuses_that_holder_and_nothing_else(
     """A holder answering as the release before did (ucxx's send_obj, the length first) is a
     refusal (`bad_reply`), which a pull answers by trying another holder; it used to fail the
     whole pull as a WeightIntegrityError."""
-    puller = UcxTransport(etcd_client, KeySpace(etcd_settings.prefix), JOB, instance_id="p")
-    await puller.start()
     answered: list[bytes] = []
 
     async def old_holder(endpoint: Any) -> None:
@@ -780,19 +787,11 @@ async def test_a_reply_of_another_protocol_refuses_that_holder_and_nothing_else(
         reply = {"status": "ok", "seq": 1, "buckets": [[0, 256]]}
         await endpoint.send_obj(json.dumps(reply).encode())
 
-    slot = ucx_listeners.borrow(puller._ucxx, old_holder)
-    try:
-        conn = await HolderConnection.open(
-            puller.endpoints_for_pulls(), f"127.0.0.1:{slot.port}", 5.0
-        )
+    async with _connection_to(etcd_settings, etcd_client, old_holder) as conn:
         with pytest.raises(HolderRefused) as refused:
             await conn.request(JOB, 1, "", [0])
-        await conn.close()
-        assert refused.value.code == "bad_reply" and "protocol mismatch" in refused.value.message
-        assert json.loads(answered[0])["buckets"] == [[0, 1]]
-    finally:
-        ucx_listeners.give_back(slot)
-        await puller.close()
+    assert refused.value.code == "bad_reply" and "protocol mismatch" in refused.value.message
+    assert json.loads(answered[0])["buckets"] == [[0, 1]]
 
 
 @pytest.mark.parametrize("pull_thread", [True, False])
@@ -1452,7 +1451,7 @@ async def test_a_version_whose_manifest_etcd_cannot_take_is_refused_before_any_w
     entries = plan_layout(tensors, 1)[0]
     checksums = tuple(BucketEntry(i, 0, 0, "f" * 32) for i in range(24_000))
     big = BucketManifest(JOB, 1, 1, 24_000 * (32 << 20), 32 << 20, entries, checksums)
-    check_manifest_size(big, big.to_json())
+    manifest_for_etcd(big)
 
 
 @pytest.mark.gpu
