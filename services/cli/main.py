@@ -23,8 +23,9 @@ from rich.console import Console
 from rich.table import Table
 
 from robustrl.v1 import coordinator_pb2, coordinator_pb2_grpc
-from services.cli import chaos, provider, stack
+from services.cli import chaos, provider, stack, weights
 from services.cli.client import DEFAULT_DEADLINE, StackClient
+from services.cli.formatting import age, emit_json
 from services.common.coordinator_client import unanswered
 
 console = Console(soft_wrap=True)
@@ -94,19 +95,6 @@ def ettr_line(summary: dict[str, Any]) -> str:
     if summary.get("stalled_s", 0.0) >= 1.0:
         line += f"; {summary['stalled_s']:.0f}s of trainer stalls not counted"
     return line + ")"
-
-
-def emit_json(data: object) -> None:
-    print(json.dumps(data, indent=2, sort_keys=True))
-
-
-def age(seconds_since_epoch: float) -> str:
-    delta = max(0.0, time.time() - seconds_since_epoch)
-    if delta < 90:
-        return f"{delta:.0f}s"
-    if delta < 5400:
-        return f"{delta / 60:.0f}m"
-    return f"{delta / 3600:.1f}h"
 
 
 def ts_seconds(value: str) -> float:
@@ -431,6 +419,11 @@ def cmd_dropped(args: argparse.Namespace) -> int:
 DEFAULT_MODEL = ".robustrl/models/tiny-qwen"
 
 
+def cmd_weights(args: argparse.Namespace) -> int:
+    """A job's weight versions and holders, and its members' pulls (services/cli/weights.py)."""
+    return with_client(args, lambda c: weights.run(c, args, console))
+
+
 def cmd_model_init(args: argparse.Namespace) -> int:
     out = Path(args.out)
     if (out / "config.json").exists() and not args.force:
@@ -641,6 +634,13 @@ def build_parser() -> argparse.ArgumentParser:
     dropped.add_argument("job")
     dropped.add_argument("--json", action="store_true")
     dropped.set_defaults(func=cmd_dropped)
+
+    weights_cmd = sub.add_parser(
+        "weights", help="a job's weight versions, their holders, and its members' pulls"
+    )
+    weights_cmd.add_argument("job")
+    weights_cmd.add_argument("--json", action="store_true")
+    weights_cmd.set_defaults(func=cmd_weights)
 
     cancel = sub.add_parser("cancel", help="cancel a job")
     cancel.add_argument("job")

@@ -91,9 +91,11 @@ from services.common.watch import (
     watch_prefix,
 )
 from services.common.weights import (
+    PULL_PROGRESS_EVERY_S,
     Announcement,
     GrpcStreamTransport,
     NamedTensors,
+    PullProgress,
     WeightIntegrityError,
     WeightTransport,
 )
@@ -935,7 +937,7 @@ class _SourceGuard:
         translate: type[BaseException] | tuple[type[BaseException], ...] = Exception,
     ) -> None:
         self._conn = conn
-        self._holder = holder
+        self.holder = holder
         self._gone = gone
         self._stall = stall
         self._translate = translate
@@ -951,10 +953,10 @@ class _SourceGuard:
             return
         why = self.why()
         if why == "left":
-            raise SourceLeft(f"holder {self._holder} left the holders") from exc
+            raise SourceLeft(f"holder {self.holder} left the holders") from exc
         if why == "stalled":
             raise TimeoutError(
-                f"nothing came from holder {self._holder} for {self._stall}s"
+                f"nothing came from holder {self.holder} for {self._stall}s"
             ) from exc
 
     def progressed(self) -> None:
@@ -1039,6 +1041,7 @@ class UcxTransport(WeightTransport):
         pull_thread: bool | None = None,
         record_delay: float = PULLERS_RECORD_DELAY_S,
         park_seconds: float = PARK_SECONDS,
+        progress_every_s: float = PULL_PROGRESS_EVERY_S,
         faults: HolderFaults | None = None,
         seed: int | None = None,
     ) -> None:
@@ -1064,6 +1067,7 @@ class UcxTransport(WeightTransport):
         self.pull_thread = _pull_thread_default() if pull_thread is None else pull_thread
         self.record_delay = record_delay
         self.park_seconds = park_seconds
+        self.progress_every_s = progress_every_s
         if checksum_algorithm not in (None, *CHECKSUM_ALGORITHMS):
             raise ValueError(f"checksum_algorithm must be one of {CHECKSUM_ALGORITHMS}")
         # None: by where the published buffer lives (checksums.algorithm_for).
@@ -1166,6 +1170,20 @@ class UcxTransport(WeightTransport):
         """Versions whose manifest this transport's watch has delivered, with their holders: a
         pull of one of them starts without reading etcd."""
         return self._view.versions()
+
+    def gauges(self) -> dict[str, float]:
+        c = self.counters
+        return {
+            **super().gauges(),
+            "weights_pulls": float(c.pulls_completed),
+            "weights_checksum_failures": float(c.checksum_failures),
+            "weights_source_failures": float(c.source_failures),
+            "weights_source_switches": float(c.source_switches),
+            "weights_refusals": float(c.refusals),
+            "weights_buckets_served": float(c.buckets_served),
+            "weights_bytes_served": float(c.bytes_served),
+            "weights_versions_held": float(len(self._held)),
+        }
 
     # ------------------------------------------------------------------ publish / hold
 
@@ -1350,8 +1368,13 @@ class UcxTransport(WeightTransport):
         if self.relay:
             self._make_room()
         buffer = self._buffers.take(manifest.total_bytes, device)
-        with ucx_progress.pulling():
-            await self._pull_buckets(manifest, revision, buffer, timings, holders)
+        progress = self.pulling = PullProgress(version, manifest.total_bytes, self.progress_every_s)
+        try:
+            with ucx_progress.pulling():
+                await self._pull_buckets(manifest, revision, buffer, timings, progress, holders)
+        finally:
+            if self.pulling is progress:
+                self.pulling = None
         self.counters.pulls_completed += 1
         self.last_pull = timings
         if self.relay and not self._closed:
@@ -1507,6 +1530,7 @@ class UcxTransport(WeightTransport):
         manifest_revision: int,
         buffer: torch.Tensor,
         timings: PullTimings,
+        progress: PullProgress,
         first_listing: tuple[list[HolderRecord], int] | None = None,
     ) -> None:
         pending = set(range(len(manifest.buckets)))
@@ -1558,7 +1582,7 @@ class UcxTransport(WeightTransport):
                 gone = self._departures.watch(manifest.version, choice.instance_id, revision)
                 try:
                     await self._pull_from(
-                        choice, manifest, buffer, wanted, pending, bad_from, timings, gone
+                        choice, manifest, buffer, wanted, pending, bad_from, timings, progress, gone
                     )
                 finally:
                     self._departures.unwatch(manifest.version, choice.instance_id)
@@ -1606,6 +1630,7 @@ class UcxTransport(WeightTransport):
         pending: set[int],
         bad_from: dict[int, set[str]],
         timings: PullTimings,
+        progress: PullProgress,
         gone: asyncio.Event,
     ) -> None:
         """Stream `wanted` from one holder, checking each bucket as it lands (LandedChecks).
@@ -1639,7 +1664,9 @@ class UcxTransport(WeightTransport):
                     raise HolderRefused(
                         "bad_reply", f"offered {sizes[:4]}..., asked {wanted[:4]}..."
                     )
-                await self._receive(conn, guard, manifest, buffer, seq, sizes, checks, timings)
+                await self._receive(
+                    conn, guard, manifest, buffer, seq, sizes, checks, timings, progress
+                )
                 completed = True
         finally:
             timings.receive_s += time.perf_counter() - started
@@ -1676,9 +1703,10 @@ class UcxTransport(WeightTransport):
         sizes: list[tuple[int, int]],
         checks: LandedChecks,
         timings: PullTimings,
+        progress: PullProgress,
     ) -> None:
         """Receive the buckets of one request, IN_FLIGHT_BUCKETS posted ahead, handing each
-        to `checks` as it lands."""
+        to `checks` as it lands and counting it in `progress`."""
         receives: collections.deque[tuple[int, torch.Tensor, asyncio.Future[None]]] = (
             collections.deque()
         )
@@ -1690,6 +1718,7 @@ class UcxTransport(WeightTransport):
             started = time.perf_counter()
             checks.landed(index, view)
             timings.check_s += time.perf_counter() - started
+            progress.received(view.numel(), guard.holder)
 
         try:
             for index, _ in sizes:

@@ -17,6 +17,7 @@ import asyncio
 import hashlib
 import json
 import math
+import time
 from abc import ABC, abstractmethod
 from collections.abc import AsyncIterator, Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
@@ -31,9 +32,14 @@ from robustrl.v1 import trainer_pb2, trainer_pb2_grpc
 from services.common.channels import open_channel
 from services.common.errors import FailedPrecondition
 from services.common.keys import KeySpace
+from services.common.logs import get_logger
+
+log = get_logger(__name__)
 
 CHUNK_BYTES = 1 << 20
 PULL_DEADLINE = 120.0
+PULL_PROGRESS_EVERY_S = 5.0
+"""How often a pull still under way logs how far it has come (`weights.pull_progress`)."""
 
 NamedTensors = list[tuple[str, torch.Tensor]]
 
@@ -177,10 +183,75 @@ class _Arrival:
         return _tensors_in(self.manifest, torch.from_numpy(self._pages))
 
 
+class PullProgress:
+    """How far one pull has come: the bytes received of the version's total, and from where.
+
+    A pull that lasts longer than `every_s` logs `weights.pull_progress` that often, so a pull
+    of a large model shows that it moves, how fast and from which holder; `gauges` gives the
+    same figures for a role's status. Bytes are counted as they arrive, before their checksum:
+    a bucket pulled again after a checksum failure or a lost source counts twice, so the count
+    can pass the total.
+    """
+
+    def __init__(
+        self,
+        version: int,
+        total_bytes: int,
+        every_s: float = PULL_PROGRESS_EVERY_S,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.version = version
+        self.total_bytes = total_bytes
+        self.every_s = every_s
+        self.received_bytes = 0
+        self.logged = 0  # progress lines written
+        self._clock = clock
+        self.started = clock()
+        self._next_log = self.started + every_s
+
+    def received(self, nbytes: int, source: str) -> None:
+        """`nbytes` more arrived from `source`; log if the interval has passed."""
+        self.received_bytes += nbytes
+        now = self._clock()
+        if now < self._next_log:
+            return
+        self._next_log = now + self.every_s
+        self.logged += 1
+        seconds = now - self.started
+        log.info(
+            "weights.pull_progress",
+            version=self.version,
+            received_bytes=self.received_bytes,
+            total_bytes=self.total_bytes,
+            percent=round(100 * self.received_bytes / max(self.total_bytes, 1), 1),
+            seconds=round(seconds, 3),
+            gb_per_s=round(self.received_bytes / seconds / 1e9, 3) if seconds > 0 else 0.0,
+            source=source,
+        )
+
+    def gauges(self) -> dict[str, float]:
+        return {
+            "weights_pull_version": float(self.version),
+            "weights_pull_received_bytes": float(self.received_bytes),
+            "weights_pull_total_bytes": float(self.total_bytes),
+        }
+
+
+IDLE_PULL_GAUGES = {
+    "weights_pull_version": 0.0,
+    "weights_pull_received_bytes": 0.0,
+    "weights_pull_total_bytes": 0.0,
+}
+"""The pull gauges of a transport pulling nothing."""
+
+
 class WeightTransport(ABC):
     """Trainer side: publish versions. Rollout side: fetch an announced version."""
 
     name: str
+    pulling: PullProgress | None = None
+    """The pull under way, if any (the latest one started, if a caller runs several)."""
+    pulls_completed: int = 0
 
     @abstractmethod
     async def publish(self, version: int, tensors: NamedTensors) -> None:
@@ -193,6 +264,15 @@ class WeightTransport(ABC):
 
     async def close(self) -> None:  # noqa: B027 - a transport may hold nothing to release
         """Stop serving and release what the transport holds. Idempotent."""
+
+    def gauges(self) -> dict[str, float]:
+        """Weight-plane figures for the role's status (`weights_*`): the pull under way, if
+        any, and counts so far."""
+        pulling = self.pulling
+        return {
+            **(pulling.gauges() if pulling is not None else IDLE_PULL_GAUGES),
+            "weights_pulls": float(self.pulls_completed),
+        }
 
 
 class GrpcStreamTransport(WeightTransport):
@@ -208,6 +288,7 @@ class GrpcStreamTransport(WeightTransport):
         self.job_id = job_id
         self.address = address
         self.epoch = epoch
+        self.progress_every_s = PULL_PROGRESS_EVERY_S
         self._held: dict[int, tuple[trainer_pb2.WeightManifest, bytes]] = {}
 
     async def publish(self, version: int, tensors: NamedTensors) -> None:
@@ -247,25 +328,39 @@ class GrpcStreamTransport(WeightTransport):
             job_id=announcement.job_id, version=announcement.version
         )
         arrival: _Arrival | None = None
-        async with open_channel(announcement.address) as channel:
-            stream = trainer_pb2_grpc.TrainerStub(channel).PullWeights(
-                request, timeout=PULL_DEADLINE
-            )
-            async for chunk in stream:
-                if arrival is None:
-                    if not chunk.HasField("manifest"):
-                        raise WeightIntegrityError("the first chunk carries no manifest")
-                    manifest = chunk.manifest
-                    if (
-                        manifest.version != announcement.version
-                        or manifest.trainer_epoch != announcement.trainer_epoch
-                    ):
-                        raise WeightIntegrityError("the manifest does not match the announcement")
-                    arrival = _Arrival(manifest)
-                arrival.add(chunk.offset, chunk.data)
-        if arrival is None:
-            raise WeightIntegrityError("the stream ended before the manifest")
-        return await arrival.finish()
+        progress: PullProgress | None = None
+        try:
+            async with open_channel(announcement.address) as channel:
+                stream = trainer_pb2_grpc.TrainerStub(channel).PullWeights(
+                    request, timeout=PULL_DEADLINE
+                )
+                async for chunk in stream:
+                    if arrival is None:
+                        if not chunk.HasField("manifest"):
+                            raise WeightIntegrityError("the first chunk carries no manifest")
+                        manifest = chunk.manifest
+                        if (
+                            manifest.version != announcement.version
+                            or manifest.trainer_epoch != announcement.trainer_epoch
+                        ):
+                            raise WeightIntegrityError(
+                                "the manifest does not match the announcement"
+                            )
+                        arrival = _Arrival(manifest)
+                        progress = self.pulling = PullProgress(
+                            manifest.version, manifest.total_bytes, self.progress_every_s
+                        )
+                    arrival.add(chunk.offset, chunk.data)
+                    assert progress is not None
+                    progress.received(len(chunk.data), announcement.address)
+            if arrival is None:
+                raise WeightIntegrityError("the stream ended before the manifest")
+            tensors = await arrival.finish()
+        finally:
+            if progress is not None and self.pulling is progress:
+                self.pulling = None
+        self.pulls_completed += 1
+        return tensors
 
 
 WeightStream = Callable[[trainer_pb2.PullWeightsRequest], AsyncIterator[trainer_pb2.WeightChunk]]

@@ -63,8 +63,9 @@ RATE_WINDOW_S = 5.0
 """Span of the recent token rate (`tokens_per_s`)."""
 
 GAUGE_INTERVAL_S = 0.25
-"""How often the gauges that change with time alone (request age, token rate) are refreshed:
-a hung generation thread cannot refresh them."""
+"""How often the gauges that change with time alone (request age, token rate) and the weight
+transport's (a pull's progress, what was relayed) are refreshed: a hung generation thread cannot
+refresh them."""
 
 RETRIED_CODES = NO_LEADER_ANSWER | {grpc.StatusCode.ABORTED}
 """Coordinator answers a completion is sent again after: no leader, none in time, or the job
@@ -366,8 +367,13 @@ class RolloutWorker:
         return await self.coordinator.write(lambda s: s.LeaseWork(request, timeout=RPC_DEADLINE))
 
     async def _gauge_loop(self) -> None:
+        progress = self.runtime.progress
         while True:
             self.meter.refresh(time.monotonic())
+            if self.transport is not None:  # how far a pull has come, what was relayed
+                # In place, on the loop (the beats are copied there), not by set_counter: the
+                # meter keeps this dict and writes into it from the generation thread.
+                progress.counters.update(self.transport.gauges())
             await asyncio.sleep(GAUGE_INTERVAL_S)
 
     def _is_long_tail(self, group_id: str) -> bool:
@@ -472,6 +478,7 @@ class RolloutWorker:
                 # A newer trainer epoch wins even with a lower version: a restored trainer
                 # goes back to its checkpoint's step.
                 assert self.transport is not None
+                self.runtime.progress.enter("pulling_weights")
                 try:
                     tensors = await self.transport.fetch(latest)
                 except Exception as exc:
@@ -490,6 +497,8 @@ class RolloutWorker:
                 log.info("rollout.weights_loaded", job=self.job_id, version=latest.version)
             if self.engine.weight_version >= min_version:
                 return
+            if self.runtime.progress.phase != "waiting_weights":
+                self.runtime.progress.enter("waiting_weights")
             await asyncio.sleep(0.1)
 
     async def _wait_received(self, ids: list[str]) -> None:

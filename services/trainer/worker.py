@@ -531,7 +531,10 @@ class TrainerWorker:
             "publishing weights",
             on_wait=lambda: self.progress.enter(WAITING_ETCD),
         )
-        self.progress.counters.update({"step": self.step, "weight_version": self.step})
+        # The weight plane's counts (buckets served to rollouts so far), as of this publish.
+        self.progress.counters.update(
+            {**transport.gauges(), "step": self.step, "weight_version": self.step}
+        )
 
     async def _checkpoint(self) -> None:
         assert self.checkpoints is not None and self.trainer is not None

@@ -94,6 +94,9 @@ def test_a_new_user_session(cli: Cli) -> None:
     missing = cli.run("dropped", "nope", check=False)
     assert missing.returncode == 1 and "NOT_FOUND" in missing.stderr
     assert cli.json("dropped", "first") == {}  # a job not started yet dropped nothing
+    missing = cli.run("weights", "nope", check=False)
+    assert missing.returncode == 1 and "NOT_FOUND" in missing.stderr
+    assert "no weights published yet" in cli.run("weights", "first").stdout
     no_file = cli.run("submit", "no-such.yaml", check=False)
     assert no_file.returncode == 2 and "cannot read job spec" in no_file.stderr
     bad_history = cli.run("up", "--etcd-history", "5 minutes", check=False)

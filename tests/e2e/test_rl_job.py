@@ -7,6 +7,7 @@ import json
 import subprocess
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -62,6 +63,34 @@ def test_a_short_job_learns_and_accounts_for_every_trajectory(
         "trainer.eval_every=10",
         f"trainer.max_staleness={STALENESS}",
     )
+    # Mid-job, `weights` shows the versions in etcd with their holders, and each rollout's
+    # pulls as its heartbeats report them.
+    plane: dict[str, Any] = {}
+
+    def pulled_and_relayed() -> bool:
+        got = stack.json("weights", "learn")
+        assert isinstance(got, dict)
+        plane.update(got)
+        rollouts = [m for m in plane["members"] or [] if m["role"] == "rollout"]
+        relayed = any(h["role"] == "relay" for v in plane["versions"] for h in v["holders"])
+        return (
+            relayed
+            and len(rollouts) == 2
+            and all(m["counters"].get("weights_pulls", 0) >= 2 for m in rollouts)
+        )
+
+    eventually_sync(pulled_and_relayed, timeout=120, interval=0.5)
+    assert plane["announcement"]["transport"] == "ucx"
+    newest = plane["versions"][0]
+    assert newest["manifest"]["checksum_algorithm"] == "xxh3_128"
+    assert newest["manifest"]["buckets"] >= 1 and newest["manifest"]["total_bytes"] > 0
+    assert {"instance_id": "trainer-0", "role": "trainer"}.items() <= newest["holders"][0].items()
+    assert all(h["same_bytes"] for v in plane["versions"] for h in v["holders"])
+    trainer = next(m for m in plane["members"] if m["role"] == "trainer")
+    assert trainer["counters"]["weights_bytes_served"] > 0
+    table = stack.run("weights", "learn").stdout
+    assert "trainer-0 (trainer" in table and "PULLING" in table
+
     watch = stack.run("watch", "learn", check=False, timeout=420)
     assert watch.returncode == 0, watch.stdout + watch.stderr
 

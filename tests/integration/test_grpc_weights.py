@@ -17,7 +17,9 @@ from services.common.config import EtcdSettings
 from services.common.keys import KeySpace
 from services.common.weights import (
     CHUNK_BYTES,
+    IDLE_PULL_GAUGES,
     GrpcStreamTransport,
+    PullProgress,
     WeightIntegrityError,
     latest_announcement,
     start_weight_server,
@@ -160,3 +162,30 @@ async def test_a_broken_stream_is_refused_with_what_broke(
         await fetch(etcd_client, etcd_settings)
     trainer.tamper = lambda chunks: chunks
     assert len(await fetch(etcd_client, etcd_settings)) == len(model())
+
+
+async def test_a_fetch_counts_its_chunks_as_they_arrive_and_ends_idle(
+    trainer: Trainer, etcd_client: Any, etcd_settings: EtcdSettings, monkeypatch: Any
+) -> None:
+    keys = KeySpace(etcd_settings.prefix)
+    announcement = await latest_announcement(etcd_client, keys, JOB)
+    assert announcement is not None
+    puller = GrpcStreamTransport(etcd_client, keys, JOB, address="", epoch=0)
+    seen: list[dict[str, float]] = []
+    counted = PullProgress.received
+
+    def received(progress: PullProgress, nbytes: int, source: str) -> None:
+        counted(progress, nbytes, source)
+        seen.append(puller.gauges())  # as each chunk is counted
+
+    monkeypatch.setattr(PullProgress, "received", received)
+    await puller.fetch(announcement)
+
+    total = sum(t.numel() * t.element_size() for _, t in model())
+    assert len(seen) == -(-total // CHUNK_BYTES) == 3
+    assert all(g["weights_pull_version"] == 7 for g in seen)
+    assert all(g["weights_pull_total_bytes"] == total for g in seen)
+    got = [g["weights_pull_received_bytes"] for g in seen]
+    assert got == [CHUNK_BYTES, 2 * CHUNK_BYTES, total]
+    assert puller.gauges() == {**IDLE_PULL_GAUGES, "weights_pulls": 1.0}
+    assert puller.pulling is None

@@ -14,6 +14,7 @@ import gc
 import json
 import os
 import random
+import re
 import signal
 import sys
 import time
@@ -170,6 +171,16 @@ async def _sees(peer: Peer, version: int, holder: str) -> None:
         return holder in (await peer.call("state"))["listed"].get(str(version), [])
 
     await eventually(listed, timeout=10)
+
+
+def _logged(peer: Peer, event: str) -> list[dict[str, str]]:
+    """The key=value fields of each line of `event` in peer's log (structlog's console
+    format), in order."""
+    return [
+        dict(re.findall(r"(\w+)=(\S+)", line))
+        for line in peer.log_path.read_text().splitlines()
+        if f" {event} " in line
+    ]
 
 
 async def _manifest(client: Any, settings: EtcdSettings, version: int) -> BucketManifest:
@@ -460,7 +471,9 @@ async def test_a_process_holding_the_tensors_relays_them_and_wrong_ones_are_refu
 async def test_a_source_killed_mid_pull_is_replaced_and_verified_buckets_kept(
     peers: Any,
 ) -> None:
-    trainer, relay, puller = await peers(("trainer",), ("relay", "--stall-after", "2"), ("puller",))
+    trainer, relay, puller = await peers(
+        ("trainer",), ("relay", "--stall-after", "2"), ("puller", "--progress-every", "0")
+    )
     await trainer.call("publish", version=1, seed=7)
     await relay.call("pull", version=1)
     await _sees(puller, 1, "relay")
@@ -474,6 +487,12 @@ async def test_a_source_killed_mid_pull_is_replaced_and_verified_buckets_kept(
     counters = result["counters"]
     assert counters["buckets_by_source"] == {"relay": 2, "trainer": N_BUCKETS - 2}
     assert counters["source_failures"] == 1 and counters["source_switches"] == 1
+    # Its progress, logged at every bucket here, shows where each bucket came from.
+    progress = _logged(puller, "weights.pull_progress")
+    assert [line["source"] for line in progress] == ["relay"] * 2 + ["trainer"] * (N_BUCKETS - 2)
+    received = [int(line["received_bytes"]) for line in progress]
+    assert received == sorted(received) and received[-1] == int(progress[-1]["total_bytes"])
+    assert progress[-1]["percent"] == "100.0"
 
 
 async def test_a_pull_whose_only_holder_died_stops_once_a_newer_epoch_publishes(

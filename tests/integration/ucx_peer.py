@@ -56,7 +56,12 @@ from services.common.ucx_transport import (
     make_transport,
 )
 from services.common.watch import Delete
-from services.common.weights import NamedTensors, WeightIntegrityError, latest_announcement
+from services.common.weights import (
+    PULL_PROGRESS_EVERY_S,
+    NamedTensors,
+    WeightIntegrityError,
+    latest_announcement,
+)
 from tests.support import eventually
 
 
@@ -105,6 +110,7 @@ def _parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--record-delay", type=float, default=PULLERS_RECORD_DELAY_S)
     parser.add_argument("--max-pullers", type=int, default=0, help="0: no limit")
     parser.add_argument("--park-seconds", type=float, default=PARK_SECONDS)
+    parser.add_argument("--progress-every", type=float, default=PULL_PROGRESS_EVERY_S)
     parser.add_argument("--device", default="cpu", help="where published and pulled tensors live")
     parser.add_argument(
         "--checksum", default=None, help="the publisher's checksum algorithm (default: by device)"
@@ -289,6 +295,7 @@ def _transport(args: argparse.Namespace, client: Any, keys: KeySpace) -> UcxTran
         record_delay=args.record_delay,
         max_pullers=args.max_pullers,
         park_seconds=args.park_seconds,
+        progress_every_s=args.progress_every,
         checksum_algorithm=args.checksum,
         faults=HolderFaults(corrupt_buckets=corrupt, stall_after_buckets=args.stall_after),
     )

@@ -6,9 +6,10 @@ from __future__ import annotations
 import pytest
 import torch
 
+from services.common import weights
 from services.common.ucx_transport import changes_held_manifest
 from services.common.watch import Delete, Entry, Put
-from services.common.weights import WeightIntegrityError, pack, unpack
+from services.common.weights import PullProgress, WeightIntegrityError, pack, unpack
 
 
 def tensors() -> list[tuple[str, torch.Tensor]]:
@@ -51,3 +52,74 @@ def test_only_a_later_write_or_delete_of_the_manifest_takes_a_held_version_away(
     assert not changes_held_manifest(held, Delete(b"/w/manifest", 9))  # an older incarnation's
     assert changes_held_manifest(held, put(13))  # re-published by a newer trainer epoch
     assert changes_held_manifest(held, Delete(b"/w/manifest", 13))  # garbage-collected
+
+
+class _Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+class _Lines:
+    def __init__(self) -> None:
+        self.lines: list[tuple[str, dict[str, object]]] = []
+
+    def info(self, event: str, **fields: object) -> None:
+        self.lines.append((event, fields))
+
+
+def test_a_long_pull_logs_its_progress_once_an_interval_and_its_gauges_follow_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    lines = _Lines()
+    monkeypatch.setattr(weights, "log", lines)
+    clock = _Clock()
+    gb = 1_000_000_000
+    progress = PullProgress(7, 4 * gb, every_s=5.0, clock=clock)
+
+    clock.now += 1.0
+    progress.received(gb, "trainer")  # 1 s in: too soon to log
+    assert lines.lines == [] and progress.gauges() == {
+        "weights_pull_version": 7.0,
+        "weights_pull_received_bytes": 1e9,
+        "weights_pull_total_bytes": 4e9,
+    }
+    clock.now += 4.0
+    progress.received(gb, "trainer")  # 5 s in
+    clock.now += 1.0
+    progress.received(gb, "relay-2")  # 6 s in: within the next interval
+    clock.now += 4.5
+    progress.received(3 * gb // 2, "relay-2")  # 10.5 s in: buckets pulled twice count twice
+
+    assert [event for event, _ in lines.lines] == ["weights.pull_progress"] * 2
+    first, second = (fields for _, fields in lines.lines)
+    assert first == {
+        "version": 7,
+        "received_bytes": 2 * gb,
+        "total_bytes": 4 * gb,
+        "percent": 50.0,
+        "seconds": 5.0,
+        "gb_per_s": 0.4,
+        "source": "trainer",
+    }
+    assert second["received_bytes"] == 9 * gb // 2 and second["percent"] == 112.5
+    assert second["source"] == "relay-2" and second["seconds"] == 10.5
+    assert progress.logged == 2
+
+
+def test_a_transport_pulling_nothing_reports_idle_pull_gauges() -> None:
+    class Idle(weights.WeightTransport):
+        name = "idle"
+
+        async def publish(self, version: int, tensors: weights.NamedTensors) -> None:
+            raise NotImplementedError
+
+        async def fetch(self, announcement: weights.Announcement) -> weights.NamedTensors:
+            raise NotImplementedError
+
+    transport = Idle()
+    assert transport.gauges() == {**weights.IDLE_PULL_GAUGES, "weights_pulls": 0.0}
+    transport.pulling = PullProgress(3, 10, clock=_Clock())
+    assert transport.gauges()["weights_pull_version"] == 3.0

@@ -1,0 +1,27 @@
+"""How the CLI writes figures: ages, sizes, JSON."""
+
+from __future__ import annotations
+
+import json
+import time
+
+
+def emit_json(data: object) -> None:
+    print(json.dumps(data, indent=2, sort_keys=True))
+
+
+def age(seconds_since_epoch: float) -> str:
+    delta = max(0.0, time.time() - seconds_since_epoch)
+    if delta < 90:
+        return f"{delta:.0f}s"
+    if delta < 5400:
+        return f"{delta / 60:.0f}m"
+    return f"{delta / 3600:.1f}h"
+
+
+def size(nbytes: float) -> str:
+    """Bytes in decimal units, as transfer rates are given (GB/s)."""
+    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("KB", 1e3)):
+        if nbytes >= scale:
+            return f"{nbytes / scale:.1f} {unit}"
+    return f"{nbytes:.0f} B"
