@@ -10,7 +10,9 @@ seeded schedule and recovered role by role.
    - the trainer killed: a new trainer restores the last checkpoint, rollouts keep going;
    - the trainer (now the former standby) stopped by an error at one step, as a failing device
      would: replaced the same way, the job goes on;
-5. print the eval curve, ETTR, each incident's recovery time, where the metrics and the plot
+5. once the faults are done and while the job still runs, show its weight plane
+   (`robustrl weights`: versions, holders and relays, each member's pulls);
+6. print the eval curve, ETTR, each incident's recovery time, where the metrics and the plot
    are; stop the stack.
 
 Every step is a `robustrl` command, printed before it runs.
@@ -166,6 +168,10 @@ def main() -> int:
         faults = ", ".join(f"{fault} at step {step}" for step, fault in plan)
         console.print(f"chaos schedule (seed {SEED}): {faults}")
         run_schedule(job_id, plan, watcher)
+        if watcher.poll() is None:
+            # The weight plane after the faults, while the job still runs: the versions with
+            # their holders (trainer and relays), each member's pulls, the replacements' too.
+            robustrl("weights", job_id, check=False)
         rc = watcher.wait()
         took = time.monotonic() - started
         robustrl("incidents")

@@ -6,7 +6,8 @@ holders (the trainer and the relays, with their active pullers; a holder whose d
 from the manifest's holds other bytes and is marked so). From the monitor: each member of the
 job's phase and weight gauges (`weights_*`, sent in its heartbeats): the version it runs, the
 pull under way (bytes received of the total), and its counts of pulls, failed checksums, lost
-sources and bytes served to others.
+sources and bytes served to others. A member the monitor lost shows `lost` for its phase, and
+the figures of its last beat.
 
 The records are read as JSON here, not through the transport: the CLI stays free of torch.
 """
@@ -190,9 +191,10 @@ def render(plane: dict[str, Any], console: Console) -> None:
     )
     for m in members:
         counters = m["counters"]
+        alive = m.get("state", "ALIVE") == "ALIVE"
         table.add_row(
             m["instance_id"],
-            m["phase"] or "-",
+            (m["phase"] or "-") if alive else m["state"].lower(),  # lost: its last beat's figures
             _count(counters, "weight_version"),
             _pull_cell(counters),
             _count(counters, "weights_pulls"),

@@ -100,21 +100,20 @@ def test_members_show_the_pull_under_way_and_their_counts() -> None:
                     "weights_source_failures": 2.0,
                     "weights_bytes_served": 8e9,
                 },
-            }
+            },
+            {
+                "instance_id": "trainer-0",
+                "role": "trainer",
+                "state": "LOST",
+                "phase": "forward_backward",
+                "counters": {"weight_version": 5.0, "weights_bytes_served": 1e6},
+            },
         ],
     }
     console = Console(width=120, record=True)
     render(plane, console)
-    row = next(line for line in console.export_text().splitlines() if "rollout-1" in line)
-    assert row.split() == [
-        "rollout-1",
-        "pulling_weights",
-        "6",
-        "v7",
-        "75%",
-        "6",
-        "1",
-        "2",
-        "8.0",
-        "GB",
-    ]
+    lines = console.export_text().splitlines()
+    row = next(line for line in lines if "rollout-1" in line)
+    assert " ".join(row.split()) == "rollout-1 pulling_weights 6 v7 75% 6 1 2 8.0 GB"
+    lost = next(line for line in lines if "trainer-0" in line)
+    assert " ".join(lost.split()) == "trainer-0 lost 5 - - - - 1.0 MB"
