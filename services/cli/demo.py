@@ -135,6 +135,21 @@ def run_schedule(
         hang.wait()
 
 
+def recovered(job_id: str, watcher: subprocess.Popen[bytes], steps: int = 5) -> bool:
+    """Whether the job, still running, has recovered from the last fault and trained `steps`
+    steps since (False once it has ended)."""
+    start: int | None = None
+    while watcher.poll() is None:
+        status = job_status(job_id)
+        step = int(str(status["step"]))
+        if status["phase"] == "RUNNING":
+            start = step if start is None else start
+            if step >= start + steps:
+                return True
+        time.sleep(0.5)
+    return False
+
+
 def summary(job_id: str, took: float) -> None:
     metrics_path = REPO / RUNS / job_id / "metrics.jsonl"
     rows = [json.loads(line) for line in metrics_path.read_text().splitlines() if line.strip()]
@@ -168,7 +183,7 @@ def main() -> int:
         faults = ", ".join(f"{fault} at step {step}" for step, fault in plan)
         console.print(f"chaos schedule (seed {SEED}): {faults}")
         run_schedule(job_id, plan, watcher)
-        if watcher.poll() is None:
+        if recovered(job_id, watcher):
             # The weight plane after the faults, while the job still runs: the versions with
             # their holders (trainer and relays), each member's pulls, the replacements' too.
             robustrl("weights", job_id, check=False)

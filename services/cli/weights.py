@@ -7,7 +7,8 @@ from the manifest's holds other bytes and is marked so). From the monitor: each 
 job's phase and weight gauges (`weights_*`, sent in its heartbeats): the version it runs, the
 pull under way (bytes received of the total), and its counts of pulls, failed checksums, lost
 sources and bytes served to others. A member the monitor lost shows `lost` for its phase, and
-the figures of its last beat.
+a fenced one (replaced, still running until it learns so) `fenced`, each with the figures of
+its last beat.
 
 The records are read as JSON here, not through the transport: the CLI stays free of torch.
 """
@@ -27,6 +28,7 @@ from robustrl.v1 import coordinator_pb2, monitor_pb2, monitor_pb2_grpc
 from services.cli.client import DEFAULT_DEADLINE, StackClient
 from services.cli.formatting import age, emit_json, size
 from services.common.channels import open_channel
+from services.common.fences import FenceRecord
 from services.common.keys import WeightKeys
 
 
@@ -119,7 +121,23 @@ async def member_gauges(client: StackClient, job_id: str) -> list[dict[str, Any]
                 found[health.instance_id] = row
     if not answered:
         return None
+    fences = [
+        FenceRecord.model_validate_json(kv.value)
+        for kv in await client.etcd.get_prefix(client.keys.fences())
+    ]
+    mark_fenced(found, fences, job_id)
     return sorted(found.values(), key=lambda r: (r["role"], r["instance_id"]))
+
+
+def mark_fenced(members: dict[str, dict[str, Any]], fences: list[FenceRecord], job_id: str) -> None:
+    """State FENCED for each member fenced from job_id at its epoch or a later one. A fenced
+    member (replaced; a trainer stopped on an error, say) may still run and beat with the job's
+    id until it learns of its fence, but it is no longer part of the job; a member bound again
+    at a higher epoch is a new incarnation."""
+    for fence in fences:
+        row = members.get(fence.instance_id)
+        if row is not None and fence.job_id == job_id and int(row["epoch"]) <= fence.epoch:
+            row["state"] = "FENCED"
 
 
 async def weight_plane(client: StackClient, job_id: str) -> dict[str, Any]:
@@ -194,7 +212,7 @@ def render(plane: dict[str, Any], console: Console) -> None:
         alive = m.get("state", "ALIVE") == "ALIVE"
         table.add_row(
             m["instance_id"],
-            (m["phase"] or "-") if alive else m["state"].lower(),  # lost: its last beat's figures
+            (m["phase"] or "-") if alive else m["state"].lower(),  # its last beat's figures
             _count(counters, "weight_version"),
             _pull_cell(counters),
             _count(counters, "weights_pulls"),

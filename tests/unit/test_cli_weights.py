@@ -8,7 +8,8 @@ import time
 import torch
 from rich.console import Console
 
-from services.cli.weights import holder_summary, manifest_summary, render
+from services.cli.weights import holder_summary, manifest_summary, mark_fenced, render
+from services.common.fences import FenceRecord
 from services.common.ucx_transport import (
     ROLE_RELAY,
     ROLE_TRAINER,
@@ -117,3 +118,21 @@ def test_members_show_the_pull_under_way_and_their_counts() -> None:
     assert " ".join(row.split()) == "rollout-1 pulling_weights 6 v7 75% 6 1 2 8.0 GB"
     lost = next(line for line in lines if "trainer-0" in line)
     assert " ".join(lost.split()) == "trainer-0 lost 5 - - - - 1.0 MB"
+
+
+def test_a_member_fenced_from_the_job_at_its_epoch_shows_as_fenced() -> None:
+    members = {
+        "standby-0": {"instance_id": "standby-0", "epoch": "2", "state": "ALIVE"},
+        "trainer-0": {"instance_id": "trainer-0", "epoch": "4", "state": "ALIVE"},
+        "rollout-0": {"instance_id": "rollout-0", "epoch": "1", "state": "ALIVE"},
+    }
+    mark_fenced(
+        members,
+        [
+            FenceRecord(instance_id="standby-0", job_id="j", epoch=2, reason="error"),
+            FenceRecord(instance_id="trainer-0", job_id="j", epoch=3, reason="bound again"),
+            FenceRecord(instance_id="rollout-0", job_id="other", epoch=1, reason="other job"),
+        ],
+        "j",
+    )
+    assert [m["state"] for m in members.values()] == ["FENCED", "ALIVE", "ALIVE"]
