@@ -12,7 +12,9 @@ import contextlib
 import dataclasses
 import json
 import math
+import os
 import time
+import uuid
 from collections import defaultdict
 from collections.abc import Awaitable, Callable
 from pathlib import Path
@@ -218,7 +220,11 @@ class TrainerWorker:
                 for line in path.read_text().splitlines()
                 if line and json.loads(line).get("step", 0) <= last
             ]
-            path.write_text("".join(line + "\n" for line in kept))
+            # A new file in its place, not a truncation: a fenced trainer that opened the old
+            # one before it was frozen writes into that one when it resumes (`_append`).
+            fresh = path.with_name(f".{name}.{uuid.uuid4().hex}")
+            fresh.write_text("".join(line + "\n" for line in kept))
+            os.replace(fresh, path)
 
     def start(self) -> None:
         self.loop = asyncio.get_running_loop()
@@ -503,10 +509,17 @@ class TrainerWorker:
     def _append(self, name: str, line: dict[str, Any]) -> None:
         """One line to a run log, while this trainer still owns the run: a replacement
         truncated the logs to the step it restored (`_forget_after`), and a fenced trainer
-        that had not heard of it yet appended a step the job never kept."""
-        if self.checkpoints is not None:
-            self.checkpoints.ensure_owner()
+        that had not heard of it yet appended a step the job never kept.
+
+        The file is opened before the claim is read. A replacement claims the folder before
+        it replaces the logs, so a trainer frozen anywhere in here (SIGSTOP) and resumed after
+        its replacement either reads the claim or writes into the file the replacement has
+        already replaced, which nothing reads again. Checked first and opened after, a
+        trainer frozen in between appended its step to the replacement's log on resuming (a
+        chaos test's trained.jsonl read steps 29, 31, 30, 31)."""
         with (self.run_dir / name).open("a") as out:
+            if self.checkpoints is not None:
+                self.checkpoints.ensure_owner()
             out.write(json.dumps(line) + "\n")
 
     async def _publish(self) -> None:

@@ -31,7 +31,10 @@ def checkpoint_at(trainer: TrainerWorker, step: int) -> None:
 
 
 async def test_a_first_trainer_sets_an_earlier_jobs_run_aside_and_a_replacement_restores(
-    etcd_settings: EtcdSettings, tiny_model_dir: Path, tmp_path: Path
+    etcd_settings: EtcdSettings,
+    tiny_model_dir: Path,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """An earlier job with this id left a checkpoint at step 7. The new job's first trainer
     (FIRST_EPOCH) starts at step 0 and keeps the earlier folder, renamed; it used to restore
@@ -43,12 +46,14 @@ async def test_a_first_trainer_sets_an_earlier_jobs_run_aside_and_a_replacement_
     )
     await runtime.start()
     try:
-        loads_only_its_own_jobs_run(runtime, runs, tiny_model_dir)
+        loads_only_its_own_jobs_run(runtime, runs, tiny_model_dir, monkeypatch)
     finally:
         await runtime.shutdown()
 
 
-def loads_only_its_own_jobs_run(runtime: ServiceRuntime, runs: Path, tiny_model_dir: Path) -> None:
+def loads_only_its_own_jobs_run(
+    runtime: ServiceRuntime, runs: Path, tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     earlier = worker(runtime, runs, tiny_model_dir, FIRST_EPOCH)
     earlier.load()
     checkpoint_at(earlier, 7)
@@ -65,7 +70,19 @@ def loads_only_its_own_jobs_run(runtime: ServiceRuntime, runs: Path, tiny_model_
     checkpoint_at(first, 3)
     (runs / "same" / "metrics.jsonl").write_text('{"step": 3}\n')
     replacement = worker(runtime, runs, tiny_model_dir, FIRST_EPOCH + 1)
-    replacement.load()
+    # `first` appends a line and is frozen right after it found itself still the owner; the
+    # replacement claims the folder and restores meanwhile, then `first` resumes.
+    assert first.checkpoints is not None
+    checked = first.checkpoints.ensure_owner
+
+    def frozen_after_the_check() -> None:
+        checked()
+        replacement.load()
+
+    monkeypatch.setattr(first.checkpoints, "ensure_owner", frozen_after_the_check)
+    first._append("metrics.jsonl", {"step": 4})
+    monkeypatch.undo()
+    assert (runs / "same" / "metrics.jsonl").read_text() == '{"step": 3}\n', "its line landed"
     assert (replacement.step, replacement.restored_step) == (3, 3)
     assert len(list(runs.iterdir())) == 2
     # It claimed the folder for its epoch before it read `latest`: the writer of `first`
