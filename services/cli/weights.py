@@ -30,6 +30,7 @@ from services.cli.formatting import age, emit_json, size
 from services.common.channels import open_channel
 from services.common.fences import FenceRecord
 from services.common.keys import WeightKeys
+from services.common.registry import ROLE_FROM_PROTO
 
 
 def manifest_summary(raw: bytes) -> dict[str, Any]:
@@ -115,7 +116,7 @@ async def member_gauges(client: StackClient, job_id: str) -> list[dict[str, Any]
             row = MessageToDict(
                 health, preserving_proto_field_name=True, always_print_fields_with_no_presence=True
             )
-            row["role"] = row["role"].removeprefix("ROLE_").lower()
+            row["role"] = ROLE_FROM_PROTO[health.role]
             seen = found.get(health.instance_id)
             if seen is None or row["last_seen"] > seen["last_seen"]:
                 found[health.instance_id] = row
@@ -204,6 +205,9 @@ def render(plane: dict[str, Any], console: Console) -> None:
     if members is None:
         console.print("no monitor answered: members' pulls unknown")
         return
+    if not members:
+        console.print("no member of this job is heard by the monitor")
+        return
     table = Table(
         "MEMBER", "PHASE", "VERSION", "PULLING", "PULLS", "BAD", "LOST", "SERVED", box=None
     )
@@ -220,9 +224,6 @@ def render(plane: dict[str, Any], console: Console) -> None:
             _count(counters, "weights_source_failures"),
             size(counters["weights_bytes_served"]) if "weights_bytes_served" in counters else "-",
         )
-    if not members:
-        console.print("no member of this job is heard by the monitor")
-        return
     console.print(table)
     console.print(
         "BAD: buckets that failed their checksum (pulled again elsewhere); LOST: sources lost "

@@ -230,18 +230,18 @@ class PullProgress:
         )
 
     def gauges(self) -> dict[str, float]:
-        return {
-            "weights_pull_version": float(self.version),
-            "weights_pull_received_bytes": float(self.received_bytes),
-            "weights_pull_total_bytes": float(self.total_bytes),
-        }
+        return _pull_gauges(self.version, self.received_bytes, self.total_bytes)
 
 
-IDLE_PULL_GAUGES = {
-    "weights_pull_version": 0.0,
-    "weights_pull_received_bytes": 0.0,
-    "weights_pull_total_bytes": 0.0,
-}
+def _pull_gauges(version: int, received_bytes: int, total_bytes: int) -> dict[str, float]:
+    return {
+        "weights_pull_version": float(version),
+        "weights_pull_received_bytes": float(received_bytes),
+        "weights_pull_total_bytes": float(total_bytes),
+    }
+
+
+IDLE_PULL_GAUGES = _pull_gauges(0, 0, 0)
 """The pull gauges of a transport pulling nothing."""
 
 

@@ -215,11 +215,17 @@ def claim(directory: str | Path, epoch: int) -> None:
     directory.mkdir(parents=True, exist_ok=True)
     if (owner := newer_owner(directory, epoch)) is not None:
         raise Superseded(directory, epoch, owner)
-    tmp = directory / f".{OWNER}.tmp-{uuid.uuid4().hex[:8]}"
-    tmp.write_text(json.dumps({"epoch": epoch}) + "\n")
+    replace_text(directory / OWNER, json.dumps({"epoch": epoch}) + "\n")
+
+
+def replace_text(path: Path, text: str) -> None:
+    """Write `path` as a new file renamed over the old one (durably): a reader sees the old
+    contents or the new, and a writer that opened the old file writes into that one."""
+    tmp = path.with_name(f".{path.name}.tmp-{uuid.uuid4().hex[:8]}")
+    tmp.write_text(text)
     _fsync_file(tmp)
-    tmp.replace(directory / OWNER)
-    _fsync_dir(directory)
+    tmp.replace(path)
+    _fsync_dir(path.parent)
 
 
 def _step_dirs(directory: Path) -> list[tuple[int, Path]]:

@@ -12,9 +12,7 @@ import contextlib
 import dataclasses
 import json
 import math
-import os
 import time
-import uuid
 from collections import defaultdict
 from collections.abc import Awaitable, Callable
 from pathlib import Path
@@ -222,9 +220,7 @@ class TrainerWorker:
             ]
             # A new file in its place, not a truncation: a fenced trainer that opened the old
             # one before it was frozen writes into that one when it resumes (`_append`).
-            fresh = path.with_name(f".{name}.{uuid.uuid4().hex}")
-            fresh.write_text("".join(line + "\n" for line in kept))
-            os.replace(fresh, path)
+            checkpoint.replace_text(path, "".join(line + "\n" for line in kept))
 
     def start(self) -> None:
         self.loop = asyncio.get_running_loop()
