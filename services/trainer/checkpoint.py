@@ -5,22 +5,31 @@ A checkpoint is taken in two parts so the training step barely waits:
 1. :func:`to_host` copies model and optimizer state (and the RNG state) into CPU memory.
    This copy is the only part that blocks the step.
 2. :class:`CheckpointWriter` writes the snapshot from a background thread to
-   ``dir/step-<N>/``: files go into a temporary directory that is renamed into place, and
-   the ``latest`` pointer file is replaced last, so a crash at any moment leaves ``latest``
-   naming a complete checkpoint. Only the newest ``keep`` checkpoints stay on disk.
+   ``dir/step-<N>.e<E>/`` (E: the trainer's epoch): files go into a temporary directory that
+   is renamed into place, and the pointer file (``latest.e<E>``) is replaced last, so a crash
+   at any moment leaves the pointer naming a complete checkpoint. Only the newest ``keep``
+   checkpoints stay on disk (and any a pointer names).
 
 A write error is not swallowed: it is raised by the next :meth:`CheckpointWriter.save` or by
 :meth:`CheckpointWriter.wait`. ``extra`` carries JSON data that must survive a restart with
 the weights it belongs to (the trainer keeps its committed-trajectory watermark there).
 
-Layout of ``dir/step-<N>/``: ``model.safetensors``, ``optimizer.pt``, ``rng.pt`` and
+Layout of a checkpoint folder: ``model.safetensors``, ``optimizer.pt``, ``rng.pt`` and
 ``meta.json`` (``{"format": 1, "step": N, "extra": {...}}``).
 
 ``dir/owner`` names the trainer epoch that owns the directory (``{"epoch": E}``). A trainer
-claims it (:func:`claim`, by its writer) before it reads ``latest``; a writer of an older
+claims it (:func:`claim`, by its writer) before it reads a pointer; a writer of an older
 epoch then publishes nothing more (:class:`Superseded`). That covers a fenced trainer that
 never heard of its fence: one frozen mid-write (SIGSTOP, a stalled disk) that resumes after
-its replacement restored used to publish that write and point ``latest`` at it.
+its replacement restored used to publish that write and point the pointer at it.
+
+Names carry the writer's epoch, so a writer that passed its last check of the claim and froze
+right there (the microseconds before a rename) cannot overwrite what a newer epoch wrote or
+restored from: folders are ``step-<N>.e<E>`` and each epoch has a pointer of its own,
+``latest.e<E>``. The pointer of the newest epoch is the one read. A claim first writes the
+claimer's pointer naming what the newest pointer named (empty when nothing was written yet), so
+from the claim on, a late write of an older epoch's pointer is never read. A writer with no
+epoch (tests, tools) writes ``step-<N>`` and ``latest``, which rank below every epoch.
 """
 
 from __future__ import annotations
@@ -44,7 +53,9 @@ from safetensors.torch import load_file, save_file
 FORMAT_VERSION = 1
 LATEST = "latest"
 OWNER = "owner"
-_STEP_DIR = re.compile(r"^step-(\d+)$")
+_STEP_DIR = re.compile(r"^step-(\d+)(?:\.e(\d+))?$")
+_POINTER = re.compile(r"^latest(?:\.e(\d+))?$")
+_NO_EPOCH = -1  # the rank of a writer with no epoch: below every trainer epoch
 
 
 class CheckpointError(RuntimeError):
@@ -210,12 +221,49 @@ def newer_owner(directory: str | Path, epoch: int) -> int | None:
 def claim(directory: str | Path, epoch: int) -> None:
     """Make trainer ``epoch`` the owner of ``directory``; Superseded if a newer epoch owns it.
     Epochs only grow (the leader numbers each trainer it binds to a job), so an older claim
-    never comes after a newer one from a live trainer."""
+    never comes after a newer one from a live trainer.
+
+    The claimer's pointer (``latest.e<epoch>``) is then made to name what the newest pointer
+    names, before anything is restored: a pointer an older epoch's writer renames into place
+    later ranks below it and is never read."""
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     if (owner := newer_owner(directory, epoch)) is not None:
         raise Superseded(directory, epoch, owner)
     replace_text(directory / OWNER, json.dumps({"epoch": epoch}) + "\n")
+    pointers = _pointers(directory)
+    newest = max(pointers, default=_NO_EPOCH - 1)
+    if newest < epoch:
+        replace_text(directory / pointer_name(epoch), pointers.get(newest, "") + "\n")
+
+
+def step_name(step: int, epoch: int | None) -> str:
+    """The folder of the checkpoint of ``step`` written by trainer ``epoch``."""
+    return f"step-{step}" if epoch is None else f"step-{step}.e{epoch}"
+
+
+def pointer_name(epoch: int | None) -> str:
+    """The pointer file of trainer ``epoch``'s writer."""
+    return LATEST if epoch is None else f"{LATEST}.e{epoch}"
+
+
+def _pointer_file(directory: Path, rank: int) -> Path:
+    """The pointer of a _pointers key (an epoch, or _NO_EPOCH)."""
+    return directory / pointer_name(None if rank == _NO_EPOCH else rank)
+
+
+def _pointers(directory: Path) -> dict[int, str]:
+    """Every pointer's epoch (_NO_EPOCH for ``latest``) and the folder it names ('' for none)."""
+    found: dict[int, str] = {}
+    for entry in directory.iterdir() if directory.is_dir() else []:
+        m = _POINTER.match(entry.name)
+        if m is None:
+            continue
+        try:
+            found[int(m.group(1)) if m.group(1) else _NO_EPOCH] = entry.read_text().strip()
+        except FileNotFoundError:
+            continue  # pruned as we listed it
+    return found
 
 
 def replace_text(path: Path, text: str) -> None:
@@ -228,12 +276,14 @@ def replace_text(path: Path, text: str) -> None:
     _fsync_dir(path.parent)
 
 
-def _step_dirs(directory: Path) -> list[tuple[int, Path]]:
+def _step_dirs(directory: Path) -> list[tuple[int, int, Path]]:
+    """Every checkpoint folder as (epoch, step, path), oldest first."""
     found = []
     for entry in directory.iterdir() if directory.is_dir() else []:
         m = _STEP_DIR.match(entry.name)
         if m and entry.is_dir():
-            found.append((int(m.group(1)), entry))
+            epoch = int(m.group(2)) if m.group(2) else _NO_EPOCH
+            found.append((epoch, int(m.group(1)), entry))
     return sorted(found)
 
 
@@ -242,18 +292,21 @@ def write_snapshot(
     snapshot: Snapshot,
     *,
     keep: int,
+    epoch: int | None = None,
     still_wanted: Callable[[], bool] = lambda: True,
 ) -> Path | None:
-    """Write ``snapshot`` as ``directory/step-<N>`` atomically, point ``latest`` at it, prune.
+    """Write ``snapshot`` as ``directory/step-<N>.e<epoch>`` atomically, point ``epoch``'s
+    pointer at it, prune.
 
     Synchronous; :class:`CheckpointWriter` calls it from its thread. ``still_wanted`` is asked
-    once the files are written, before anything is published, and again before ``latest`` is
+    once the files are written, before anything is published, and again before the pointer is
     replaced: if it says no (the trainer was fenced meanwhile), what is not published yet is
-    removed and None is returned.
+    removed and None is returned. A writer fenced right after its last ask still writes only
+    its own epoch's names, which its replacement's pointer outranks.
     """
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
-    name = f"step-{snapshot.step}"
+    name = step_name(snapshot.step, epoch)
     tmp = directory / f".tmp-{name}-{uuid.uuid4().hex[:8]}"
     tmp.mkdir()
     try:
@@ -270,44 +323,58 @@ def write_snapshot(
             return None
         final = directory / name
         if final.exists():
-            # The same step written again (a restarted trainer): the new copy wins.
+            # The same step written again by the same epoch: the new copy wins.
             shutil.rmtree(final)
         tmp.rename(final)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     _fsync_dir(directory)
-    pointer_tmp = directory / f".{LATEST}.tmp-{uuid.uuid4().hex[:8]}"
+    pointer = pointer_name(epoch)
+    pointer_tmp = directory / f".{pointer}.tmp-{uuid.uuid4().hex[:8]}"
     published = False
     try:
         pointer_tmp.write_text(name + "\n")
         _fsync_file(pointer_tmp)
         if still_wanted():  # asked again right before the rename that publishes
-            pointer_tmp.replace(directory / LATEST)
+            pointer_tmp.replace(directory / pointer)
             published = True
     finally:
-        if not published:  # not wanted, or failed: no folder that `latest` does not name
+        if not published:  # not wanted, or failed: no folder that no pointer names
             pointer_tmp.unlink(missing_ok=True)
-            if _latest_name(directory) != name:
+            if name not in _pointers(directory).values():
                 shutil.rmtree(final, ignore_errors=True)
     if not published:
         return None
     _fsync_dir(directory)
-    _prune(directory, keep=keep, current=final)
+    _prune(directory, keep=keep, epoch=epoch, current=final)
     return final
 
 
-def _latest_name(directory: Path) -> str | None:
-    try:
-        return (directory / LATEST).read_text().strip()
-    except FileNotFoundError:
+def _newest_pointer(directory: Path) -> tuple[Path, str] | None:
+    """The pointer of the newest epoch and the folder it names ('' for none yet), or None
+    when there is no pointer at all."""
+    pointers = _pointers(directory)
+    if not pointers:
         return None
+    newest = max(pointers)
+    return _pointer_file(directory, newest), pointers[newest]
 
 
-def _prune(directory: Path, *, keep: int, current: Path) -> None:
-    steps = _step_dirs(directory)
-    for _, path in steps[: max(0, len(steps) - keep)]:
-        if path != current:
+def _prune(directory: Path, *, keep: int, epoch: int | None, current: Path) -> None:
+    """Keep the ``keep`` newest folders by (epoch, step), and every folder a pointer names.
+    A writer whose pointer is the newest removes the older epochs' pointers (nothing reads
+    them again); a writer of an older epoch (fenced after its last check) removes nothing a
+    newer epoch wrote, and nothing the newer epoch's pointer names."""
+    own = _NO_EPOCH if epoch is None else epoch
+    pointers = _pointers(directory)
+    if max(pointers, default=own) == own:
+        for older in [e for e in pointers if e < own]:
+            _pointer_file(directory, older).unlink(missing_ok=True)
+    named = set(_pointers(directory).values())
+    folders = _step_dirs(directory)
+    for folder_epoch, _, path in folders[: max(0, len(folders) - keep)]:
+        if folder_epoch <= own and path != current and path.name not in named:
             shutil.rmtree(path, ignore_errors=True)
 
 
@@ -338,9 +405,9 @@ class CheckpointWriter:
             claim(self.directory, epoch)
         self.directory.mkdir(parents=True, exist_ok=True)
         for stale in self.directory.glob(".tmp-step-*"):
-            # Left by a writer that died mid-write; never referenced by `latest`.
+            # Left by a writer that died mid-write; never named by a pointer.
             shutil.rmtree(stale, ignore_errors=True)
-        for stale in self.directory.glob(f".{LATEST}.tmp*"):
+        for stale in self.directory.glob(f".{LATEST}*.tmp*"):
             stale.unlink(missing_ok=True)
         self.keep = keep
         self.on_written = on_written
@@ -384,10 +451,10 @@ class CheckpointWriter:
     def abandon(self) -> None:
         """The trainer was fenced (a newer one owns this directory): nothing more of this
         writer reaches the disk. The queued snapshot is dropped, a write in progress is not
-        published (its files are removed, `latest` is left alone), and write errors are no
+        published (its files are removed, its pointer is left alone), and write errors are no
         longer raised (the newer trainer clearing the unfinished write it found is one).
         Before, a fenced trainer finished its queued write as it stopped and could point
-        `latest` at it after its replacement had restored and gone on."""
+        its pointer at it after its replacement had restored and gone on."""
         with self._cond:
             self._abandoned = True
             self._pending = None
@@ -438,8 +505,9 @@ class CheckpointWriter:
     def _wanted(self) -> bool:
         """Publish? Not once abandoned, nor once a newer epoch claimed the directory (this
         trainer was fenced, and may not know it yet: it was frozen, say). The claim is read
-        right before each publishing rename, which leaves the microseconds between the read
-        and the rename for a freeze to fall in."""
+        right before each publishing rename. A freeze in the microseconds between the read and
+        the rename is covered by the names: what this writer then renames is its own epoch's
+        (the module docstring)."""
         with self._cond:
             if self._abandoned:
                 return False
@@ -456,7 +524,11 @@ class CheckpointWriter:
                 self._busy = True
             try:
                 written = write_snapshot(
-                    self.directory, snapshot, keep=self.keep, still_wanted=self._wanted
+                    self.directory,
+                    snapshot,
+                    keep=self.keep,
+                    epoch=self.epoch,
+                    still_wanted=self._wanted,
                 )
                 if written is not None and self.on_written is not None:
                     self.on_written(snapshot.step, snapshot.extra)
@@ -509,12 +581,13 @@ def load_checkpoint(path: str | Path) -> Checkpoint:
 
 
 def load_latest(directory: str | Path) -> Checkpoint | None:
-    """The checkpoint ``directory/latest`` names, or None when nothing was ever written."""
+    """The checkpoint the newest epoch's pointer names, or None when nothing was written (or
+    the newest epoch claimed the directory before anything was)."""
     directory = Path(directory)
-    pointer = directory / LATEST
-    name = _latest_name(directory)
-    if name is None:
+    found = _newest_pointer(directory)
+    if found is None or not found[1]:
         return None
+    pointer, name = found
     if not _STEP_DIR.match(name):
         raise CheckpointError(f"{pointer}: does not name a checkpoint: {name!r}")
     target = directory / name

@@ -187,6 +187,10 @@ class TrainerWorker:
             self.intake.restored_step = self.step
             self._forget_after(self.step)
             log.info("trainer.restored", job=self.job_id, step=self.step, epoch=self.epoch)
+        elif self.epoch != FIRST_EPOCH:
+            # An earlier trainer of this job died before its first checkpoint: its steps are
+            # trained again from step 0, and the evaluation before training is made again.
+            self._forget_after(None)
 
     def _set_aside_earlier_run(self) -> None:
         """A job's first trainer (FIRST_EPOCH) has nothing to restore: a run folder it finds
@@ -204,12 +208,14 @@ class TrainerWorker:
         self.run_dir.rename(aside)
         log.warning("trainer.earlier_run_set_aside", job=self.job_id, moved_to=str(aside))
 
-    def _forget_after(self, step: int) -> None:
+    def _forget_after(self, step: int | None) -> None:
         """The run's logs keep only what the restored state contains: steps after the
-        checkpoint were lost with the failed trainer and are trained again."""
+        checkpoint were lost with the failed trainer and are trained again. None: nothing was
+        restored, and the logs keep nothing."""
         # trained.jsonl numbers a step by the count before it (0 is the first step);
         # metrics.jsonl by the count after it (step 0 is the evaluation before training).
-        for name, last in (("trained.jsonl", step - 1), ("metrics.jsonl", step)):
+        lasts = (-1, -1) if step is None else (step - 1, step)
+        for name, last in zip(("trained.jsonl", "metrics.jsonl"), lasts, strict=True):
             path = self.run_dir / name
             if not path.exists():
                 continue

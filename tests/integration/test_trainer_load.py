@@ -92,3 +92,32 @@ def loads_only_its_own_jobs_run(
     with pytest.raises(checkpoint.Superseded):
         first._append("metrics.jsonl", {"step": 4})  # as its metrics and audit lines go
     assert (runs / "same" / "metrics.jsonl").read_text() == '{"step": 3}\n'
+
+
+async def test_a_replacement_of_a_trainer_that_died_before_its_first_checkpoint_starts_clean(
+    etcd_settings: EtcdSettings, tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    """The first trainer logged its evaluation and two steps, then died before a checkpoint.
+    Its replacement trains from step 0 again, so the run's logs start again with it: they
+    used to keep the first trainer's lines, and the replacement's step 0 came after them."""
+    runs = tmp_path / "runs"
+    runtime = ServiceRuntime(
+        "trainer", TrainerSettings(instance_id="trainer-l"), etcd_settings, service_names=[]
+    )
+    await runtime.start()
+    try:
+        first = worker(runtime, runs, tiny_model_dir, FIRST_EPOCH)
+        first.load()
+        for step in (0, 1, 2):
+            first._append("metrics.jsonl", {"step": step})
+        for step in (0, 1):
+            first._append("trained.jsonl", {"step": step})
+
+        replacement = worker(runtime, runs, tiny_model_dir, FIRST_EPOCH + 1)
+        replacement.load()
+        assert (replacement.step, replacement.restored_step) == (0, 0)
+        assert (runs / "same" / "metrics.jsonl").read_text() == ""
+        assert (runs / "same" / "trained.jsonl").read_text() == ""
+        assert checkpoint.load_latest(runs / "same" / "checkpoints") is None
+    finally:
+        await runtime.shutdown()

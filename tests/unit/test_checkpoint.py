@@ -284,8 +284,11 @@ def test_a_writer_whose_folder_a_newer_epoch_claimed_publishes_nothing(
     release.set()
     old.wait(timeout=10)
 
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["latest", "owner", "step-1"]
-    assert (tmp_path / "latest").read_text().strip() == "step-1"
+    # The claim pinned what epoch 2 restored from in a pointer of its own.
+    names = ["latest.e1", "latest.e2", "owner", "step-1.e1"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == names
+    assert (tmp_path / "latest.e1").read_text().strip() == "step-1.e1"
+    assert (tmp_path / "latest.e2").read_text().strip() == "step-1.e1"
     assert old.durable_step == 1 and old.superseded_by == 2
     with pytest.raises(Superseded, match="owned by trainer epoch 2, newer than 1"):
         old.save(to_host(model, optimizer, step=3))
@@ -295,4 +298,77 @@ def test_a_writer_whose_folder_a_newer_epoch_claimed_publishes_nothing(
     if new is not None:
         new.save(to_host(model, optimizer, step=2))
         new.close(timeout=10)
-        assert (tmp_path / "latest").read_text().strip() == "step-2"
+        # Epoch 2's first checkpoint retires the older epoch's pointer.
+        names = ["latest.e2", "owner", "step-1.e1", "step-2.e2"]
+        assert sorted(p.name for p in tmp_path.iterdir()) == names
+        assert load_latest(tmp_path).step == 2  # type: ignore[union-attr]
+
+
+@pytest.mark.parametrize("frozen_before", ["folder", "pointer"])
+@pytest.mark.parametrize("replacement", ["writer", "claim and write"])
+def test_a_writer_frozen_right_after_its_last_check_cannot_overwrite_its_replacement(
+    tmp_path: Path, frozen_before: str, replacement: str
+) -> None:
+    """The residual window: a writer that read the claim (still its own) and froze before the
+    rename that publishes (of its step folder, or of its pointer) resumes after its replacement
+    claimed the folder, restored, and wrote the same step. A replacement's writer clears the
+    unfinished files it finds, so the frozen write fails ("writer"); without that clearing
+    ("claim and write") the frozen write's renames land, but under names of its own epoch only.
+    Either way the replacement's checkpoint of that step is intact and the one read, and the
+    fenced writer's prune removed nothing the replacement uses."""
+    model, optimizer = _fresh(0)
+    first = CheckpointWriter(tmp_path, keep=1, epoch=1)
+    first.save(to_host(model, optimizer, step=1))
+    first.wait()
+    asks, frozen, release = 0, threading.Event(), threading.Event()
+    publish_ask = 1 if frozen_before == "folder" else 2
+
+    def checked_then_frozen() -> bool:
+        nonlocal asks
+        asks += 1
+        if asks == publish_ask:
+            frozen.set()  # the claim was read (epoch 1 owns the folder), then a freeze
+            assert release.wait(10)
+        return True
+
+    outcome: list[object] = []
+
+    def write_as_epoch_1() -> None:
+        snapshot = to_host(model, optimizer, step=2, extra={"by": 1})
+        try:
+            outcome.append(
+                write_snapshot(
+                    tmp_path, snapshot, keep=1, epoch=1, still_wanted=checked_then_frozen
+                )
+            )
+        except FileNotFoundError as exc:  # the replacement cleared its unfinished files
+            outcome.append(exc)
+
+    zombie = threading.Thread(target=write_as_epoch_1)
+    zombie.start()
+    assert frozen.wait(10)
+
+    trained, _ = _fresh(7)
+    ours = to_host(trained, optimizer, step=2, extra={"by": 2})
+    if replacement == "writer":
+        writer = CheckpointWriter(tmp_path, keep=1, epoch=2)
+        assert load_latest(tmp_path).step == 1  # type: ignore[union-attr]
+        writer.save(ours)
+        writer.close(timeout=10)
+    else:
+        claim(tmp_path, 2)
+        assert load_latest(tmp_path).step == 1  # type: ignore[union-attr]
+        write_snapshot(tmp_path, ours, keep=1, epoch=2)
+    release.set()
+    zombie.join(10)
+    latest = load_latest(tmp_path)
+    assert latest is not None and latest.step == 2 and latest.extra == {"by": 2}
+    for name, tensor in trained.state_dict().items():
+        assert torch.equal(latest.model_state[name], tensor)
+    assert (tmp_path / "latest.e2").read_text().strip() == "step-2.e2"
+    if replacement == "writer":
+        assert isinstance(outcome[0], FileNotFoundError)
+    else:
+        assert outcome == [tmp_path / "step-2.e1"]  # published, under its own names only
+        assert (tmp_path / "latest.e1").read_text().strip() == "step-2.e1"
+    first.close(timeout=10)
