@@ -214,14 +214,16 @@ def render(plane: dict[str, Any], console: Console) -> None:
     for m in members:
         counters = m["counters"]
         alive = m.get("state", "ALIVE") == "ALIVE"
+        # A trainer publishes and never pulls: its pull columns are empty, not zeros.
+        pulls = counters if m.get("role") != "trainer" else {}
         table.add_row(
             m["instance_id"],
             (m["phase"] or "-") if alive else m["state"].lower(),  # its last beat's figures
             _count(counters, "weight_version"),
-            _pull_cell(counters),
-            _count(counters, "weights_pulls"),
-            _count(counters, "weights_checksum_failures"),
-            _count(counters, "weights_source_failures"),
+            _pull_cell(pulls),
+            _count(pulls, "weights_pulls"),
+            _count(pulls, "weights_checksum_failures"),
+            _count(pulls, "weights_source_failures"),
             size(counters["weights_bytes_served"]) if "weights_bytes_served" in counters else "-",
         )
     console.print(table)

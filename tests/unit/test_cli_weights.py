@@ -107,7 +107,14 @@ def test_members_show_the_pull_under_way_and_their_counts() -> None:
                 "role": "trainer",
                 "state": "LOST",
                 "phase": "forward_backward",
-                "counters": {"weight_version": 5.0, "weights_bytes_served": 1e6},
+                # A trainer's transport reports pull gauges too (all 0): not shown.
+                "counters": {
+                    "weight_version": 5.0,
+                    "weights_bytes_served": 1e6,
+                    "weights_pulls": 0.0,
+                    "weights_checksum_failures": 0.0,
+                    "weights_source_failures": 0.0,
+                },
             },
         ],
     }
