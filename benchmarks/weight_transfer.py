@@ -28,7 +28,9 @@ them warm, as each training step does.
 
 Sender and receivers are separate processes (this file re-run with --worker), with an etcd of
 their own. Throughput is payload bytes / wall seconds (GB = 1e9 B); each point is the median
-(or, with --stat best, the fastest) of --repeat runs.
+(or, with --stat best, the fastest) of --repeat runs. Ours/plain and ours/+verify are also
+given as the median of the ratios within each repeat (the three measured back to back), which
+other work on the host skews less.
 
     python benchmarks/weight_transfer.py                      # 64 and 256 MiB, fan-out to 4
     python benchmarks/weight_transfer.py --sizes 64,256,1024  # the full list (~12 GiB RAM)
@@ -683,6 +685,12 @@ async def fan_out(
     }
 
 
+def paired_ratio(row: dict[str, Any], ours: str, base: str) -> float:
+    """Median over repeats of ours' throughput over base's, each pair from one repeat."""
+    samples = row["samples_s"]
+    return statistics.median(b / o for o, b in zip(samples[ours], samples[base], strict=True))
+
+
 def print_report(
     rows: list[dict[str, Any]],
     fan: list[dict[str, Any]],
@@ -741,6 +749,15 @@ def print_report(
         f"{r['size_mib']} MiB {r['plain_verified'] / r['plain']:.2f}" for r in rows
     )
     print(f"+verify/plain, on the worker ours pulls on: {verified}")
+    # Each repeat measures plain ucxx, +verify and ours back to back: the ratio within a repeat
+    # shares that moment's load, so the median of those ratios moves less than a ratio of
+    # medians when other work comes and goes (the columns above).
+    paired = ", ".join(
+        f"{r['size_mib']} MiB {paired_ratio(r, 'ucx', 'plain'):.2f}"
+        f" and {paired_ratio(r, 'ucx', 'plain_verified'):.2f}"
+        for r in rows
+    )
+    print(f"ours/plain and ours/+verify, median of the ratios within each repeat: {paired}")
     # Fixed costs show here: at GPU speed they, not the bytes, set ours/plain.
     print("where ours' time went, median ms of its pulls (plain ucxx's whole pull beside it):")
     for r in rows:

@@ -39,6 +39,9 @@ def test_the_weight_benchmark_measures_every_column(tmp_path: Path) -> None:
         assert 0 < fan["trainer_share"] <= 1 and fan["seconds"] > 0 and fan["first_seconds"] > 0
         assert len(fan["samples_s"]) == 2  # the first version, then --repeat warm ones
     assert "+verify/plain, on the worker ours pulls on: 1 MiB" in done.stdout
+    assert "ours/plain and ours/+verify, median of the ratios within each repeat: 1 MiB" in (
+        done.stdout
+    )
     for row in report["rows"]:
         # Where ours' time went, from the transport's own timings of each pull.
         parts = row["ucx_parts_ms"]
