@@ -27,6 +27,7 @@ update and leaves the model as it was.
 
 from __future__ import annotations
 
+import inspect
 import threading
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable, Sequence
@@ -186,11 +187,21 @@ def validate_weights(
     return incoming
 
 
+def cache_keyword(model: torch.nn.Module) -> str:
+    """The keyword a model's forward takes its KV cache by, which is also the name of the
+    output field that returns it: `cache` from transformers 5 (which deprecates
+    `past_key_values`, to be removed in 5.40), `past_key_values` before. Read from the class,
+    so a wrapped forward (tests pace or hold it) does not hide it."""
+    parameters = inspect.signature(type(model).forward).parameters
+    return "cache" if "cache" in parameters else "past_key_values"
+
+
 class TorchEngine(Engine):
     """Batched sampling with a Hugging Face causal LM and its KV cache (CPU or one GPU)."""
 
     def __init__(self, model: torch.nn.Module, tokenizer: PreTrainedTokenizerBase) -> None:
         self.model = model.eval()
+        self._cache = cache_keyword(model)
         self.tokenizer = tokenizer
         eos, pad = tokenizer.eos_token_id, tokenizer.pad_token_id
         if not isinstance(eos, int) or not isinstance(pad, int):
@@ -291,7 +302,7 @@ class TorchEngine(Engine):
             use_cache=True,
             logits_to_keep=1,
         )
-        cache = out.past_key_values
+        cache = getattr(out, self._cache)
         logits = out.logits[:, -1, :]
         next_pos = positions[:, -1:] + 1
         done = torch.zeros(batch, dtype=torch.bool, device=device)
@@ -315,10 +326,10 @@ class TorchEngine(Engine):
                 input_ids=token[:, None],
                 attention_mask=attention,
                 position_ids=next_pos,
-                past_key_values=cache,
                 use_cache=True,
+                **{self._cache: cache},
             )
-            cache = out.past_key_values
+            cache = getattr(out, self._cache)
             logits = out.logits[:, -1, :]
             next_pos = next_pos + 1
 

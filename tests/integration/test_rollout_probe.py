@@ -79,7 +79,8 @@ class Forward:
         self.nan = False
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        starts_a_generation = kwargs.get("past_key_values") is None
+        # The prompt's forward is the one without a KV cache (engine.cache_keyword).
+        starts_a_generation = kwargs.get("cache", kwargs.get("past_key_values")) is None
         if starts_a_generation and not self.running.is_set():
             self.held.set()
             self.running.wait(60)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import inspect
 import math
 import threading
 from pathlib import Path
@@ -16,6 +17,7 @@ from services.rollout.engine import (
     ContextExceeded,
     SamplingParams,
     TorchEngine,
+    cache_keyword,
     sampling_logprobs,
 )
 from services.trainer.grpo import Sample, completion_logprobs
@@ -71,6 +73,17 @@ def test_greedy_takes_the_argmax(engine: TorchEngine) -> None:
                 logits = engine.model(input_ids=torch.tensor([ids])).logits[0, -1]
             assert tok == int(logits.argmax())
             ids.append(tok)
+
+
+@pytest.mark.filterwarnings("error::FutureWarning")
+def test_generation_passes_the_kv_cache_by_the_models_own_keyword(engine: TorchEngine) -> None:
+    """transformers 5 takes the cache as `cache` and deprecates `past_key_values` (removed in
+    5.40): the engine asks the model class which it takes, so generating warns of nothing
+    (the deprecation warning fails this test) and keeps working past that release."""
+    forward = inspect.signature(type(engine.model).forward).parameters
+    assert cache_keyword(engine.model) == ("cache" if "cache" in forward else "past_key_values")
+    [group] = engine.generate(PROMPTS[:1], SamplingParams(n=2, temperature=1.0, max_new_tokens=4))
+    assert all(len(c.token_ids) >= 1 for c in group)
 
 
 def test_sampling_is_seeded(engine: TorchEngine) -> None:
