@@ -234,7 +234,8 @@ def claim(directory: str | Path, epoch: int) -> None:
     pointers = _pointers(directory)
     newest = max(pointers, default=_NO_EPOCH - 1)
     if newest < epoch:
-        replace_text(directory / pointer_name(epoch), pointers.get(newest, "") + "\n")
+        named = pointers[newest][1] if pointers else ""
+        replace_text(directory / pointer_name(epoch), named + "\n")
 
 
 def step_name(step: int, epoch: int | None) -> str:
@@ -247,22 +248,19 @@ def pointer_name(epoch: int | None) -> str:
     return LATEST if epoch is None else f"{LATEST}.e{epoch}"
 
 
-def _pointer_file(directory: Path, rank: int) -> Path:
-    """The pointer of a _pointers key (an epoch, or _NO_EPOCH)."""
-    return directory / pointer_name(None if rank == _NO_EPOCH else rank)
-
-
-def _pointers(directory: Path) -> dict[int, str]:
-    """Every pointer's epoch (_NO_EPOCH for ``latest``) and the folder it names ('' for none)."""
-    found: dict[int, str] = {}
+def _pointers(directory: Path) -> dict[int, tuple[Path, str]]:
+    """Every pointer by its epoch (_NO_EPOCH for ``latest``): its file and the folder it names
+    ('' for none)."""
+    found: dict[int, tuple[Path, str]] = {}
     for entry in directory.iterdir() if directory.is_dir() else []:
         m = _POINTER.match(entry.name)
         if m is None:
             continue
         try:
-            found[int(m.group(1)) if m.group(1) else _NO_EPOCH] = entry.read_text().strip()
+            named = entry.read_text().strip()
         except FileNotFoundError:
             continue  # pruned as we listed it
+        found[int(m.group(1)) if m.group(1) else _NO_EPOCH] = (entry, named)
     return found
 
 
@@ -342,7 +340,7 @@ def write_snapshot(
     finally:
         if not published:  # not wanted, or failed: no folder that no pointer names
             pointer_tmp.unlink(missing_ok=True)
-            if name not in _pointers(directory).values():
+            if name not in {named for _, named in _pointers(directory).values()}:
                 shutil.rmtree(final, ignore_errors=True)
     if not published:
         return None
@@ -355,10 +353,7 @@ def _newest_pointer(directory: Path) -> tuple[Path, str] | None:
     """The pointer of the newest epoch and the folder it names ('' for none yet), or None
     when there is no pointer at all."""
     pointers = _pointers(directory)
-    if not pointers:
-        return None
-    newest = max(pointers)
-    return _pointer_file(directory, newest), pointers[newest]
+    return pointers[max(pointers)] if pointers else None
 
 
 def _prune(directory: Path, *, keep: int, epoch: int | None, current: Path) -> None:
@@ -370,8 +365,8 @@ def _prune(directory: Path, *, keep: int, epoch: int | None, current: Path) -> N
     pointers = _pointers(directory)
     if max(pointers, default=own) == own:
         for older in [e for e in pointers if e < own]:
-            _pointer_file(directory, older).unlink(missing_ok=True)
-    named = set(_pointers(directory).values())
+            pointers.pop(older)[0].unlink(missing_ok=True)
+    named = {name for _, name in pointers.values()}
     folders = _step_dirs(directory)
     for folder_epoch, _, path in folders[: max(0, len(folders) - keep)]:
         if folder_epoch <= own and path != current and path.name not in named:

@@ -187,9 +187,10 @@ class TrainerWorker:
             self.intake.restored_step = self.step
             self._forget_after(self.step)
             log.info("trainer.restored", job=self.job_id, step=self.step, epoch=self.epoch)
-        elif self.epoch != FIRST_EPOCH:
+        else:
             # An earlier trainer of this job died before its first checkpoint: its steps are
-            # trained again from step 0, and the evaluation before training is made again.
+            # trained again from step 0, and the evaluation before training is made again. (A
+            # first trainer's folder was set aside: it has no logs to forget.)
             self._forget_after(None)
 
     def _set_aside_earlier_run(self) -> None:
@@ -214,8 +215,10 @@ class TrainerWorker:
         restored, and the logs keep nothing."""
         # trained.jsonl numbers a step by the count before it (0 is the first step);
         # metrics.jsonl by the count after it (step 0 is the evaluation before training).
-        lasts = (-1, -1) if step is None else (step - 1, step)
-        for name, last in zip(("trained.jsonl", "metrics.jsonl"), lasts, strict=True):
+        last_kept = {"trained.jsonl": -1, "metrics.jsonl": -1}
+        if step is not None:
+            last_kept = {"trained.jsonl": step - 1, "metrics.jsonl": step}
+        for name, last in last_kept.items():
             path = self.run_dir / name
             if not path.exists():
                 continue
