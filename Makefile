@@ -25,9 +25,14 @@ $(STAMP): pyproject.toml
 demo: $(STAMP)
 	$(PY) -m services.cli.demo
 
+# Test processes for `make test` (pytest-xdist). Each test file runs whole on one worker, so
+# the chaos file (the longest) runs on one while the rest share the other.
+TEST_WORKERS ?= 2
+
 ## The whole test suite (unit, integration with a real etcd, e2e through real processes).
 test: $(STAMP)
-	$(PY) -m pytest -m "not gpu" -p no:cacheprovider --durations=25
+	$(PY) -m pytest -m "not gpu" -p no:cacheprovider --durations=25 \
+		-n $(TEST_WORKERS) --dist loadfile
 
 test-fast: $(STAMP)
 	$(PY) -m pytest tests/unit -m "not gpu and not slow" -p no:cacheprovider

@@ -50,6 +50,7 @@ BOTH_KILLED_STEPS = 160
 ETCD_OUTAGE_STEPS = 160
 NOSPACE_STEPS = 120
 NO_MONITOR_STEPS = 400
+TRAINER_ERROR_STEPS = 160
 NO_MONITOR_GRACE_S = 6.0
 """The leader's `unreported_loss_after` in that test (15 s by default): more than the session
 TTL (5 s). With 15 s and 320 steps the job ended 2 s after the loss was recorded, before the
@@ -128,6 +129,14 @@ def recoveries(cli: Cli, job: str) -> list[dict[str, Any]]:
     return list(status["recoveries"])
 
 
+def pids(cli: Cli, *instance_ids: str) -> dict[str, int]:
+    """These members' pids, read in one command. Tests read them before they wait for the job's
+    step: every command is a cold process start (seconds on two busy cores, ~10 steps a
+    second), and a job of STEPS once ended between the wait and the fault."""
+    members = {m["instance_id"]: m for m in cli.members()}
+    return {name: int(str(members[name]["pid"])) for name in instance_ids}
+
+
 def data_plane_pids(cli: Cli) -> dict[object, object]:
     """Trainer and rollout members by instance id -> their pid."""
     return {
@@ -202,10 +211,11 @@ def test_a_trainer_and_a_rollout_killed_together_lose_no_group(
 ) -> None:
     # As when one machine carries both: the groups the rollout delivered that the trainer had
     # not made durable are held by nobody. They must be generated again, not counted trained.
+    victims = pids(stack, "trainer-0", "rollout-1")
     submit(stack, model_dir, "tr", f"trainer.steps={BOTH_KILLED_STEPS}")
     eventually_sync(lambda: step_of(stack, "tr") >= 8, timeout=180)
-    for name in ("trainer-0", "rollout-1"):
-        os.kill(int(member(stack, name)["pid"]), signal.SIGKILL)
+    for pid in victims.values():
+        os.kill(pid, signal.SIGKILL)
     wait_for_incident(stack, "MEMBER_LOST", "trainer-0", timeout=15)
     wait_for_incident(stack, "MEMBER_LOST", "rollout-1", timeout=15)
     finish(stack, "tr")
@@ -229,9 +239,10 @@ def test_a_killed_trainer_is_taken_over_by_a_standby_that_built_the_model_ahead(
         eventually_sync(
             lambda: member(cli, "standby-0")["labels"].get("prepared") == "tw", timeout=120
         )
+        before = pids(cli, "trainer-0", "rollout-0", "rollout-1")
+        trainer = before.pop("trainer-0")
         eventually_sync(lambda: step_of(cli, "tw") >= 8, timeout=180)
-        rollout_pids = {int(member(cli, r)["pid"]) for r in ("rollout-0", "rollout-1")}
-        os.kill(int(member(cli, "trainer-0")["pid"]), signal.SIGKILL)
+        os.kill(trainer, signal.SIGKILL)
         incident = wait_for_incident(cli, "MEMBER_LOST", "trainer-0", timeout=15)
         # Its address refused connections: reported without waiting out the reconnect grace.
         assert "refuses connections" in incident["evidence"], incident
@@ -243,7 +254,7 @@ def test_a_killed_trainer_is_taken_over_by_a_standby_that_built_the_model_ahead(
         assert "trainer.prepared" in log and "trainer.took_prepared" in log
         assert "trainer.restored" in log
         # Only the trainer was replaced: the same rollout processes served the whole job.
-        assert {int(member(cli, r)["pid"]) for r in ("rollout-0", "rollout-1")} == rollout_pids
+        assert pids(cli, "rollout-0", "rollout-1") == before
         assert_nothing_lost_or_trained_twice(cli, "tw", tmp_path / "runs" / "tw", STANDBY_STEPS)
 
 
@@ -257,9 +268,9 @@ def test_a_hung_trainer_is_replaced_and_its_zombie_changes_nothing(
     checkpoint and run-log lines are not published, and every step is trained once."""
     with detection_stack(tmp_path, "--standby-trainers", "1") as cli:
         # The job stands still while its only trainer is frozen: STEPS outlast the recovery.
+        pid = pids(cli, "trainer-0")["trainer-0"]
         submit(cli, model_dir, "th")
         eventually_sync(lambda: step_of(cli, "th") >= 8, timeout=180)
-        pid = int(member(cli, "trainer-0")["pid"])
         os.kill(pid, signal.SIGSTOP)
         try:
             eventually_sync(lambda: any(r["done_at"] for r in recoveries(cli, "th")), timeout=90)
@@ -281,10 +292,11 @@ def test_a_hung_trainer_is_replaced_and_its_zombie_changes_nothing(
 def test_a_full_restart_replaces_every_role_with_a_new_process(
     stack: Cli, model_dir: Path, tmp_path: Path
 ) -> None:
+    survivors = pids(stack, "trainer-0", "rollout-0", "rollout-1")
+    killed = survivors.pop("rollout-1")
     submit(stack, model_dir, "fr", "recovery.mode=full_restart")
     eventually_sync(lambda: step_of(stack, "fr") >= 8, timeout=180)
-    survivors = {name: int(member(stack, name)["pid"]) for name in ("trainer-0", "rollout-0")}
-    os.kill(int(member(stack, "rollout-1")["pid"]), signal.SIGKILL)
+    os.kill(killed, signal.SIGKILL)
     wait_for_incident(stack, "MEMBER_LOST", "rollout-1", timeout=15)
     finish(stack, "fr")
     [rec] = recoveries(stack, "fr")
@@ -352,10 +364,10 @@ def test_a_group_that_crashes_every_rollout_is_dropped_and_the_job_goes_on(
 def test_a_killed_leader_coordinator_restarts_no_data_plane_role(
     stack: Cli, model_dir: Path, tmp_path: Path
 ) -> None:
-    submit(stack, model_dir, "lc")
-    eventually_sync(lambda: step_of(stack, "lc") >= 5, timeout=180)
     data_plane = data_plane_pids(stack)
     leader = next(m for m in stack.members() if m["leader"])
+    submit(stack, model_dir, "lc")
+    eventually_sync(lambda: step_of(stack, "lc") >= 5, timeout=180)
     os.kill(int(str(leader["pid"])), signal.SIGKILL)
     finish(stack, "lc")
     after = data_plane_pids(stack)
@@ -522,9 +534,12 @@ def test_a_trainer_error_is_recovered_on_another_trainer_and_the_same_error_agai
     # A fault of one trainer's machine (chaos INJECT_ERROR: that trainer alone stops on an
     # error at one step): recovered as a lost trainer, and the job succeeds. Before, any error
     # of the trainer failed the whole job.
-    submit(stack, model_dir, "te")
+    rollout_pids = pids(stack, "rollout-0", "rollout-1")
+    # Long enough that the job still runs when the fault arrives: the chaos command is a cold
+    # process start (with 80 steps, and two more commands between the wait and the fault, the
+    # job once ended first).
+    submit(stack, model_dir, "te", f"trainer.steps={TRAINER_ERROR_STEPS}")
     eventually_sync(lambda: step_of(stack, "te") >= 4, timeout=180)
-    rollout_pids = {int(member(stack, r)["pid"]) for r in ("rollout-0", "rollout-1")}
     [injected] = chaos(stack, "te", "--fault", "error", "--role", "trainer")
     assert (injected["fault"], injected["instance_id"]) == ("error", "trainer-0")
     incident = wait_for_incident(stack, "TRAINER_ERROR", "trainer-0", timeout=60)
@@ -535,11 +550,13 @@ def test_a_trainer_error_is_recovered_on_another_trainer_and_the_same_error_agai
     assert rec["kind"] == "TRAINER_ERROR"
     assert rec["actions"] == ["FENCE trainer-0", "RESTORE_TRAINER trainer-0"]
     assert rec["replacements"][0].startswith("trainer-p")
-    assert {int(member(stack, r)["pid"]) for r in ("rollout-0", "rollout-1")} == rollout_pids
+    assert pids(stack, "rollout-0", "rollout-1") == rollout_pids
     # The fenced trainer lives on, off the job: the leader does not find it bound any more.
     fenced = member(stack, "trainer-0")
     assert fenced["job_id"] == "" and fenced["labels"].get("fenced") == "true", fenced
-    assert_nothing_lost_or_trained_twice(stack, "te", tmp_path / "runs" / "te")
+    assert_nothing_lost_or_trained_twice(
+        stack, "te", tmp_path / "runs" / "te", steps_run=TRAINER_ERROR_STEPS
+    )
 
     # An error of the job itself (spec.faults.error_steps: every trainer stops at step 5):
     # recovered once, then the replacement stops at the same step and the job fails, saying
