@@ -437,10 +437,17 @@ class LeaseWorkRequest(_message.Message):
     INSTANCE_ID_FIELD_NUMBER: _builtins.int
     EPOCH_FIELD_NUMBER: _builtins.int
     MAX_GROUPS_FIELD_NUMBER: _builtins.int
+    REQUEST_ID_FIELD_NUMBER: _builtins.int
     job_id: _builtins.str
     instance_id: _builtins.str
     epoch: _builtins.int
     max_groups: _builtins.int
+    request_id: _builtins.str
+    """One id per ask, the same on every retry of it until an answer arrives. If the leader
+    already leased groups for this ask (its answer was lost: the leader died after storing the
+    lease, or the call timed out), it answers with those groups, still open to the caller,
+    instead of leasing more. Empty: every request is a new ask.
+    """
     def __init__(
         self,
         *,
@@ -448,10 +455,11 @@ class LeaseWorkRequest(_message.Message):
         instance_id: _builtins.str = ...,
         epoch: _builtins.int = ...,
         max_groups: _builtins.int = ...,
+        request_id: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["epoch", b"epoch", "instance_id", b"instance_id", "job_id", b"job_id", "max_groups", b"max_groups"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["epoch", b"epoch", "instance_id", b"instance_id", "job_id", b"job_id", "max_groups", b"max_groups", "request_id", b"request_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -50,6 +50,8 @@ log = get_logger(__name__)
 
 Action: TypeAlias = trainer_pb2.ControlRequest.Action.ValueType
 
+MAX_REQUEST_ID = 128
+"""The longest LeaseWork request_id taken (the ledger keeps each rollout's last one)."""
 CONTROL_DEADLINE = 30.0
 """Seconds a member gets to accept a BIND (it loads the model before answering)."""
 
@@ -853,6 +855,8 @@ class JobDriver:
     ) -> coordinator_pb2.LeaseWorkResponse:
         if request.max_groups < 1:
             raise InvalidArgument("max_groups must be >= 1")
+        if len(request.request_id) > MAX_REQUEST_ID:
+            raise InvalidArgument(f"request_id is longer than {MAX_REQUEST_ID} characters")
         saved: asyncio.Future[None] | None = None
         async with self.lock(request.job_id):
             record, _ = await self.store.get(request.job_id)
@@ -865,6 +869,11 @@ class JobDriver:
             await self._bound_member(record, "rollout", request.instance_id)
             spec = self.spec(record)
             ledger = self.ledger(request.job_id)
+            ask = ledger.asks.get(request.instance_id)
+            again = ask is not None and (ask.request_id, ask.epoch) == (
+                request.request_id or None,
+                request.epoch,
+            )
             granted = work.lease(
                 ledger,
                 instance_id=request.instance_id,
@@ -873,7 +882,15 @@ class JobDriver:
                 budget=spec.trainer.groups_per_step * (spec.trainer.max_staleness + 1),
                 now=time.time(),
                 lease_seconds=self.lease_seconds,
+                request_id=request.request_id,
             )
+            if again:
+                log.info(
+                    "coordinator.lease_answered_again",
+                    job=request.job_id,
+                    member=request.instance_id,
+                    groups=len(granted),
+                )
             if granted:
                 saved = self.ledger_changed(ledger)
             dataset = self.datasets.get(request.job_id) or dataset_for(spec)

@@ -43,6 +43,15 @@ class Lease(BaseModel):
     deadline: float
 
 
+class Ask(BaseModel):
+    """A holder's last lease ask that got groups: a retry of it (same request id) is answered
+    with them again, not with more."""
+
+    request_id: str
+    epoch: int
+    groups: list[str]
+
+
 class Holding(BaseModel):
     """Who holds the trajectories of a group the trainer has not made durable yet."""
 
@@ -86,6 +95,9 @@ class WorkLedger(BaseModel):
     group (see `release_lost_holder`)."""
     poisoned: int = 0
     """How many groups were dropped as poison groups."""
+    asks: dict[str, Ask] = Field(default_factory=dict)
+    """Holder -> its last ask that got groups (`lease`'s request_id). One per rollout, dropped
+    when the rollout is released."""
 
 
 class DroppedPage(BaseModel):
@@ -151,9 +163,20 @@ def lease(
     budget: int,
     now: float,
     lease_seconds: float,
+    request_id: str = "",
 ) -> list[str]:
     """Lease up to max_groups (requeued first, then new ones) within the budget. A group whose
-    holder was lost before goes out alone (see `WorkLedger.losses`). Mutates."""
+    holder was lost before goes out alone (see `WorkLedger.losses`). A retry of an ask that
+    already got groups (the same non-empty `request_id` and epoch: its answer never arrived)
+    gets those of them still open to it, with their deadline renewed, and nothing more.
+    Mutates."""
+    ask = ledger.asks.get(instance_id)
+    if request_id and ask and (ask.request_id, ask.epoch) == (request_id, epoch):
+        mine = set(_leased_to(ledger, instance_id))
+        again = [g for g in ask.groups if g in mine]
+        for group in again:
+            ledger.open[group].deadline = now + lease_seconds
+        return again
     granted: list[str] = []
     room = budget - len(ledger.open) - len(ledger.delivered)
     while len(granted) < min(max_groups, room):
@@ -172,6 +195,8 @@ def lease(
         granted.append(group)
         if alone:
             break
+    if request_id and granted:
+        ledger.asks[instance_id] = Ask(request_id=request_id, epoch=epoch, groups=granted)
     return granted
 
 
@@ -182,6 +207,9 @@ def unlease(ledger: WorkLedger, instance_id: str, group_ids: list[str]) -> list[
     back = [g for g in group_ids if (h := ledger.open.get(g)) and h.instance_id == instance_id]
     for group in back:
         del ledger.open[group]
+    ask = ledger.asks.get(instance_id)
+    if ask and set(ask.groups) <= set(group_ids):
+        del ledger.asks[instance_id]  # its retry is a new ask
     ledger.requeued[:0] = [g for g in back if g not in ledger.requeued]
     return back
 
@@ -245,6 +273,7 @@ def release_holder(ledger: WorkLedger, instance_id: str, reason: str) -> list[st
     groups = _leased_to(ledger, instance_id)
     for group in groups:
         take_back(ledger, group, reason)
+    ledger.asks.pop(instance_id, None)
     return groups
 
 
@@ -271,6 +300,7 @@ def release_lost_holder(
         else:
             take_back(ledger, group, reason)
             requeued.append(group)
+    ledger.asks.pop(instance_id, None)
     return requeued, dropped
 
 

@@ -27,6 +27,7 @@ import asyncio
 import contextlib
 import math
 import time
+import uuid
 import zlib
 from collections import deque
 from collections.abc import Callable, Iterator
@@ -310,15 +311,22 @@ class RolloutWorker:
             "starting the weight transport",
         )
         lease_failures = Repeats(REPEAT_WINDOW_S)
+        request_id = ""
         while True:
+            # One id per ask, kept while it goes unanswered: a leader that stored the lease and
+            # died before answering leaves its groups to this rollout, and its successor answers
+            # the retry with them (else they wait out their lease, and fill the job's budget).
+            request_id = request_id or uuid.uuid4().hex
             request = coordinator_pb2.LeaseWorkRequest(
                 job_id=self.job_id,
                 instance_id=self.runtime.instance_id,
                 epoch=self.epoch,
                 max_groups=self.settings.groups_per_lease,
+                request_id=request_id,
             )
             try:
                 reply = await self._lease(request)
+                request_id = ""
             except (grpc.aio.AioRpcError, Unavailable) as exc:
                 # Equal failures once per window: an outage fails every ask twice a second.
                 error = (

@@ -23,6 +23,7 @@ from services.common.errors import (
     LEADER_METADATA_KEY,
     Aborted,
     FailedPrecondition,
+    InvalidArgument,
     NotFound,
     NotLeader,
     Unavailable,
@@ -37,7 +38,7 @@ from services.coordinator.leadership import Leadership
 from services.coordinator.store import JobStore, dropped_pages
 from services.monitor.incidents import IncidentRecord
 from tests.e2e.test_cli_stack import REPO
-from tests.integration.conftest import accepts_writes, leader_of
+from tests.integration.conftest import accepts_writes, leader_of, started_member
 from tests.support import eventually
 
 SPEC = "name: arith\ntrainer: {steps: 3}\n"
@@ -765,3 +766,47 @@ async def test_requests_at_once_share_ledger_writes_and_each_waits_for_one_that_
         assert before is not None and after is not None
         assert packed.load(work.WorkLedger, after.value) == ledger and len(ledger.open) == 48
         assert 1 <= after.version - before.version <= 3  # etcd counts the key's writes
+
+
+async def test_a_lease_retried_with_a_new_leader_gets_the_groups_the_old_one_stored(
+    etcd_settings: EtcdSettings,
+) -> None:
+    """The leader stores a lease and goes before its answer arrives: the rollout asks again,
+    with the same request id, of the next leader, which reloads the ledger from etcd and answers
+    with the same groups. Before, those groups stayed leased to a rollout that never knew of
+    them until their lease ran out (a minute), and filled the job's budget meanwhile: a leader
+    killed mid-lease stalled a chaos test's job for 60 s."""
+    rollout = await started_member("rollout", "r1", etcd_settings)
+    try:
+        await rollout.update_member(job_id="rl")
+        ask = pb.LeaseWorkRequest(
+            job_id="rl", instance_id="r1", epoch=1, max_groups=4, request_id="ask-1"
+        )
+        async with lone_leader(etcd_settings, "first") as (_, leadership, driver):
+            record = transition(new_job("rl", {"name": "arith"}, 0.0), Phase.RUNNING, "x", now=0)
+            await driver.store.create(record, leadership.guard())
+            driver.ledgers["rl"] = work.WorkLedger(job_id="rl")
+            first = [g.group_id for g in (await driver.lease_work(ask)).groups]  # answer lost
+            assert first == [work.group_id("rl", i) for i in range(4)]
+        async with lone_leader(etcd_settings, "second") as (_, _, driver):
+            again = await driver.lease_work(ask)
+            assert [g.group_id for g in again.groups] == first
+            ledger = driver.ledger("rl")
+            assert ledger.next_index == 4 and set(ledger.open) == set(first)
+            assert all(g.prompt for g in again.groups)
+            # A new ask is new work.
+            fresh = await driver.lease_work(
+                pb.LeaseWorkRequest(
+                    job_id="rl", instance_id="r1", epoch=1, max_groups=2, request_id="ask-2"
+                )
+            )
+            assert [g.group_id for g in fresh.groups] == [work.group_id("rl", i) for i in (4, 5)]
+            with pytest.raises(InvalidArgument, match="request_id is longer"):
+                await driver.lease_work(
+                    pb.LeaseWorkRequest(
+                        job_id="rl", instance_id="r1", epoch=1, max_groups=2, request_id="x" * 129
+                    )
+                )
+            assert driver.ledger("rl").next_index == 6
+    finally:
+        await rollout.shutdown()

@@ -385,3 +385,34 @@ def test_a_page_stored_while_more_groups_were_dropped_lets_go_only_of_what_it_ho
     assert ledger.released == {groups[0]: ["holder lost again"]}
     assert ledger.discarded == {groups[5]: "too stale"}
     assert page.released[groups[0]] == ["holder lost"]
+
+
+def test_a_retried_ask_gets_what_it_already_got_and_nothing_more() -> None:
+    led = ledger()
+
+    def ask(request_id: str, n: int = 3, *, now: float = 0.0, epoch: int = 1) -> list[str]:
+        return work.lease(
+            led,
+            instance_id="r0",
+            epoch=epoch,
+            max_groups=n,
+            budget=8,
+            now=now,
+            lease_seconds=10.0,
+            request_id=request_id,
+        )
+
+    first = ask("a")
+    assert first == ["j-g000000", "j-g000001", "j-g000002"]
+    assert ask("a", now=5.0) == first  # its answer was lost: the same groups, renewed
+    assert {held.deadline for held in led.open.values()} == {15.0} and led.next_index == 3
+    work.complete(led, "r0", first[:1])
+    assert ask("a") == first[1:]  # what it delivered is not leased to it again
+    assert ask("b", 1) == ["j-g000003"]  # a new ask: new work
+    assert ask("b", 1, epoch=2) == ["j-g000004"]  # another epoch of r0: a new ask too
+    assert ask("", 1) == ["j-g000005"] and ask("", 1) == ["j-g000006"]  # no id: each is new
+    assert work.unlease(led, "r0", ["j-g000004"]) == ["j-g000004"]
+    assert ask("b", 1, epoch=2) == ["j-g000004"]  # its store failed: asked again, leased anew
+    work.release_holder(led, "r0", "left")
+    assert "r0" not in led.asks
+    assert ask("b", 1, epoch=2) == ["j-g000001"]  # what was taken back goes first, as new work
