@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import os
 import shutil
 import signal
@@ -108,15 +109,25 @@ async def etcd_client(etcd_settings: EtcdSettings) -> AsyncIterator[object]:
 
 @pytest.fixture(scope="session")
 def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The tiny model, made once by the repo's own command (seeded, so the same every run)."""
-    out = tmp_path_factory.mktemp("model") / "tiny-qwen"
-    subprocess.run(
-        [sys.executable, "-m", "services.cli.main", "model", "init", "--out", str(out)],
-        cwd=Path(__file__).resolve().parents[1],
-        check=True,
-        capture_output=True,
-        timeout=600,
-    )
+    """The tiny model, made once per run by the repo's own command (seeded, so the same every
+    run). Read-only. Under pytest-xdist the workers share one copy: the first to get here makes
+    it in the run's common folder, the others wait on the lock and use it."""
+    root = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        root = root.parent
+    out, made = root / "model" / "tiny-qwen", root / "model" / "made"
+    with (root / "model.lock").open("w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not made.exists():
+            shutil.rmtree(out, ignore_errors=True)  # what a worker that failed left
+            subprocess.run(
+                [sys.executable, "-m", "services.cli.main", "model", "init", "--out", str(out)],
+                cwd=Path(__file__).resolve().parents[1],
+                check=True,
+                capture_output=True,
+                timeout=600,
+            )
+            made.touch()
     return out
 
 
