@@ -3,7 +3,10 @@
 Each candidate writes `<election prefix><lease id>` under its session lease; the candidate
 whose key has the lowest create revision is the leader. A candidate waits for the key just
 before its own to be deleted, then checks again. When the leader's process dies, its lease
-expires and its key goes, so the next candidate leads within the session TTL.
+expires and its key goes, so the next candidate leads within the session TTL. A candidate
+next in line can be given a test for a leader that is gone for certain (`gone`: the
+coordinator's is an address that refuses connections): it then revokes the leader's lease,
+whose id is in its key, and leads at once instead of waiting out the TTL.
 
 Writes that only the leader may make compare the leader key's create revision in the same
 transaction (`leader_guard`), so a deposed leader can never write, even if it has not yet
@@ -13,20 +16,32 @@ noticed it lost.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import aetcd
 
+from services.common.logs import get_logger
 from services.common.session import Session
 from services.common.watch import Delete, Entry, Resync, list_prefix, watch_prefix
 
+log = get_logger(__name__)
+
+GONE_CHECK_INTERVAL = 0.25
+"""Seconds between two `gone` tests of the leader by the candidate next in line."""
+
+Gone = Callable[[Entry], Awaitable[bool]]
+"""True when the candidate of this entry is gone for certain (its process is dead)."""
+
 
 class Election:
-    def __init__(self, client: aetcd.Client, prefix: bytes, session: Session) -> None:
+    def __init__(
+        self, client: aetcd.Client, prefix: bytes, session: Session, gone: Gone | None = None
+    ) -> None:
         self.client = client
         self.prefix = prefix
         self.session = session
+        self.gone = gone
         self.key = prefix + f"{session.lease_id:x}".encode()
         self.revision = 0  # create revision of our key once we campaign
 
@@ -56,18 +71,40 @@ class Election:
             if not earlier:
                 return
             blocker = max(earlier, key=lambda e: e.create_revision)
-            await self._wait_deleted(blocker.key, revision + 1)
+            # Next in line behind the leader: this candidate may unseat a dead one.
+            unseat = len(earlier) == 1 and self.gone is not None
+            await self._wait_deleted(blocker, revision + 1, unseat)
 
-    async def _wait_deleted(self, key: bytes, start_revision: int) -> None:
-        waiter: asyncio.Task[None] = asyncio.create_task(self._deleted(key, start_revision))
-        lost = asyncio.create_task(self.session.done.wait())
+    async def _wait_deleted(self, blocker: Entry, start_revision: int, unseat: bool) -> None:
+        tasks: list[asyncio.Task[Any]] = [
+            asyncio.create_task(self._deleted(blocker.key, start_revision)),
+            lost := asyncio.create_task(self.session.done.wait()),
+        ]
+        if unseat:
+            tasks.append(asyncio.create_task(self._unseat_when_gone(blocker)))
         try:
-            done, _ = await asyncio.wait({waiter, lost}, return_when=asyncio.FIRST_COMPLETED)
+            done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
             if lost in done:
                 raise RuntimeError("session lost while campaigning")
         finally:
-            for task in (waiter, lost):
+            for task in tasks:
                 task.cancel()
+
+    async def _unseat_when_gone(self, leader: Entry) -> None:
+        """Revoke the lease of a leader that `gone` finds dead: its key goes with the lease,
+        and the watch on it lets this candidate lead. Never returns otherwise."""
+        assert self.gone is not None
+        while True:
+            if await self.gone(leader):
+                break
+            await asyncio.sleep(GONE_CHECK_INTERVAL)
+        lease_id = int(leader.key[len(self.prefix) :], 16)
+        log.info("election.leader_unseated", lease=f"{lease_id:x}", leader=leader.value.decode())
+        try:
+            await self.client.revoke_lease(lease_id)
+        except aetcd.exceptions.ClientError as exc:  # gone already: the watch sees the delete
+            log.info("election.unseat_failed", error=repr(exc))
+        await asyncio.Event().wait()
 
     async def _deleted(self, key: bytes, start_revision: int) -> None:
         async for event in watch_prefix(self.client, key, start_revision):

@@ -4,6 +4,11 @@ One replica leads (etcd election); followers serve reads and answer writes with 
 leader's address. Leading means nothing is cached that etcd does not hold: a new leader
 reloads every job from etcd before it acts, and each leader-only write carries a guard that
 fails if this replica has lost the election.
+
+The replica next in line checks the leader's address while it waits: refused twice in a row
+(the process is dead: kill -9, a crash), it revokes the leader's lease and leads within about a
+second instead of the session TTL. A leader that does not answer at all (a hang, a
+partition, a machine gone) keeps its lease until the lease runs out.
 """
 
 from __future__ import annotations
@@ -20,8 +25,13 @@ from services.common.errors import NotLeader, Unavailable
 from services.common.logs import get_logger
 from services.common.runtime import ServiceRuntime
 from services.common.session import Session
+from services.common.watch import Entry
 
 log = get_logger(__name__)
+
+REFUSALS_FOR_GONE = 2
+"""Refused connections in a row to the leader's address that make it gone for certain."""
+CONNECT_TIMEOUT = 1.0
 
 
 class Leadership:
@@ -37,6 +47,7 @@ class Leadership:
         self.election: Election | None = None
         self.is_leader = False
         self._task: asyncio.Task[None] | None = None
+        self._refused: dict[bytes, int] = {}
 
     def start(self) -> None:
         self._task = asyncio.create_task(self._run(), name="leadership")
@@ -51,7 +62,7 @@ class Leadership:
         while True:
             session = await self.runtime.next_session(session)
             assert self.runtime.client is not None
-            election = Election(self.runtime.client, self.prefix, session)
+            election = Election(self.runtime.client, self.prefix, session, gone=self._leader_gone)
             self.election = election
             try:
                 await election.campaign(self._value())
@@ -77,6 +88,25 @@ class Leadership:
             finally:
                 self.is_leader = False
                 log.warning("coordinator.deposed")
+
+    async def _leader_gone(self, leader: Entry) -> bool:
+        """Whether the leader's address refused a connection `REFUSALS_FOR_GONE` times in a
+        row: nothing listens there, so its process is dead. A timeout or any other error
+        proves nothing and starts the count again."""
+        host, _, port = str(json.loads(leader.value).get("address", "")).rpartition(":")
+        try:
+            _, writer = await asyncio.wait_for(
+                asyncio.open_connection(host, int(port)), CONNECT_TIMEOUT
+            )
+        except ConnectionRefusedError:
+            self._refused[leader.key] = refused = self._refused.get(leader.key, 0) + 1
+            return refused >= REFUSALS_FOR_GONE
+        except (OSError, TimeoutError, ValueError):
+            pass
+        else:
+            writer.close()
+        self._refused.pop(leader.key, None)
+        return False
 
     def guard(self) -> list[Any]:
         """etcd comparisons that make a write conditional on still leading; NotLeader if not."""

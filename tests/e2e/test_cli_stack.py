@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import datetime
 import json
 import os
 import signal
@@ -145,9 +146,12 @@ def test_kill_9_of_the_leader_hands_over_within_the_ttl_and_keeps_every_job(cli:
     cli.run("cancel", "job-2")
     before = cli.json("jobs")
     leader = next(m for m in cli.members() if m["leader"])
+    # The follower has checked the live leader's address all along: never taken for gone.
+    for log_file in (cli.home / "logs").glob("coordinator-*.log"):
+        assert "election.leader_unseated" not in log_file.read_text()
 
     os.kill(int(str(leader["pid"])), signal.SIGKILL)
-    killed_at = time.monotonic()
+    killed_at, killed_wall = time.monotonic(), time.time()
 
     def new_leader() -> bool:
         return any(m["leader"] and m["pid"] != leader["pid"] for m in cli.members())
@@ -156,6 +160,15 @@ def test_kill_9_of_the_leader_hands_over_within_the_ttl_and_keeps_every_job(cli:
     took = time.monotonic() - killed_at
     # Lease expiry (at most the TTL after the last refresh) plus one CLI round trip.
     assert took <= TTL + 1.5, f"new leader after {took:.1f}s"
+    # Sooner in fact: the replica next in line found the dead leader's address refusing
+    # connections and revoked its lease, instead of waiting for the lease to run out.
+    successor = next(m for m in cli.members() if m["leader"])
+    log = (cli.home / "logs" / f"{successor['instance_id']}.log").read_text()
+    assert "election.leader_unseated" in log
+    elected = [line for line in log.splitlines() if "coordinator.elected" in line][-1]
+    stamp = datetime.datetime.fromisoformat(elected.split()[0].replace("Z", "+00:00"))
+    led_after = stamp.timestamp() - killed_wall
+    assert led_after < TTL / 2, f"led {led_after:.2f}s after the kill"
 
     after = cli.json("jobs")
     assert after == before
