@@ -76,6 +76,8 @@ class Election:
             await self._wait_deleted(blocker, revision + 1, unseat)
 
     async def _wait_deleted(self, blocker: Entry, start_revision: int, unseat: bool) -> None:
+        """Until the blocker's key goes (or, with `unseat`, this candidate revoked its lease:
+        the caller lists the keys again either way)."""
         tasks: list[asyncio.Task[Any]] = [
             asyncio.create_task(self._deleted(blocker.key, start_revision)),
             lost := asyncio.create_task(self.session.done.wait()),
@@ -91,8 +93,8 @@ class Election:
                 task.cancel()
 
     async def _unseat_when_gone(self, leader: Entry) -> None:
-        """Revoke the lease of a leader that `gone` finds dead: its key goes with the lease,
-        and the watch on it lets this candidate lead. Never returns otherwise."""
+        """Once `gone` finds the leader dead, revoke its lease: its key goes with the lease.
+        Runs until then."""
         assert self.gone is not None
         while True:
             if await self.gone(leader):
@@ -102,9 +104,8 @@ class Election:
         log.info("election.leader_unseated", lease=f"{lease_id:x}", leader=leader.value.decode())
         try:
             await self.client.revoke_lease(lease_id)
-        except aetcd.exceptions.ClientError as exc:  # gone already: the watch sees the delete
+        except aetcd.exceptions.ClientError as exc:  # expired already: the key is gone too
             log.info("election.unseat_failed", error=repr(exc))
-        await asyncio.Event().wait()
 
     async def _deleted(self, key: bytes, start_revision: int) -> None:
         async for event in watch_prefix(self.client, key, start_revision):

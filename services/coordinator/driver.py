@@ -869,11 +869,7 @@ class JobDriver:
             await self._bound_member(record, "rollout", request.instance_id)
             spec = self.spec(record)
             ledger = self.ledger(request.job_id)
-            ask = ledger.asks.get(request.instance_id)
-            again = ask is not None and (ask.request_id, ask.epoch) == (
-                request.request_id or None,
-                request.epoch,
-            )
+            again = work.retried_ask(ledger, request.instance_id, request.epoch, request.request_id)
             granted = work.lease(
                 ledger,
                 instance_id=request.instance_id,
@@ -884,7 +880,7 @@ class JobDriver:
                 lease_seconds=self.lease_seconds,
                 request_id=request.request_id,
             )
-            if again:
+            if again is not None:
                 log.info(
                     "coordinator.lease_answered_again",
                     job=request.job_id,

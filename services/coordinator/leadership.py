@@ -99,8 +99,11 @@ class Leadership:
                 asyncio.open_connection(host, int(port)), CONNECT_TIMEOUT
             )
         except ConnectionRefusedError:
-            self._refused[leader.key] = refused = self._refused.get(leader.key, 0) + 1
-            return refused >= REFUSALS_FOR_GONE
+            refused = self._refused.pop(leader.key, 0) + 1
+            if refused >= REFUSALS_FOR_GONE:
+                return True
+            self._refused[leader.key] = refused
+            return False
         except (OSError, TimeoutError, ValueError):
             pass
         else:

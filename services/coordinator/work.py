@@ -154,6 +154,15 @@ def parse_group_id(group: str) -> tuple[str, int] | None:
     return job_id, int(digits)
 
 
+def retried_ask(ledger: WorkLedger, instance_id: str, epoch: int, request_id: str) -> Ask | None:
+    """The ask that this request retries (same non-empty request id and epoch: its answer
+    never arrived), or None for a new ask."""
+    ask = ledger.asks.get(instance_id)
+    if request_id and ask and (ask.request_id, ask.epoch) == (request_id, epoch):
+        return ask
+    return None
+
+
 def lease(
     ledger: WorkLedger,
     *,
@@ -167,11 +176,9 @@ def lease(
 ) -> list[str]:
     """Lease up to max_groups (requeued first, then new ones) within the budget. A group whose
     holder was lost before goes out alone (see `WorkLedger.losses`). A retry of an ask that
-    already got groups (the same non-empty `request_id` and epoch: its answer never arrived)
-    gets those of them still open to it, with their deadline renewed, and nothing more.
-    Mutates."""
-    ask = ledger.asks.get(instance_id)
-    if request_id and ask and (ask.request_id, ask.epoch) == (request_id, epoch):
+    already got groups (`retried_ask`) gets those of them still open to it, with their deadline
+    renewed, and nothing more. Mutates."""
+    if ask := retried_ask(ledger, instance_id, epoch, request_id):
         mine = set(_leased_to(ledger, instance_id))
         again = [g for g in ask.groups if g in mine]
         for group in again:
