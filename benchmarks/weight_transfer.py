@@ -42,14 +42,15 @@ it device to device); the gRPC stream still serves and receives host copies, as 
 GPU trainer.
 
 It also prints where ours' time went, the median of each part of its pulls (reading the
-manifest, the request's round trip, receiving, and of that the loop's time checking buckets
-as they landed, verifying after the last bucket) beside plain ucxx's whole pull: at GPU speed
-fixed costs per pull, not the bytes, set ours/plain; on a host the hashes (the last bucket's
-after its last byte) weigh most. BENCH_LOG_LEVEL=info makes the workers log every transfer,
-with the same parts (`weights.pulled`: manifest_s, request_s, receive_s, check_s,
-verify_wait_s); --keep-logs DIR keeps
-their logs (otherwise only a dead worker's log tail is printed); --json FILE writes every point
-with its raw samples.
+manifest, the request's round trip, receiving, and of that the wait for the first bucket and
+the loop's time checking buckets as they landed, verifying after the last bucket) beside plain
+ucxx's whole pull and its own wait for the first bucket: at GPU speed fixed costs per pull, not
+the bytes, set ours/plain; on a host the hashes (the last bucket's after its last byte) weigh
+most. BENCH_LOG_LEVEL=info makes the workers log every transfer, with the same parts
+(`weights.pulled`: manifest_s, request_s, receive_s, check_s, first_s, verify_wait_s);
+--keep-logs DIR keeps their logs (otherwise only a dead worker's log tail is printed); --json
+FILE writes every point with its raw samples. --in-flight N posts N buckets ahead on each
+endpoint, ours and plain ucxx alike, instead of the transport's IN_FLIGHT_BUCKETS.
 
 Within one host, verification is what separates ours from plain ucxx: UCX copies each
 message inside the progress call of the receiving worker (CMA, one copy, see
@@ -305,9 +306,14 @@ class Worker:
             collections.deque()
         )
 
+        first_s = 0.0
+
         async def land() -> None:
+            nonlocal first_s
             index, view, receive = receives.popleft()
             await receive
+            if not first_s:
+                first_s = time.perf_counter() - started
             if verify:
                 checks.landed(index, view)
 
@@ -326,7 +332,7 @@ class Worker:
             while receives:
                 await land()
             await checks.results()
-        return {"seconds": time.perf_counter() - started}
+        return {"seconds": time.perf_counter() - started, "first_s": first_s}
 
     async def do_plain_reset(self, cmd: dict[str, Any]) -> dict[str, Any]:
         for endpoint in self.plain_eps.values():
@@ -354,6 +360,10 @@ def sync(device: torch.device) -> None:
 
 
 async def worker_main(args: argparse.Namespace) -> None:
+    if args.in_flight:
+        from services.common import ucx_transport
+
+        ucx_transport.IN_FLIGHT_BUCKETS = args.in_flight
     worker = Worker(args)
     ready = await worker.start()
     print(json.dumps({"event": "ready", **ready}), flush=True)
@@ -461,6 +471,8 @@ class Driver:
                 self.args.device,
                 "--checksum",
                 self.args.checksum,
+                "--in-flight",
+                str(self.args.in_flight),
                 "--max-pullers",
                 str(max_pullers),
                 *(["--relay"] if relay else []),
@@ -559,6 +571,7 @@ async def point_to_point(driver: Driver, sizes_mib: list[int]) -> list[dict[str,
             }
             publish_s: list[float] = []
             parts_s: list[dict[str, float]] = []  # where each first pull's time went
+            plain_first_s: list[float] = []  # plain ucxx: from its request to the first bucket
             # The sender's CPU seconds while it served each kind of pull, summed over repeats.
             serving_cpu = dict.fromkeys(("plain", "plain_verified", "ucx", "ucx_again"), 0.0)
             await receiver.call("plain_reset")
@@ -590,6 +603,8 @@ async def point_to_point(driver: Driver, sizes_mib: list[int]) -> list[dict[str,
                     )
                     times[key].append(plain["seconds"])
                     serving_cpu[key] += cpu
+                    if key == "plain":
+                        plain_first_s.append(plain["first_s"])
                 for key in ("ucx", "ucx_again"):
                     pulled, cpu = await while_serving(
                         sender, receiver.call("ucx_pull", version=version)
@@ -620,6 +635,7 @@ async def point_to_point(driver: Driver, sizes_mib: list[int]) -> list[dict[str,
             row["ucx_parts_ms"] = {
                 part: 1e3 * statistics.median(p[part] for p in parts_s) for part in parts_s[0]
             }
+            row["plain_first_ms"] = 1e3 * statistics.median(plain_first_s)
             served_gb = nbytes * args.repeat / 1e9
             row["serving_cpu_per_gb"] = {k: v / served_gb for k, v in serving_cpu.items()}
             rows.append(row)
@@ -702,7 +718,13 @@ def print_report(
     load = ", ".join(f"{x:.1f}" for x in os.getloadavg())
     stat = f"{args.stat} of {args.repeat}"
     where = "GPU to GPU" if args.device == "cuda" else "host to host"
-    print(f"\nweight transfer ({where}), bucket {args.bucket_mib} MiB, {stat}, GB/s")
+    from services.common.ucx_transport import IN_FLIGHT_BUCKETS
+
+    in_flight = args.in_flight or IN_FLIGHT_BUCKETS
+    print(
+        f"\nweight transfer ({where}), bucket {args.bucket_mib} MiB, {in_flight} in flight,"
+        f" {stat}, GB/s"
+    )
     if args.device == "cuda":
         print(f"GPU: {torch.cuda.get_device_name()}; grpc moves host copies")
     print(f"host: {os.cpu_count()} cpus, load average {load} (other work skews every column)")
@@ -765,9 +787,11 @@ def print_report(
         plain_ms = 1e3 * statistics.median(r["samples_s"]["plain"])
         print(
             f"  {r['size_mib']} MiB: manifest {parts['manifest_s']:.2f}, request"
-            f" {parts['request_s']:.2f}, receive {parts['receive_s']:.2f} (of which checking"
-            f" buckets as they landed {parts['check_s']:.2f}), verify after the last bucket"
-            f" {parts['verify_wait_s']:.2f} (plain ucxx {plain_ms:.2f})"
+            f" {parts['request_s']:.2f}, receive {parts['receive_s']:.2f} (of which until the"
+            f" first bucket landed {parts['first_s']:.2f}, checking buckets as they landed"
+            f" {parts['check_s']:.2f}), verify after the last bucket"
+            f" {parts['verify_wait_s']:.2f} (plain ucxx {plain_ms:.2f}, of which until the"
+            f" first bucket landed {r['plain_first_ms']:.2f})"
         )
     if fan:
         print(
@@ -853,6 +877,13 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         choices=("auto", *CHECKSUM_ALGORITHMS),
         default="auto",
         help="bucket checksum (auto: xxh3_128 on cpu, wsum128 on cuda, as a publisher picks)",
+    )
+    parser.add_argument(
+        "--in-flight",
+        type=int,
+        default=0,
+        help="buckets posted ahead on an endpoint, ours and plain ucxx alike"
+        " (0: the transport's IN_FLIGHT_BUCKETS)",
     )
     parser.add_argument(
         "--json", default="", help="also write every point and its raw samples to this file"

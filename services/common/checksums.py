@@ -96,6 +96,26 @@ ms inside 64 MiB pulls, ours and "+verify" alike; why was not found. At 64 MiB, 
 takes 0.6 ms, these fixed costs hold ours near 0.3-0.4 of it. imm128 is no faster than
 wsum128's kernel anywhere measured; it stays opt-in.
 
+Measured again on an H200 (2026-11-27; five runs of the benchmark, each the median of 5, 32 MiB
+buckets), with the wait for the first bucket timed apart (PullTimings.first_s): ours/plain
+0.34-0.40 at 64 MiB, 0.41-0.52 at 256 MiB, 0.45-0.59 at 1 GiB (paired). Plain ucxx itself
+waits 0.64-1.06 ms for its first bucket whatever the size (the copy of 32 MiB takes some 20 us
+there), then takes 63-88 us a bucket with 4 posted ahead and ~45 with 8 or 16: a turn of the
+event loop per message, not the copy engine, paces it, and ours streams at the same pace
+(69-93 us a bucket). On top of that, ours pays per pull: the request, 0.34-0.49 ms; queuing
+the run's checksum, 0.30-0.45 ms of host time, the same inside pulls and timed alone (Triton's
+launch with the reduction of its partials 0.19-0.26, entering our stream 0.05-0.07, the pinned
+copy back 0.06-0.08, recording the event 0.04-0.05); and, after the last bucket, the kernel,
+0.3-0.45 ms at 1 GiB. Reading the sums back with one tolist of the GPU tensor instead of the
+pinned copy saved the copy's queuing but took 0.1 ms itself, and the pulls were no faster: not
+kept. Posting 8 or 16 buckets ahead, or cutting 128 MiB buckets, sped plain ucxx more than
+ours, so the ratios did not rise. So at 64 MiB, where plain ucxx takes 0.74-0.78 ms, 0.8 of it
+would leave ours 0.19 ms for its request and its verification together, out of reach of a
+requested, verified pull; at 1 GiB these fixed costs (1.0-1.4 ms) would have to fall below
+~0.6. Untried: one CUDA graph per receive buffer and run for the checksum's kernels, copy back
+and event (a replay instead of ~0.35 ms of launches), and the holder's answer to a request sent
+with its first bucket instead of before it.
+
 No algorithm here is a defence against an adversary (see ucx_transport); all catch flipped
 bits, torn, misplaced and reordered transfers. wsum128 catches every change confined to one
 32-bit word for certain (each coefficient is odd, so a nonzero word difference times it is

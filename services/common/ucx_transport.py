@@ -547,12 +547,14 @@ class PullTimings:
     checksums after the last one arrived. check_s is the part of receive_s the loop spent
     checking buckets as they landed (LandedChecks.landed: hashing a host bucket there and
     then, or queuing a GPU run's kernel); on a host the last bucket's hash is in it, not in
-    verify_wait_s."""
+    verify_wait_s. first_s is the part of receive_s before the first bucket landed (from the
+    holder's reply): the rest of receive_s is the stream of buckets."""
 
     manifest_s: float = 0.0
     request_s: float = 0.0
     receive_s: float = 0.0
     check_s: float = 0.0
+    first_s: float = 0.0
     verify_wait_s: float = 0.0
 
     def rounded(self) -> dict[str, float]:
@@ -1710,12 +1712,18 @@ class UcxTransport(WeightTransport):
         receives: collections.deque[tuple[int, torch.Tensor, asyncio.Future[None]]] = (
             collections.deque()
         )
+        began = time.perf_counter()
+        first = True
 
         async def verify_next() -> None:
+            nonlocal first
             index, view, received = receives.popleft()
             await received
             guard.progressed()
             started = time.perf_counter()
+            if first:
+                timings.first_s += started - began
+                first = False
             checks.landed(index, view)
             timings.check_s += time.perf_counter() - started
             progress.received(view.numel(), guard.holder)

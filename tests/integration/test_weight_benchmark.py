@@ -45,10 +45,20 @@ def test_the_weight_benchmark_measures_every_column(tmp_path: Path) -> None:
     for row in report["rows"]:
         # Where ours' time went, from the transport's own timings of each pull.
         parts = row["ucx_parts_ms"]
-        assert set(parts) == {"manifest_s", "request_s", "receive_s", "check_s", "verify_wait_s"}
+        assert set(parts) == {
+            "manifest_s",
+            "request_s",
+            "receive_s",
+            "check_s",
+            "first_s",
+            "verify_wait_s",
+        }
         assert parts["receive_s"] > 0 and parts["request_s"] > 0, parts
         # Host buckets are hashed as they land, within the receiving.
         assert 0 < parts["check_s"] < parts["receive_s"], parts
-        whole = sum(parts.values()) - parts["check_s"]
+        assert 0 < parts["first_s"] < parts["receive_s"], parts
+        assert 0 < row["plain_first_ms"] < 1e3 * max(row["samples_s"]["plain"]), row
+        # check_s and first_s are parts of receive_s.
+        whole = sum(parts.values()) - parts["check_s"] - parts["first_s"]
         assert whole <= 1e3 * max(row["samples_s"]["ucx"]), (parts, row)
     assert "where ours' time went" in done.stdout
