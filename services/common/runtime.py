@@ -12,11 +12,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import faulthandler
+import gc
 import os
 import signal
 import socket
 import sys
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator
 
 import aetcd
 
@@ -34,6 +35,38 @@ log = get_logger(__name__)
 
 CRASH_EXIT = 70
 """Exit status of `ServiceRuntime.crash` (EX_SOFTWARE: an internal error)."""
+
+
+_freezing = False
+"""Whether this process's main froze its start-up (`long_lived_objects(start=True)`)."""
+
+
+@contextlib.contextmanager
+def long_lived_objects(*, start: bool = False) -> Iterator[None]:
+    """Make, inside the block, objects that live as long as the process, with the garbage
+    collector off; then collect once and take everything left out of the collector's reach
+    (gc.freeze). A service's main starts it around its imports (start=True); the trainer and
+    rollout use it again around loading the model stack, which brings a further ~150,000
+    objects of transformers. Elsewhere (a test process that runs a worker in-process) those
+    later blocks run as they are.
+
+    Each full collection walked all of those objects: in the demo each trainer and rollout
+    process ran 1-2 full collections of 200-340 ms while it worked (its event loop, and so its
+    RPCs and heartbeats, stopped meanwhile); none over 14 ms once frozen. Importing with the
+    collector off and collecting once took a trainer's imports from 1.8-1.95 s to 1.6-1.7 s
+    here (the collector ran five times during them)."""
+    global _freezing
+    _freezing = _freezing or start
+    if not _freezing:
+        yield
+        return
+    gc.disable()
+    try:
+        yield
+    finally:
+        gc.collect()  # start-up's garbage is freed, not kept for ever
+        gc.freeze()
+        gc.enable()
 
 
 class ServiceRuntime:
@@ -142,7 +175,12 @@ class ServiceRuntime:
         # Shutdown order: goodbye and revoke first (peers learn at once), server and etcd after.
         self.host.before_stop.append(self._leave)
         self.host.after_stop.append(self._close_etcd)
-        log.info(f"{self.role}.started", address=self.address, epoch=self.settings.epoch)
+        log.info(
+            f"{self.role}.started",
+            address=self.address,
+            epoch=self.settings.epoch,
+            gc_frozen=gc.get_freeze_count(),
+        )
 
     async def _free_space_quietly(self) -> None:
         if self._free_space is None:

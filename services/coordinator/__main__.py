@@ -9,8 +9,10 @@ from services.coordinator.config import CoordinatorSettings
 
 
 async def _main() -> None:
-    from services.coordinator.server import serve
+    from services.common.runtime import long_lived_objects
 
+    with long_lived_objects(start=True):
+        from services.coordinator.server import serve
     runtime = await serve(CoordinatorSettings(), EtcdSettings())
     await runtime.serve_until_signal()
 

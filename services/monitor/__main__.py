@@ -9,8 +9,10 @@ from services.monitor.config import MonitorSettings
 
 
 async def _main() -> None:
-    from services.monitor.server import serve
+    from services.common.runtime import long_lived_objects
 
+    with long_lived_objects(start=True):
+        from services.monitor.server import serve
     runtime = await serve(MonitorSettings(), EtcdSettings())
     await runtime.serve_until_signal()
 

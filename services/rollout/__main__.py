@@ -13,8 +13,10 @@ from services.rollout.config import RolloutSettings
 
 async def _main() -> None:
     settings, etcd = RolloutSettings(), EtcdSettings()
-    from services.rollout.server import serve
+    from services.common.runtime import long_lived_objects
 
+    with long_lived_objects(start=True):
+        from services.rollout.server import serve
     runtime = await serve(settings, etcd)
     await runtime.serve_until_signal()
 

@@ -46,7 +46,7 @@ from services.common.etcd_client import etcd_unavailable, until_etcd_answers
 from services.common.interceptors import REPEAT_WINDOW_S, Repeats
 from services.common.jobspec import JobSpec
 from services.common.logs import get_logger
-from services.common.runtime import ServiceRuntime
+from services.common.runtime import ServiceRuntime, long_lived_objects
 from services.common.ucx_transport import make_transport
 from services.common.weights import WeightIntegrityError, WeightTransport, latest_announcement
 from services.coordinator.work import group_index
@@ -255,7 +255,8 @@ class RolloutWorker:
             self.reward = load_reward(self.spec.task.reward)
         except RewardError as exc:
             raise InvalidArgument(f"task.reward: {exc}") from exc
-        self.engine = TorchEngine.from_pretrained(str(path))
+        with long_lived_objects():
+            self.engine = TorchEngine.from_pretrained(str(path))
         rollout = self.spec.rollout
         longest = rollout.max_new_tokens * rollout.long_tail_factor
         if rollout.long_tail_every and longest >= self.engine.max_positions:

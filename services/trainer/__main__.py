@@ -13,8 +13,10 @@ from services.trainer.config import TrainerSettings
 
 async def _main() -> None:
     settings, etcd = TrainerSettings(), EtcdSettings()
-    from services.trainer.server import serve
+    from services.common.runtime import long_lived_objects
 
+    with long_lived_objects(start=True):
+        from services.trainer.server import serve
     runtime = await serve(settings, etcd)
     await runtime.serve_until_signal()
 

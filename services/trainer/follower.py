@@ -35,7 +35,7 @@ from services.common.config import EtcdSettings
 from services.common.heartbeat import Progress
 from services.common.jobspec import JobSpec
 from services.common.logs import get_logger
-from services.common.runtime import ServiceRuntime
+from services.common.runtime import ServiceRuntime, long_lived_objects
 from services.trainer.config import TrainerSettings
 
 if TYPE_CHECKING:
@@ -116,13 +116,14 @@ def _count_nonfinite(progress: Progress, where: str, step: int) -> None:
 
 def run_rank(args: argparse.Namespace, spec: JobSpec, progress: Progress, threads: int) -> int:
     """The follower's work, on a thread of its own; returns the exit code."""
-    import torch
-
-    from services.trainer import ranks
-
-    torch.set_num_threads(threads)
     progress.enter("loading")
-    trainer = load_trainer(spec)
+    with long_lived_objects(start=True):
+        import torch
+
+        from services.trainer import ranks
+
+        torch.set_num_threads(threads)
+        trainer = load_trainer(spec)
     group = ranks.RankGroup(args.rank, args.world_size, args.master, progress, args.timeout)
     try:
         progress.enter("starting_ranks")

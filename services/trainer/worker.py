@@ -31,7 +31,7 @@ from services.common.fences import FenceSet
 from services.common.heartbeat import Progress
 from services.common.jobspec import JobSpec
 from services.common.logs import get_logger
-from services.common.runtime import ServiceRuntime
+from services.common.runtime import ServiceRuntime, long_lived_objects
 from services.common.tasks import TaskItem, UnknownTaskError, get_task
 from services.common.ucx_transport import make_transport, warm_up_ucxx
 from services.common.weights import WeightTransport
@@ -153,8 +153,9 @@ class TrainerWorker:
         except RewardError as exc:
             raise InvalidArgument(f"task.reward: {exc}") from exc
         torch.manual_seed(spec.seed)
-        self.tokenizer = AutoTokenizer.from_pretrained(path)
-        self.model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+        with long_lived_objects():
+            self.tokenizer = AutoTokenizer.from_pretrained(path)
+            self.model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
         self.trainer = grpo.GRPOTrainer(
             self.model, grpo.grpo_config(spec), pad_id=int(self.tokenizer.pad_token_id)
         )

@@ -5,6 +5,7 @@ from __future__ import annotations
 import datetime
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -79,6 +80,12 @@ def test_a_new_user_session(cli: Cli) -> None:
         "trainer-0",
     ]
     assert sum(1 for m in members if m["leader"]) == 1
+    # Each service froze what its imports made before it served (runtime.long_lived_objects).
+    for member in members:
+        log = (cli.home / "logs" / f"{member['instance_id']}.log").read_text()
+        started = next(line for line in log.splitlines() if f"{member['role']}.started" in line)
+        frozen = re.search(r"gc_frozen=(\d+)", started)
+        assert frozen is not None and int(frozen.group(1)) > 10_000, started
 
     submitted = cli.json("submit", str(EXAMPLE), "trainer.steps=5", "--id", "first")
     assert isinstance(submitted, dict) and submitted["job_id"] == "first"
