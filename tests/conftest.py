@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+import asyncio.runners
 import contextlib
 import fcntl
 import os
@@ -19,9 +21,42 @@ import pytest
 from services.cli.stack import etcd_argv, etcd_healthy, free_ports
 from services.common.config import EtcdSettings
 
+STUCK_TASK_WAIT_S = 15.0
+"""The longest a test's event loop waits, as it closes, for its tasks to end once cancelled."""
+
+
+def _cancel_all_tasks_or_name_the_stuck(loop: asyncio.AbstractEventLoop) -> None:
+    """asyncio.Runner's last step (asyncio.runners._cancel_all_tasks), bounded: cancel the
+    loop's tasks and wait for them, but at most STUCK_TASK_WAIT_S, then fail naming the tasks
+    that did not end. Unbounded, a task that ignores its cancellation hangs the run for ever:
+    once, an aetcd watch stream's task (Watcher._handle_request, waiting in its gRPC Watch
+    call) did, at a test's teardown, and the suite stood still. pytest-timeout does not help
+    there: it had fired already, or fires once."""
+    tasks = asyncio.all_tasks(loop)
+    if not tasks:
+        return
+    for task in tasks:
+        task.cancel()
+    ended, stuck = loop.run_until_complete(asyncio.wait(tasks, timeout=STUCK_TASK_WAIT_S))
+    for task in ended:
+        if not task.cancelled() and task.exception() is not None:
+            loop.call_exception_handler(
+                {
+                    "message": "unhandled exception while the test's event loop closed",
+                    "exception": task.exception(),
+                    "task": task,
+                }
+            )
+    if stuck:
+        raise RuntimeError(
+            f"{len(stuck)} task(s) did not end within {STUCK_TASK_WAIT_S}s of being cancelled"
+            f" as the test's event loop closed: {sorted(repr(t) for t in stuck)}"
+        )
+
 
 def pytest_configure(config: pytest.Config) -> None:
     os.environ.setdefault("PYTHONUNBUFFERED", "1")
+    asyncio.runners._cancel_all_tasks = _cancel_all_tasks_or_name_the_stuck  # type: ignore[attr-defined]
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

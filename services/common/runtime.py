@@ -52,7 +52,7 @@ def long_lived_objects(*, start: bool = False) -> Iterator[None]:
 
     Each full collection walked all of those objects: in the demo each trainer and rollout
     process ran 1-2 full collections of 200-340 ms while it worked (its event loop, and so its
-    RPCs and heartbeats, stopped meanwhile); none over 14 ms once frozen. Importing with the
+    RPCs and heartbeats, stopped meanwhile); none over 16 ms once frozen. Importing with the
     collector off and collecting once took a trainer's imports from 1.8-1.95 s to 1.6-1.7 s
     here (the collector ran five times during them)."""
     global _freezing
