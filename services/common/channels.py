@@ -3,6 +3,8 @@ callers pass a deadline on every call (`timeout=`)."""
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import json
 
 import grpc
@@ -46,3 +48,23 @@ def open_channel(address: str) -> grpc.aio.Channel:
             ("grpc.keepalive_timeout_ms", 5_000),
         ],
     )
+
+
+async def refuses_connections(address: str, timeout: float) -> bool | None:
+    """Whether a process still listens at a member's address (host:port), from one TCP
+    connect: True when the connection is refused (nothing listens there: the process is gone),
+    False when it is accepted, None when neither is known (a timeout, an unreachable host, an
+    address that is not host:port), which is also how a stopped or cut-off process looks."""
+    host, _, port = address.rpartition(":")
+    try:
+        _, writer = await asyncio.wait_for(
+            asyncio.open_connection(host.strip("[]"), int(port)), timeout
+        )
+    except ConnectionRefusedError:
+        return True
+    except (OSError, TimeoutError, ValueError):
+        return None
+    writer.close()
+    with contextlib.suppress(OSError):
+        await writer.wait_closed()
+    return False

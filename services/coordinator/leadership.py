@@ -20,6 +20,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 from services.common.aio import cancel_and_wait
+from services.common.channels import refuses_connections
 from services.common.election import Election, current_leader
 from services.common.errors import NotLeader, Unavailable
 from services.common.logs import get_logger
@@ -91,25 +92,16 @@ class Leadership:
 
     async def _leader_gone(self, leader: Entry) -> bool:
         """Whether the leader's address refused a connection `REFUSALS_FOR_GONE` times in a
-        row: nothing listens there, so its process is dead. A timeout or any other error
-        proves nothing and starts the count again."""
-        host, _, port = str(json.loads(leader.value).get("address", "")).rpartition(":")
-        try:
-            _, writer = await asyncio.wait_for(
-                asyncio.open_connection(host, int(port)), CONNECT_TIMEOUT
-            )
-        except ConnectionRefusedError:
-            refused = self._refused.pop(leader.key, 0) + 1
-            if refused >= REFUSALS_FOR_GONE:
-                return True
-            self._refused[leader.key] = refused
+        row: nothing listens there, so its process is dead. An accepted connection, a timeout
+        or any other error proves nothing and starts the count again."""
+        address = str(json.loads(leader.value).get("address", ""))
+        if not await refuses_connections(address, CONNECT_TIMEOUT):
+            self._refused.pop(leader.key, None)
             return False
-        except (OSError, TimeoutError, ValueError):
-            pass
-        else:
-            writer.close()
-        self._refused.pop(leader.key, None)
-        return False
+        refused = self._refused.pop(leader.key, 0) + 1
+        if refused < REFUSALS_FOR_GONE:
+            self._refused[leader.key] = refused
+        return refused >= REFUSALS_FOR_GONE
 
     def guard(self) -> list[Any]:
         """etcd comparisons that make a write conditional on still leading; NotLeader if not."""

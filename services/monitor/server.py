@@ -12,7 +12,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from robustrl.v1 import common_pb2, monitor_pb2, monitor_pb2_grpc, rollout_pb2, rollout_pb2_grpc
 from services.common.aio import cancel_and_wait
-from services.common.channels import open_channel
+from services.common.channels import open_channel, refuses_connections
 from services.common.config import EtcdSettings
 from services.common.errors import InvalidArgument
 from services.common.fences import FenceSet
@@ -142,31 +142,23 @@ class MonitorServicer(monitor_pb2_grpc.MonitorServicer):
         connection is tried again."""
         if ":" not in address:
             return  # never seen in the registry (or no server): the grace decides
-        host, _, port = address.rpartition(":")
-        try:
-            deadline = time.monotonic() + self.settings.listen_check_window
-            while time.monotonic() < deadline:
-                view = self.views.get(instance_id)
-                if view is None or view.stream_ended_at != ended_at:
-                    return  # reconnected, ended again or reported: this check is over
-                try:
-                    _, writer = await asyncio.wait_for(
-                        asyncio.open_connection(host.strip("[]"), int(port)),
-                        max(0.01, deadline - time.monotonic()),
-                    )
-                except ConnectionRefusedError:
-                    if detectors.on_refused(self.views, instance_id, ended_at, address):
-                        log.info("monitor.refused", member=instance_id, address=address)
-                        self._wake.set()
-                    return
-                writer.close()
-                with contextlib.suppress(OSError):
-                    await writer.wait_closed()
-                await asyncio.sleep(LISTEN_CHECK_RETRY)
-        except Exception as exc:
-            # Unreachable or slow is no proof of death (a cut link, a stopped process): the
-            # reconnect grace and the lease decide.
-            log.debug("monitor.listen_check_inconclusive", member=instance_id, error=repr(exc))
+        deadline = time.monotonic() + self.settings.listen_check_window
+        while time.monotonic() < deadline:
+            view = self.views.get(instance_id)
+            if view is None or view.stream_ended_at != ended_at:
+                return  # reconnected, ended again or reported: this check is over
+            refused = await refuses_connections(address, max(0.01, deadline - time.monotonic()))
+            if refused is None:
+                # Unreachable or slow is no proof of death (a cut link, a stopped process):
+                # the reconnect grace and the lease decide.
+                log.debug("monitor.listen_check_inconclusive", member=instance_id)
+                return
+            if refused:
+                if detectors.on_refused(self.views, instance_id, ended_at, address):
+                    log.info("monitor.refused", member=instance_id, address=address)
+                    self._wake.set()
+                return
+            await asyncio.sleep(LISTEN_CHECK_RETRY)
 
     async def GetHealth(
         self, request: monitor_pb2.GetHealthRequest, context: grpc.aio.ServicerContext
