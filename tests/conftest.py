@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 
 from services.cli.stack import etcd_argv, etcd_healthy, free_ports
+from services.common.aio import cancel_leftover_tasks
 from services.common.config import EtcdSettings
 
 STUCK_TASK_WAIT_S = 15.0
@@ -26,27 +27,11 @@ STUCK_TASK_WAIT_S = 15.0
 
 
 def _cancel_all_tasks_or_name_the_stuck(loop: asyncio.AbstractEventLoop) -> None:
-    """asyncio.Runner's last step (asyncio.runners._cancel_all_tasks), bounded: cancel the
-    loop's tasks and wait for them, but at most STUCK_TASK_WAIT_S, then fail naming the tasks
-    that did not end. Unbounded, a task that ignores its cancellation hangs the run for ever:
-    once, an aetcd watch stream's task (Watcher._handle_request, waiting in its gRPC Watch
-    call) did, at a test's teardown, and the suite stood still. pytest-timeout does not help
-    there: it had fired already, or fires once."""
-    tasks = asyncio.all_tasks(loop)
-    if not tasks:
-        return
-    for task in tasks:
-        task.cancel()
-    ended, stuck = loop.run_until_complete(asyncio.wait(tasks, timeout=STUCK_TASK_WAIT_S))
-    for task in ended:
-        if not task.cancelled() and task.exception() is not None:
-            loop.call_exception_handler(
-                {
-                    "message": "unhandled exception while the test's event loop closed",
-                    "exception": task.exception(),
-                    "task": task,
-                }
-            )
+    """asyncio.Runner's last step (asyncio.runners._cancel_all_tasks), bounded the way a
+    service's main bounds it (services.common.aio.cancel_leftover_tasks), but failing the test
+    that left tasks which did not end within STUCK_TASK_WAIT_S of being cancelled, naming them.
+    pytest-timeout does not help there: it had fired already, or fires once."""
+    stuck = cancel_leftover_tasks(loop, STUCK_TASK_WAIT_S)
     if stuck:
         raise RuntimeError(
             f"{len(stuck)} task(s) did not end within {STUCK_TASK_WAIT_S}s of being cancelled"

@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any, TypeVar
 
 from services.common.logs import get_logger
@@ -17,6 +17,9 @@ T = TypeVar("T")
 RETRY_FIRST_S = 0.2
 RETRY_MAX_S = 2.0
 
+EXIT_TASK_WAIT_S = 5.0
+"""The longest a service process waits, as it exits, for its tasks to end once cancelled."""
+
 
 async def cancel_and_wait(*tasks: asyncio.Task[Any] | None) -> None:
     """Cancel the tasks (None is skipped) and wait until each has finished unwinding."""
@@ -26,6 +29,58 @@ async def cancel_and_wait(*tasks: asyncio.Task[Any] | None) -> None:
     for task in live:
         with contextlib.suppress(asyncio.CancelledError):
             await task
+
+
+def cancel_leftover_tasks(loop: asyncio.AbstractEventLoop, wait_s: float) -> set[asyncio.Task[Any]]:
+    """The last step of asyncio.run (asyncio.runners._cancel_all_tasks), bounded: cancel the
+    loop's tasks and run the loop until they end, but at most `wait_s`; returns the tasks
+    still running then. Unbounded, one task that ignores its cancellation keeps the process
+    from ever exiting: in a test run an aetcd watch stream's task (Watcher._handle_request,
+    inside its gRPC Watch call) once did, and the suite stood still. Like asyncio.run, it hands
+    what a task that ended raised to the loop's exception handler."""
+    tasks = asyncio.all_tasks(loop)
+    if not tasks:
+        return set()
+    for task in tasks:
+        task.cancel()
+    ended, stuck = loop.run_until_complete(asyncio.wait(tasks, timeout=wait_s))
+    for task in ended:
+        if not task.cancelled() and task.exception() is not None:
+            loop.call_exception_handler(
+                {
+                    "message": "unhandled exception while the event loop closed",
+                    "exception": task.exception(),
+                    "task": task,
+                }
+            )
+    return stuck
+
+
+def run_process(main: Coroutine[Any, Any, T], stuck_wait_s: float = EXIT_TASK_WAIT_S) -> T:
+    """asyncio.run for a service's main: the same steps, but the wait for tasks to end once
+    cancelled is bounded (cancel_leftover_tasks). Tasks still running after `stuck_wait_s`
+    are named in an error line (`process.tasks_stuck_at_exit`) and left behind: the process
+    exits instead of hanging until whoever stops it kills it."""
+    loop = asyncio.new_event_loop()
+    asyncio.set_event_loop(loop)
+    try:
+        return loop.run_until_complete(main)
+    finally:
+        try:
+            stuck = cancel_leftover_tasks(loop, stuck_wait_s)
+            if stuck:
+                # Their async generators and executor jobs may be stuck with them: not awaited.
+                log.error(
+                    "process.tasks_stuck_at_exit",
+                    waited_s=stuck_wait_s,
+                    tasks=sorted(repr(task)[:300] for task in stuck),
+                )
+            else:
+                loop.run_until_complete(loop.shutdown_asyncgens())
+                loop.run_until_complete(loop.shutdown_default_executor())
+        finally:
+            asyncio.set_event_loop(None)
+            loop.close()
 
 
 async def retry_while(

@@ -2,8 +2,7 @@
 
 from __future__ import annotations
 
-import asyncio
-
+from services.common.aio import run_process
 from services.common.config import EtcdSettings
 from services.monitor.config import MonitorSettings
 
@@ -18,4 +17,4 @@ async def _main() -> None:
 
 
 if __name__ == "__main__":
-    asyncio.run(_main())
+    run_process(_main())

@@ -5,8 +5,7 @@ Config is parsed before the model stack is imported, so a bad setting fails fast
 
 from __future__ import annotations
 
-import asyncio
-
+from services.common.aio import run_process
 from services.common.config import EtcdSettings
 from services.trainer.config import TrainerSettings
 
@@ -22,4 +21,4 @@ async def _main() -> None:
 
 
 if __name__ == "__main__":
-    asyncio.run(_main())
+    run_process(_main())

@@ -31,6 +31,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from services.common.aio import run_process
 from services.common.config import EtcdSettings
 from services.common.heartbeat import Progress
 from services.common.jobspec import JobSpec
@@ -216,7 +217,7 @@ async def _watch_parent(parent_pid: int, finish: Callable[[int], None]) -> None:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     settings, etcd = TrainerSettings(), EtcdSettings()
-    return asyncio.run(serve(args, settings, etcd))
+    return run_process(serve(args, settings, etcd))
 
 
 if __name__ == "__main__":

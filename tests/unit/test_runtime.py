@@ -1,10 +1,11 @@
-"""ServiceRuntime.crash and long_lived_objects, each in a process of its own (one ends the
-process, the other changes its garbage collector for good)."""
+"""ServiceRuntime.crash, long_lived_objects and aio.run_process, each in a process of its own
+(they end the process, change its garbage collector for good, or leave a task behind)."""
 
 from __future__ import annotations
 
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 from services.common.runtime import CRASH_EXIT
@@ -61,3 +62,60 @@ def test_long_lived_objects_freezes_in_a_service_process_and_nowhere_else() -> N
         [sys.executable, "-c", FREEZE_SCRIPT], cwd=REPO, capture_output=True, text=True, timeout=60
     )
     assert done.returncode == 0 and done.stdout.strip() == "ok", done.stdout + done.stderr
+
+
+EXIT_SCRIPT = """
+import asyncio, sys
+from services.common.aio import run_process
+
+async def stubborn():
+    while True:
+        try:
+            await asyncio.sleep(10)
+        except asyncio.CancelledError:
+            continue  # as a task stuck in a call that never returns would
+
+async def obliging():
+    await asyncio.sleep(10)
+
+async def main():
+    asyncio.create_task(stubborn(), name="stubborn")
+    asyncio.create_task(obliging(), name="obliging")
+    await asyncio.sleep(0)
+    print("main returned", flush=True)
+    return 3
+
+if sys.argv[1] == "asyncio.run":
+    sys.exit(asyncio.run(main()))
+sys.exit(run_process(main(), stuck_wait_s=0.5))
+"""
+
+
+def test_a_service_process_exits_though_a_task_ignores_its_cancellation() -> None:
+    # asyncio.run, as the services' mains used it, waits for ever for the stubborn task.
+    try:
+        subprocess.run(
+            [sys.executable, "-c", EXIT_SCRIPT, "asyncio.run"],
+            cwd=REPO,
+            capture_output=True,
+            text=True,
+            timeout=5,
+        )
+        raise AssertionError("asyncio.run exited with a task that ignores its cancellation")
+    except subprocess.TimeoutExpired as exc:
+        assert "main returned" in str(exc.stdout), exc.stdout
+
+    started = time.monotonic()
+    done = subprocess.run(
+        [sys.executable, "-c", EXIT_SCRIPT, "run_process"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    output = done.stdout + done.stderr
+    assert done.returncode == 3, output  # main's result is the process's
+    assert time.monotonic() - started < 30, output
+    stuck = [line for line in output.splitlines() if "process.tasks_stuck_at_exit" in line]
+    assert len(stuck) == 1, output
+    assert "stubborn" in stuck[0] and "obliging" not in stuck[0], output
