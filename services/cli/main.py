@@ -26,6 +26,7 @@ from robustrl.v1 import coordinator_pb2, coordinator_pb2_grpc
 from services.cli import chaos, provider, stack, weights
 from services.cli.client import DEFAULT_DEADLINE, StackClient
 from services.cli.formatting import age, emit_json
+from services.common.aio import run_process
 from services.common.coordinator_client import unanswered
 
 console = Console(soft_wrap=True)
@@ -71,7 +72,7 @@ def with_client(args: argparse.Namespace, fn: Callable[[StackClient], Awaitable[
         finally:
             await client.close()
 
-    return asyncio.run(run())
+    return run_process(run())
 
 
 def job_dict(job: coordinator_pb2.Job) -> dict[str, Any]:
