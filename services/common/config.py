@@ -7,11 +7,16 @@ namespace) are read without a service prefix so one environment serves the whole
 
 from __future__ import annotations
 
+import os
+import secrets
 import socket
 import sys
 
 from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
+
+_INCARNATION = secrets.token_hex(3)
+"""Drawn once per process: part of a default instance id (ServiceSettings.instance_id)."""
 
 
 class EtcdSettings(BaseSettings):
@@ -55,7 +60,10 @@ class ServiceSettings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="ROBUSTRL_SERVICE_", extra="ignore")
 
     instance_id: str = ""
-    """Stable id of this instance in the registry; empty: '<role>-<host>-<pid>'."""
+    """Id of this process in the registry; empty: '<role>-<host>-<pid>-<6 hex drawn at start>',
+    new for every process. A fence names an instance id, so a process started under the id of
+    one that was fenced from a job is never bound to that job: give each process its own
+    (a container or pod restarted in place keeps its hostname, and often its pid)."""
 
     bind_host: str = "127.0.0.1"
     """Interface the gRPC server listens on (0.0.0.0 in containers)."""
@@ -81,9 +89,7 @@ class ServiceSettings(BaseSettings):
     log_level: str = "info"
 
     def resolved_instance_id(self, role: str) -> str:
-        import os
-
-        return self.instance_id or f"{role}-{socket.gethostname()}-{os.getpid()}"
+        return self.instance_id or f"{role}-{socket.gethostname()}-{os.getpid()}-{_INCARNATION}"
 
     def resolved_advertise_host(self) -> str:
         if self.advertise_host:

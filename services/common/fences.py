@@ -40,6 +40,22 @@ async def write_fence(client: aetcd.Client, keys: KeySpace, record: FenceRecord)
     await client.put(keys.fence(record.instance_id), record.model_dump_json().encode())
 
 
+async def fenced_from(
+    client: aetcd.Client, keys: KeySpace, instance_ids: list[str], job_id: str
+) -> set[str]:
+    """Those of `instance_ids` whose fence names `job_id`.
+
+    A fence names an instance id, and a process that starts under the id of one that was
+    fenced (a container or pod restarted in place, or a fixed INSTANCE_ID) inherits it: bound
+    to that job again, it would be told at its first beat that it is fenced and leave."""
+    reads = await asyncio.gather(*(client.get(keys.fence(i)) for i in instance_ids))
+    barred: set[str] = set()
+    for instance_id, read in zip(instance_ids, reads, strict=True):
+        if read is not None and FenceRecord.model_validate_json(read.value).job_id == job_id:
+            barred.add(instance_id)
+    return barred
+
+
 async def withdraw_holder_records(
     client: aetcd.Client, keys: KeySpace, job_id: str, instance_id: str
 ) -> int:

@@ -27,6 +27,7 @@ from services.common.aio import cancel_and_wait
 from services.common.channels import open_channel
 from services.common.control import FIRST_EPOCH
 from services.common.errors import Aborted, FailedPrecondition, InvalidArgument, Unavailable
+from services.common.fences import fenced_from
 from services.common.interceptors import REPEAT_WINDOW_S, Repeats
 from services.common.jobspec import JobSpec
 from services.common.logs import get_logger
@@ -132,6 +133,8 @@ class JobDriver:
         """(job, bound member) -> since when it is missing from the registry (`_unreported`)."""
         self.space = space
         self._undone = Repeats(REPEAT_WINDOW_S)
+        self._barred: dict[str, set[str]] = {}
+        """Job -> free members not bound to it because their id was fenced from it (logged once)."""
         """Which `coordinator.lease_undone` lines to write (one per member per window)."""
 
     # ------------------------------------------------------------------ plumbing
@@ -614,9 +617,26 @@ class JobDriver:
         if not missing:
             return
         epoch = record.epoch + 1 if "trainer" in missing else record.epoch
+        candidates = {role: free_members(members, role) for role in ("trainer", "rollout")}
+        assert self.runtime.client is not None
+        barred = await fenced_from(
+            self.runtime.client,
+            self.runtime.keys,
+            [m.instance_id for role in candidates.values() for m in role],
+            record.job_id,
+        )
+        for instance_id in barred - self._barred.get(record.job_id, set()):
+            log.warning(
+                "coordinator.fenced_member_not_bound",
+                job_id=record.job_id,
+                member=instance_id,
+                why="a process under this id was fenced from the job; give each process its own"
+                " INSTANCE_ID",
+            )
+        self._barred[record.job_id] = barred
         free = {  # those prepared for this job first, then warm standbys
             role: sorted(
-                free_members(members, role),
+                [m for m in candidates[role] if m.instance_id not in barred],
                 key=lambda m: (
                     m.labels.get(PREPARED_LABEL) != record.job_id,
                     m.labels.get("standby") != "true",
@@ -766,6 +786,7 @@ class JobDriver:
         for table in (self.ledgers, self.accounts, self.generated, self.datasets):
             table.pop(job_id, None)
         self._ledger_writes.pop(job_id, None)
+        self._barred.pop(job_id, None)
         for keyed in (self._missing, self._provisioning):
             for key in [k for k in keyed if k[0] == job_id]:
                 del keyed[key]

@@ -429,6 +429,41 @@ async def test_a_new_leader_does_not_ask_again_for_replacements_already_asked_fo
         assert await runtime.client.get(runtime.keys.provisioning("pv")) is None
 
 
+async def test_a_free_member_under_an_id_fenced_from_the_job_is_not_bound_to_it(
+    etcd_settings: EtcdSettings,
+) -> None:
+    """A process restarted under the id of one that was fenced from a job (a container or pod
+    restarted in place) would be told at its first beat that it is fenced, and leave the job
+    again. Real leader, registry members and etcd: of two free rollouts, the one whose id is
+    fenced from the job is passed over (the other is prepared, a replacement is asked for in
+    its place), and it stays free for other jobs."""
+    from services.common.fences import FenceRecord, write_fence
+    from services.coordinator.provisioner import ExternalProvisioner
+
+    async with lone_leader(etcd_settings, "fenced-id") as (runtime, leadership, driver):
+        assert runtime.client is not None
+        await write_fence(
+            runtime.client,
+            runtime.keys,
+            FenceRecord(instance_id="r-again", job_id="fj", epoch=1, reason="lost"),
+        )
+        members = [
+            await started_member("rollout", name, etcd_settings) for name in ("r-again", "r-new")
+        ]
+        try:
+            asks = driver.provisioner = ExternalProvisioner(etcd_settings)
+            record = transition(new_job("fj", {"name": "fj"}, 0.0), Phase.RUNNING, "x", now=0.0)
+            await driver.store.create(record, leadership.guard())
+            await driver.save_ledger(driver.ledgers.setdefault("fj", work.WorkLedger(job_id="fj")))
+            await driver.tick()
+            assert sorted(driver._preparing) == ["r-new"]
+            assert sorted(p.role for p in asks.pending.values()) == ["rollout", "trainer"]
+            assert driver._barred == {"fj": {"r-again"}}
+        finally:
+            for member in members:
+                await member.shutdown()
+
+
 async def test_the_leader_pages_dropped_groups_out_of_the_ledger_in_the_same_write(
     etcd_settings: EtcdSettings,
 ) -> None:

@@ -1,8 +1,11 @@
-"""ServiceRuntime.crash, long_lived_objects and aio.run_process, each in a process of its own
-(they end the process, change its garbage collector for good, or leave a task behind)."""
+"""ServiceRuntime.crash, long_lived_objects, aio.run_process and default instance ids, each in a
+process of its own (they end the process, change its garbage collector for good, leave a task
+behind, or are drawn once per process)."""
 
 from __future__ import annotations
 
+import re
+import socket
 import subprocess
 import sys
 import time
@@ -119,3 +122,31 @@ def test_a_service_process_exits_though_a_task_ignores_its_cancellation() -> Non
     stuck = [line for line in output.splitlines() if "process.tasks_stuck_at_exit" in line]
     assert len(stuck) == 1, output
     assert "stubborn" in stuck[0] and "obliging" not in stuck[0], output
+
+
+ID_SCRIPT = """
+import os
+from services.common.config import ServiceSettings
+os.getpid = lambda: 1  # as a container's main process is, after every restart
+ids = {ServiceSettings().resolved_instance_id("rollout") for _ in range(3)}
+assert len(ids) == 1, ids
+print(ids.pop())
+print(ServiceSettings(instance_id="rollout-7").resolved_instance_id("rollout"))
+"""
+
+
+def test_a_default_instance_id_is_new_for_every_process_even_with_its_host_and_pid() -> None:
+    # A fence names an instance id: a restarted container must not come back as the fenced one.
+    runs = [
+        subprocess.run(
+            [sys.executable, "-c", ID_SCRIPT], cwd=REPO, capture_output=True, text=True, timeout=60
+        )
+        for _ in range(2)
+    ]
+    for run in runs:
+        assert run.returncode == 0, run.stderr
+    (first, given), (second, _) = (run.stdout.split() for run in runs)
+    host = socket.gethostname()
+    assert re.fullmatch(rf"rollout-{re.escape(host)}-1-[0-9a-f]{{6}}", first), first
+    assert first != second
+    assert given == "rollout-7"  # a given id is used as it is
