@@ -217,8 +217,9 @@ def cmd_down(args: argparse.Namespace) -> int:
 
 
 def read_spec_file(path: str) -> str:
+    """The spec at path, or on standard input for `-` (a spec piped into a container's CLI)."""
     try:
-        return Path(path).read_text()
+        return sys.stdin.read() if path == "-" else Path(path).read_text()
     except OSError as exc:
         raise UsageError(f"cannot read job spec {path}: {exc.strerror}") from exc
 
@@ -616,7 +617,7 @@ def build_parser() -> argparse.ArgumentParser:
     down.set_defaults(func=cmd_down)
 
     submit = sub.add_parser("submit", help="submit a job spec (YAML) with key.sub=value overrides")
-    submit.add_argument("file")
+    submit.add_argument("file", help="the job spec's YAML file, or - to read it from stdin")
     submit.add_argument("overrides", nargs="*", metavar="KEY=VALUE")
     submit.add_argument("--id", help="job id (default: the spec's id, else <name>-<suffix>)")
     submit.add_argument("--json", action="store_true")

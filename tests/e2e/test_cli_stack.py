@@ -30,10 +30,11 @@ class Cli:
         self.env["ROBUSTRL_HOME"] = str(home)
 
     def run(
-        self, *args: str, check: bool = True, timeout: float = 120
+        self, *args: str, check: bool = True, timeout: float = 120, stdin: str | None = None
     ) -> subprocess.CompletedProcess[str]:
         result = subprocess.run(
             self.argv(*args),
+            input=stdin,
             capture_output=True,
             text=True,
             env=self.env,
@@ -123,6 +124,12 @@ def test_a_new_user_session(cli: Cli) -> None:
     assert isinstance(listed, list) and [j["job_id"] for j in listed] == ["second"]
     cli.run("cancel", "second")
     cli.run("delete", "second")
+    piped = cli.run("submit", "-", "--id", "piped", "trainer.steps=7", stdin=EXAMPLE.read_text())
+    assert "submitted job piped" in piped.stdout
+    status = cli.json("status", "piped")
+    assert isinstance(status, dict) and status["spec"]["trainer"]["steps"] == 7
+    cli.run("cancel", "piped")
+    cli.run("delete", "piped")
 
     # etcdctl shows the members under the key layout the README documents.
     state = StackState.load(cli.home)

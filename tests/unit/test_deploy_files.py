@@ -69,6 +69,13 @@ def test_compose_file_is_consistent() -> None:
             assert var in known_env_vars(), f"{name} sets {var}, which no setting reads"
         for volume in service.get("volumes", []):
             assert volume.split(":")[0] in compose.get("volumes", {})
+            if name != "etcd":  # under the folder the image gives the services' user
+                assert volume.split(":")[1].startswith("/app/.robustrl/")
+        if name in ("coordinator", "monitor", "trainer", "rollout"):
+            assert service.get("restart") == "unless-stopped", f"docker would not restart {name}"
+        if name == "coordinator":
+            # The control image has no model stack: it cannot start trainers or rollouts.
+            assert service["environment"].get("ROBUSTRL_COORDINATOR_PROVISIONER") == "none"
         if name == "etcd":
             # The same history retention as the local stack: an uncompacted etcd fills its quota.
             assert set(etcd_history_flags()) <= set(service["command"])
@@ -83,9 +90,19 @@ def test_compose_file_is_consistent() -> None:
 def test_kubernetes_manifests_are_well_formed(path: Path) -> None:
     docs = [d for d in yaml.safe_load_all(path.read_text()) if d]
     assert docs
+    claims = {d["metadata"]["name"] for d in docs if d["kind"] == "PersistentVolumeClaim"}
     for doc in docs:
         assert doc["apiVersion"] and doc["kind"] and doc["metadata"]["name"]
         spec = doc["spec"]
+        if doc["kind"] == "PersistentVolumeClaim":
+            assert spec["accessModes"] and spec["resources"]["requests"]["storage"]
+            continue
+        pod = spec["template"]["spec"]
+        volumes = {v["name"] for v in pod.get("volumes", [])}
+        volumes |= {t["metadata"]["name"] for t in spec.get("volumeClaimTemplates", [])}
+        for volume in pod.get("volumes", []):
+            if "persistentVolumeClaim" in volume:
+                assert volume["persistentVolumeClaim"]["claimName"] in claims
         assert (
             spec["selector"]["matchLabels"].items()
             <= spec["template"]["metadata"]["labels"].items()
@@ -95,6 +112,8 @@ def test_kubernetes_manifests_are_well_formed(path: Path) -> None:
             assert (REPO / container["args"][0].replace(".", "/") / "__main__.py").exists()
             for env in container.get("env", []):
                 assert env["name"] in known_env_vars(), f"{env['name']} is read by no setting"
+            for mount in container.get("volumeMounts", []):
+                assert mount["name"] in volumes, f"{mount['name']} is no volume of the pod"
 
 
 def test_dockerfile_passes_hadolint() -> None:
