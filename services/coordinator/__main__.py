@@ -8,11 +8,12 @@ from services.coordinator.config import CoordinatorSettings
 
 
 async def _main() -> None:
+    settings, etcd = CoordinatorSettings(), EtcdSettings()  # a bad one fails before imports
     from services.common.runtime import long_lived_objects
 
     with long_lived_objects(start=True):
         from services.coordinator.server import serve
-    runtime = await serve(CoordinatorSettings(), EtcdSettings())
+    runtime = await serve(settings, etcd)
     await runtime.serve_until_signal()
 
 

@@ -8,11 +8,12 @@ from services.monitor.config import MonitorSettings
 
 
 async def _main() -> None:
+    settings, etcd = MonitorSettings(), EtcdSettings()  # a bad one fails before imports
     from services.common.runtime import long_lived_objects
 
     with long_lived_objects(start=True):
         from services.monitor.server import serve
-    runtime = await serve(MonitorSettings(), EtcdSettings())
+    runtime = await serve(settings, etcd)
     await runtime.serve_until_signal()
 
 
