@@ -44,6 +44,16 @@ bucket only, to shorten the hash after the last byte lands (~1 ms of a 64 MiB pu
 frames took 64 MiB pulls from 7.95 to 7.66 ms (medians of five runs side by side, noise as
 large), not enough for a tag per frame in the protocol; not kept.
 
+What bounds a verified pull with the copy on the pulling thread is memory bandwidth, not
+cores. Measured on this 2-core VM (32 MiB buffers, numpy's copy and xxh3 in threads, median
+of 7, 2026-11-27): one thread copies at 21.1 GB/s and two together at 19.2 in all; xxh3 hashes
+at 33.5 on one thread; a copy beside a hash falls to 16.3 GB/s while the hash runs at 28.7. So
+a pull that hashes bucket k while bucket k+1 copies moves at most ~16 GB/s against plain
+ucxx's 21 (0.78), and at 64 MiB, two buckets, the first copy runs alone and the last hash after
+it: (1.6 + 2.1 + 1.0) ms against 3.2, about 0.69, what ours reaches there. Hashing the last
+bucket's halves on two threads (a tree of two xxh3 digests) took 0.98 ms against 0.98 for one
+thread, right after a copy: not worth a new algorithm.
+
 Why a verified pull on the loop's thread stays near two thirds of plain ucxx: copy and hash
 take turns on one core, so their rates add as 1/(1/copy + 1/hash). Measured here (2 cores,
 32 MiB buckets): a copy at 19.6 GB/s and xxh3 at ~34 GB/s give 12.5 GB/s, 0.64 of the copy
