@@ -19,6 +19,8 @@ from typing import Any
 
 import pytest
 
+from services.cli.stack import StackState
+from services.common.config import member_argv, member_env
 from services.common.control import FIRST_EPOCH
 from services.trainer import checkpoint
 from tests.e2e.test_chaos_cli import chaos
@@ -51,6 +53,8 @@ ETCD_OUTAGE_STEPS = 160
 NOSPACE_STEPS = 120
 NO_MONITOR_STEPS = 400
 TRAINER_ERROR_STEPS = 160
+NO_PROVISIONER_STEPS = 400
+"""Two rollouts started by hand one after the other (cold starts) after the loss."""
 NO_MONITOR_GRACE_S = 6.0
 """The leader's `unreported_loss_after` in that test (15 s by default): more than the session
 TTL (5 s). With 15 s and 320 steps the job ended 2 s after the loss was recorded, before the
@@ -424,6 +428,73 @@ def test_an_external_scheduler_supplies_the_replacement_rollout(
             for pid_file in started.glob("*.pid"):  # the members its command started
                 with contextlib.suppress(ProcessLookupError, ValueError):
                     os.kill(int(pid_file.read_text()), signal.SIGKILL)
+
+
+def test_with_no_provisioner_a_rollout_started_by_hand_replaces_the_lost_one_but_not_under_its_id(
+    model_dir: Path, tmp_path: Path
+) -> None:
+    """`none` provisioner, as docker-compose.yml and deploy/k8s run: the leader starts nothing,
+    and binds the rollout an operator (here the test, as Docker's restart would) starts. One
+    started under the lost rollout's id, as a container restarted in place with a fixed
+    INSTANCE_ID would be, is never bound to the job its id is fenced from; one with the default
+    id (drawn per process) is, and the job succeeds with nothing lost."""
+    started: list[subprocess.Popen[bytes]] = []
+    with detection_stack(tmp_path, "--provisioner", "none") as cli:
+        state = StackState.load(cli.home)
+        assert state is not None
+
+        def start_rollout(instance_id: str, log: str) -> subprocess.Popen[bytes]:
+            env = {**cli.env, **member_env(state.etcd_endpoints, state.prefix, "rollout", "")}
+            if instance_id:
+                env["ROBUSTRL_ROLLOUT_INSTANCE_ID"] = instance_id
+            proc = subprocess.Popen(
+                member_argv("rollout"),
+                stdout=(tmp_path / log).open("wb"),
+                stderr=subprocess.STDOUT,
+                env=env,
+                cwd=REPO,
+            )
+            started.append(proc)
+            return proc
+
+        def registered(pid: int) -> dict[str, Any] | None:
+            return next((m for m in cli.members() if int(str(m["pid"])) == pid), None)
+
+        def leader_logged(line: str) -> bool:
+            logs = cli.home / "logs"
+            return any(line in p.read_text() for p in logs.glob("coordinator-*.log"))
+
+        try:
+            submit(cli, model_dir, "np", f"trainer.steps={NO_PROVISIONER_STEPS}")
+            eventually_sync(lambda: step_of(cli, "np") >= 5, timeout=180)
+            os.kill(int(member(cli, "rollout-1")["pid"]), signal.SIGKILL)
+            wait_for_incident(cli, "MEMBER_LOST", "rollout-1", timeout=15)
+            eventually_sync(lambda: bool(recoveries(cli, "np")), timeout=15)
+            assert not recoveries(cli, "np")[0]["done_at"]  # nobody started anything
+
+            again = start_rollout("rollout-1", "rollout-1-again.log")
+            eventually_sync(lambda: registered(again.pid) is not None, timeout=60)
+            eventually_sync(
+                lambda: leader_logged("coordinator.fenced_member_not_bound"), timeout=15
+            )
+            fresh = start_rollout("", "rollout-fresh.log")
+            eventually_sync(lambda: bool(recoveries(cli, "np")[0]["done_at"]), timeout=90)
+            finish(cli, "np")
+            [rec] = recoveries(cli, "np")
+            assert rec["actions"] == ROLLOUT_1_REPLACED
+            replaced_by = registered(fresh.pid)
+            assert replaced_by is not None and rec["replacements"] == [replaced_by["instance_id"]]
+            assert str(replaced_by["instance_id"]).startswith("rollout-")
+            restarted = registered(again.pid)
+            assert restarted is not None and not restarted["job_id"], restarted
+            assert again.poll() is None  # never told it was fenced: it is simply not bound
+            assert_nothing_lost_or_trained_twice(
+                cli, "np", tmp_path / "runs" / "np", steps_run=NO_PROVISIONER_STEPS
+            )
+        finally:
+            for proc in started:  # the processes this test started, by pid
+                proc.kill()
+                proc.wait()
 
 
 def ride_out(
