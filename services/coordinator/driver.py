@@ -394,14 +394,50 @@ class JobDriver:
         except grpc.aio.AioRpcError as exc:  # busy, bound meanwhile or gone: the next tick sees
             log.info("coordinator.prepare_failed", member=member.instance_id, error=exc.details())
 
+    async def _free_for(
+        self, job_id: str, members: list[MemberRecord]
+    ) -> dict[str, list[MemberRecord]]:
+        """Free trainers and rollouts (`free_members`) that may be bound to job_id: not under an
+        id fenced from it. A fence names an instance id, and one bound under a fenced id (a
+        process restarted in place with a fixed INSTANCE_ID, or a job id used again after a
+        delete, whose fences stay) would be told it is fenced at its first beat and leave."""
+        candidates = {role: free_members(members, role) for role in ("trainer", "rollout")}
+        assert self.runtime.client is not None
+        barred = await fenced_from(
+            self.runtime.client,
+            self.runtime.keys,
+            [m.instance_id for role in candidates.values() for m in role],
+            job_id,
+        )
+        for instance_id in barred - self._barred.get(job_id, set()):
+            log.warning(
+                "coordinator.fenced_member_not_bound",
+                job_id=job_id,
+                member=instance_id,
+                why="a process under this id was fenced from the job; give each process its own"
+                " INSTANCE_ID",
+            )
+        self._barred[job_id] = barred
+        return {
+            role: [m for m in found if m.instance_id not in barred]
+            for role, found in candidates.items()
+        }
+
     async def _try_start(self, record: JobRecord, members: list[MemberRecord]) -> None:
         spec = self.spec(record)
-        # A job starts on a free trainer; standbys wait for a trainer to fail.
-        trainers = [
-            m for m in free_members(members, "trainer") if m.labels.get("standby") != "true"
-        ]
-        rollouts = free_members(members, "rollout")
         need = spec.rollout.replicas
+
+        def startable(free: dict[str, list[MemberRecord]]) -> tuple[list[MemberRecord], ...]:
+            # A job starts on a free trainer; standbys wait for a trainer to fail.
+            trainers = [m for m in free["trainer"] if m.labels.get("standby") != "true"]
+            return trainers, free["rollout"]
+
+        trainers, rollouts = startable(
+            {r: free_members(members, r) for r in ("trainer", "rollout")}
+        )
+        if trainers and len(rollouts) >= need:
+            # Fences are read once there are enough free members, not every round of a wait.
+            trainers, rollouts = startable(await self._free_for(record.job_id, members))
         if not trainers or len(rollouts) < need:
             waiting = (
                 f"waiting for 1 free trainer and {need} free rollouts "
@@ -617,26 +653,10 @@ class JobDriver:
         if not missing:
             return
         epoch = record.epoch + 1 if "trainer" in missing else record.epoch
-        candidates = {role: free_members(members, role) for role in ("trainer", "rollout")}
-        assert self.runtime.client is not None
-        barred = await fenced_from(
-            self.runtime.client,
-            self.runtime.keys,
-            [m.instance_id for role in candidates.values() for m in role],
-            record.job_id,
-        )
-        for instance_id in barred - self._barred.get(record.job_id, set()):
-            log.warning(
-                "coordinator.fenced_member_not_bound",
-                job_id=record.job_id,
-                member=instance_id,
-                why="a process under this id was fenced from the job; give each process its own"
-                " INSTANCE_ID",
-            )
-        self._barred[record.job_id] = barred
+        candidates = await self._free_for(record.job_id, members)
         free = {  # those prepared for this job first, then warm standbys
             role: sorted(
-                [m for m in candidates[role] if m.instance_id not in barred],
+                candidates[role],
                 key=lambda m: (
                     m.labels.get(PREPARED_LABEL) != record.job_id,
                     m.labels.get("standby") != "true",

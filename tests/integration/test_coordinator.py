@@ -435,8 +435,9 @@ async def test_a_free_member_under_an_id_fenced_from_the_job_is_not_bound_to_it(
     """A process restarted under the id of one that was fenced from a job (a container or pod
     restarted in place) would be told at its first beat that it is fenced, and leave the job
     again. Real leader, registry members and etcd: of two free rollouts, the one whose id is
-    fenced from the job is passed over (the other is prepared, a replacement is asked for in
-    its place), and it stays free for other jobs."""
+    fenced from the job is passed over (the other is sent PREPARE, and a replacement is asked
+    for in its place), and it stays free for other jobs. A pending job does not start on one
+    either."""
     from services.common.fences import FenceRecord, write_fence
     from services.coordinator.provisioner import ExternalProvisioner
 
@@ -456,9 +457,23 @@ async def test_a_free_member_under_an_id_fenced_from_the_job_is_not_bound_to_it(
             await driver.store.create(record, leadership.guard())
             await driver.save_ledger(driver.ledgers.setdefault("fj", work.WorkLedger(job_id="fj")))
             await driver.tick()
-            assert sorted(driver._preparing) == ["r-new"]
             assert sorted(p.role for p in asks.pending.values()) == ["rollout", "trainer"]
             assert driver._barred == {"fj": {"r-again"}}
+
+            # A job id used again (after a delete; fences stay) does not start on a member
+            # under an id fenced from its earlier run either: its one free trainer is such.
+            await write_fence(
+                runtime.client,
+                runtime.keys,
+                FenceRecord(instance_id="t-again", job_id="again", epoch=2, reason="lost"),
+            )
+            members.append(await started_member("trainer", "t-again", etcd_settings))
+            await driver.store.create(new_job("again", {"name": "again"}, 0.0), leadership.guard())
+            await driver.tick()
+            record, _ = await driver.store.get("again")
+            assert record.phase is Phase.PENDING
+            assert record.message.endswith("(free now: 0 trainers, 2 rollouts)"), record.message
+            assert driver._barred["again"] == {"t-again"}
         finally:
             for member in members:
                 await member.shutdown()
