@@ -675,8 +675,10 @@ async def fan_out(
     times: list[float] = []
     shares: list[float] = []
     try:
-        served_before = 0
-        pulled_before = [0] * len(group)
+        # The share is counted where each bucket was verified, by source: the trainer's own
+        # count of buckets served lags, as it hears of a send's end after the puller has the
+        # bucket (a round once came out at 125% so).
+        from_trainer_before = pulled_before = 0
         for version in range(1, driver.args.repeat + 2):
             await trainer.call(
                 "publish", bytes=size_mib * MIB, version=version, grpc=False, plain=False
@@ -685,11 +687,11 @@ async def fan_out(
             ids = [p.send("ucx_pull", version=version) for p in group]
             replies = await asyncio.gather(*(p.reply(i) for p, i in zip(group, ids, strict=True)))
             times.append(time.perf_counter() - started)
-            served = (await trainer.call("state"))["counters"]["buckets_served"]
-            pulled = [sum(r["counters"]["buckets_by_source"].values()) for r in replies]
-            delivered = sum(pulled) - sum(pulled_before)
-            shares.append((served - served_before) / delivered)
-            served_before, pulled_before = served, pulled
+            sources = [r["counters"]["buckets_by_source"] for r in replies]
+            pulled = sum(sum(by.values()) for by in sources)
+            from_trainer = sum(by.get(trainer.name, 0) for by in sources)
+            shares.append((from_trainer - from_trainer_before) / (pulled - pulled_before))
+            from_trainer_before, pulled_before = from_trainer, pulled
     finally:
         await driver.stop([trainer, *group])
     pick = min if driver.args.stat == "best" else statistics.median
