@@ -80,6 +80,11 @@ class ServiceSettings(BaseSettings):
     heartbeat_interval: float = Field(default=0.5, gt=0)
     """Seconds between heartbeats sent to the monitor."""
 
+    exit_when_fenced: bool = False
+    """Trainer and rollout: exit (as on SIGTERM) once fenced, instead of staying registered as a
+    member no job of its fence may use. Where a supervisor restarts what exits (compose's restart
+    policy, Kubernetes), the process comes back as a new instance, free for any job."""
+
     shutdown_grace: float = Field(default=2.0, ge=0)
     """Seconds in-flight RPCs get to finish on shutdown."""
 

@@ -316,6 +316,9 @@ class RoleControl:
         await self._relabel({"fenced": "true"}, job_id="")
         log.info(f"{self.runtime.role}.left_job", job=self.binding.job_id)
         await self.stop_worker()
+        if self.runtime.settings.exit_when_fenced:
+            log.warning(f"{self.runtime.role}.exiting_fenced", job=self.binding.job_id)
+            self.runtime.ask_to_stop()
 
     async def stop_worker(self) -> None:
         if self.worker is not None:

@@ -100,6 +100,7 @@ class ServiceRuntime:
         self._writes = asyncio.Lock()  # registry writes of this member, one at a time
         self._keeper: asyncio.Task[None] | None = None
         self._stopped = asyncio.Event()
+        self._stop_asked = asyncio.Event()  # set by SIGTERM/SIGINT or `ask_to_stop`
         self._free_space: Callable[[], Awaitable[object]] | None = None
         configure_logging(
             service=role,
@@ -278,11 +279,14 @@ class ServiceRuntime:
         await self.host.shutdown(self.settings.shutdown_grace)
         log.info(f"{self.role}.stopped")
 
+    def ask_to_stop(self) -> None:
+        """End `serve_until_signal` as SIGTERM would: the process shuts down in order and exits."""
+        self._stop_asked.set()
+
     async def serve_until_signal(self) -> None:
-        """Run until SIGTERM/SIGINT, then shut down in order."""
+        """Run until SIGTERM/SIGINT (or `ask_to_stop`), then shut down in order."""
         loop = asyncio.get_running_loop()
-        stop = asyncio.Event()
         for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(sig, stop.set)
-        await stop.wait()
+            loop.add_signal_handler(sig, self._stop_asked.set)
+        await self._stop_asked.wait()
         await self.shutdown()

@@ -210,6 +210,47 @@ def test_a_hung_rollout_is_replaced_and_its_zombie_changes_nothing(
     )
 
 
+def test_a_hung_rollout_told_to_exit_when_fenced_exits_once_it_resumes(
+    model_dir: Path, tmp_path: Path
+) -> None:
+    """EXIT_WHEN_FENCED, as compose and k8s set it: the zombie of a hung rollout, once it
+    resumes and hears it was fenced, shuts down and exits (its supervisor would start it again
+    as a new member) instead of staying registered as a member its job may not use."""
+    env = {"ROBUSTRL_ROLLOUT_EXIT_WHEN_FENCED": "true"}
+    with detection_stack(tmp_path, env=env) as stack:
+        submit(
+            stack,
+            model_dir,
+            "hx",
+            "rollout.max_new_tokens=16",
+            f"trainer.steps={HUNG_ROLLOUT_STEPS}",
+        )
+        eventually_sync(lambda: step_of(stack, "hx") >= 3, timeout=180)
+        pid = int(member(stack, "rollout-0")["pid"])
+        os.kill(pid, signal.SIGSTOP)
+        try:
+            wait_for_incident(stack, "ROLLOUT_HANG", "rollout-0", timeout=15)
+            eventually_sync(lambda: bool(recoveries(stack, "hx")[0]["done_at"]), timeout=90)
+        finally:
+            os.kill(pid, signal.SIGCONT)  # the zombie comes back after its replacement
+        zombie_log = stack.home / "logs" / "rollout-0.log"
+        eventually_sync(lambda: "rollout.exiting_fenced" in zombie_log.read_text(), timeout=30)
+
+        def exited() -> bool:
+            try:
+                return process_state(pid) == "Z"  # exited; the stack that started it reaps it
+            except FileNotFoundError:
+                return True
+
+        eventually_sync(exited, timeout=30)
+        assert "rollout.stopped" in zombie_log.read_text()  # an orderly shutdown, not a crash
+        assert all(m["instance_id"] != "rollout-0" for m in stack.members())
+        finish(stack, "hx")
+        assert_nothing_lost_or_trained_twice(
+            stack, "hx", tmp_path / "runs" / "hx", steps_run=HUNG_ROLLOUT_STEPS
+        )
+
+
 def test_a_trainer_and_a_rollout_killed_together_lose_no_group(
     stack: Cli, model_dir: Path, tmp_path: Path
 ) -> None:

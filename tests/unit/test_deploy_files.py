@@ -73,6 +73,8 @@ def test_compose_file_is_consistent() -> None:
                 assert volume.split(":")[1].startswith("/app/.robustrl/")
         if name in ("coordinator", "monitor", "trainer", "rollout"):
             assert service.get("restart") == "unless-stopped", f"docker would not restart {name}"
+        if name in ("trainer", "rollout"):  # a fenced one exits, and comes back as a new one
+            assert service["environment"][f"ROBUSTRL_{name.upper()}_EXIT_WHEN_FENCED"] == "true"
         if name == "coordinator":
             # The control image has no model stack: it cannot start trainers or rollouts.
             assert service["environment"].get("ROBUSTRL_COORDINATOR_PROVISIONER") == "none"
