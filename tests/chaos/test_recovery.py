@@ -178,20 +178,27 @@ def test_a_killed_rollout_is_replaced_and_the_trainer_never_pauses(
     assert max(during) <= 3 * statistics.median(before) + 1.0, (before, during)
 
 
-def test_a_hung_rollout_is_replaced_and_its_zombie_changes_nothing(
-    stack: Cli, model_dir: Path, tmp_path: Path
-) -> None:
+def hang_rollout_0_until_replaced(stack: Cli, model_dir: Path, job: str) -> int:
+    """Submit `job` (HUNG_ROLLOUT_STEPS), SIGSTOP rollout-0 at step 3 and SIGCONT it once the
+    leader replaced it: a zombie resumes. Its pid."""
     submit(
-        stack, model_dir, "rh", "rollout.max_new_tokens=16", f"trainer.steps={HUNG_ROLLOUT_STEPS}"
+        stack, model_dir, job, "rollout.max_new_tokens=16", f"trainer.steps={HUNG_ROLLOUT_STEPS}"
     )
-    eventually_sync(lambda: step_of(stack, "rh") >= 3, timeout=180)
+    eventually_sync(lambda: step_of(stack, job) >= 3, timeout=180)
     pid = int(member(stack, "rollout-0")["pid"])
     os.kill(pid, signal.SIGSTOP)
     try:
         wait_for_incident(stack, "ROLLOUT_HANG", "rollout-0", timeout=15)
-        eventually_sync(lambda: bool(recoveries(stack, "rh")[0]["done_at"]), timeout=90)
+        eventually_sync(lambda: bool(recoveries(stack, job)[0]["done_at"]), timeout=90)
     finally:
         os.kill(pid, signal.SIGCONT)  # the zombie comes back after its replacement
+    return pid
+
+
+def test_a_hung_rollout_is_replaced_and_its_zombie_changes_nothing(
+    stack: Cli, model_dir: Path, tmp_path: Path
+) -> None:
+    hang_rollout_0_until_replaced(stack, model_dir, "rh")
     # It learns from its next beat that it was fenced, and stops its work.
     zombie_log = stack.home / "logs" / "rollout-0.log"
     eventually_sync(lambda: "rollout.fenced" in zombie_log.read_text(), timeout=30)
@@ -218,21 +225,7 @@ def test_a_hung_rollout_told_to_exit_when_fenced_exits_once_it_resumes(
     as a new member) instead of staying registered as a member its job may not use."""
     env = {"ROBUSTRL_ROLLOUT_EXIT_WHEN_FENCED": "true"}
     with detection_stack(tmp_path, env=env) as stack:
-        submit(
-            stack,
-            model_dir,
-            "hx",
-            "rollout.max_new_tokens=16",
-            f"trainer.steps={HUNG_ROLLOUT_STEPS}",
-        )
-        eventually_sync(lambda: step_of(stack, "hx") >= 3, timeout=180)
-        pid = int(member(stack, "rollout-0")["pid"])
-        os.kill(pid, signal.SIGSTOP)
-        try:
-            wait_for_incident(stack, "ROLLOUT_HANG", "rollout-0", timeout=15)
-            eventually_sync(lambda: bool(recoveries(stack, "hx")[0]["done_at"]), timeout=90)
-        finally:
-            os.kill(pid, signal.SIGCONT)  # the zombie comes back after its replacement
+        pid = hang_rollout_0_until_replaced(stack, model_dir, "hx")
         zombie_log = stack.home / "logs" / "rollout-0.log"
         eventually_sync(lambda: "rollout.exiting_fenced" in zombie_log.read_text(), timeout=30)
 
@@ -421,6 +414,19 @@ def test_a_killed_leader_coordinator_restarts_no_data_plane_role(
     assert_nothing_lost_or_trained_twice(stack, "lc", tmp_path / "runs" / "lc")
 
 
+def kill_rollout_1_with_nobody_to_replace_it(
+    cli: Cli, model_dir: Path, job: str, steps: int
+) -> None:
+    """Submit `job`, kill -9 rollout-1 at step 5, and check that the leader took up its loss
+    but has nothing to start it with yet (no scheduler, or nobody started by hand)."""
+    submit(cli, model_dir, job, f"trainer.steps={steps}")
+    eventually_sync(lambda: step_of(cli, job) >= 5, timeout=180)
+    os.kill(int(member(cli, "rollout-1")["pid"]), signal.SIGKILL)
+    wait_for_incident(cli, "MEMBER_LOST", "rollout-1", timeout=15)
+    eventually_sync(lambda: bool(recoveries(cli, job)), timeout=15)
+    assert not recoveries(cli, job)[0]["done_at"]
+
+
 def test_an_external_scheduler_supplies_the_replacement_rollout(
     model_dir: Path, tmp_path: Path
 ) -> None:
@@ -437,12 +443,7 @@ def test_an_external_scheduler_supplies_the_replacement_rollout(
         try:
             # Long enough that the one rollout left cannot finish the job before the provider
             # and the member it starts are up (cold starts, a few seconds each).
-            submit(cli, model_dir, "ex", f"trainer.steps={EXTERNAL_STEPS}")
-            eventually_sync(lambda: step_of(cli, "ex") >= 5, timeout=180)
-            os.kill(int(member(cli, "rollout-1")["pid"]), signal.SIGKILL)
-            wait_for_incident(cli, "MEMBER_LOST", "rollout-1", timeout=15)
-            eventually_sync(lambda: bool(recoveries(cli, "ex")), timeout=15)
-            assert not recoveries(cli, "ex")[0]["done_at"]  # no scheduler: nothing started
+            kill_rollout_1_with_nobody_to_replace_it(cli, model_dir, "ex", EXTERNAL_STEPS)
             assert list(started.iterdir()) == []
             provider = subprocess.Popen(
                 cli.argv("provider", "--exec", command, "--name", "sim", "--roles", "rollout"),
@@ -506,12 +507,7 @@ def test_with_no_provisioner_a_rollout_started_by_hand_replaces_the_lost_one_but
             return any(line in p.read_text() for p in logs.glob("coordinator-*.log"))
 
         try:
-            submit(cli, model_dir, "np", f"trainer.steps={NO_PROVISIONER_STEPS}")
-            eventually_sync(lambda: step_of(cli, "np") >= 5, timeout=180)
-            os.kill(int(member(cli, "rollout-1")["pid"]), signal.SIGKILL)
-            wait_for_incident(cli, "MEMBER_LOST", "rollout-1", timeout=15)
-            eventually_sync(lambda: bool(recoveries(cli, "np")), timeout=15)
-            assert not recoveries(cli, "np")[0]["done_at"]  # nobody started anything
+            kill_rollout_1_with_nobody_to_replace_it(cli, model_dir, "np", NO_PROVISIONER_STEPS)
 
             again = start_rollout("rollout-1", "rollout-1-again.log")
             eventually_sync(lambda: registered(again.pid) is not None, timeout=60)
