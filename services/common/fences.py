@@ -22,7 +22,7 @@ from services.common.aio import cancel_and_wait
 from services.common.etcd_client import until_etcd_answers
 from services.common.keys import KeySpace, WeightKeys
 from services.common.logs import get_logger
-from services.common.watch import Delete, Put, Resync, list_prefix, watch_prefix
+from services.common.watch import Delete, Entry, Put, Resync, list_prefix, watch_prefix
 
 log = get_logger(__name__)
 
@@ -38,22 +38,6 @@ class FenceRecord(BaseModel):
 
 async def write_fence(client: aetcd.Client, keys: KeySpace, record: FenceRecord) -> None:
     await client.put(keys.fence(record.instance_id), record.model_dump_json().encode())
-
-
-async def fenced_from(
-    client: aetcd.Client, keys: KeySpace, instance_ids: list[str], job_id: str
-) -> set[str]:
-    """Those of `instance_ids` whose fence names `job_id`.
-
-    A fence names an instance id, and a process that starts under the id of one that was
-    fenced (a container or pod restarted in place, or a fixed INSTANCE_ID) inherits it: bound
-    to that job again, it would be told at its first beat that it is fenced and leave."""
-    reads = await asyncio.gather(*(client.get(keys.fence(i)) for i in instance_ids))
-    barred: set[str] = set()
-    for instance_id, read in zip(instance_ids, reads, strict=True):
-        if read is not None and FenceRecord.model_validate_json(read.value).job_id == job_id:
-            barred.add(instance_id)
-    return barred
 
 
 async def withdraw_holder_records(
@@ -83,6 +67,8 @@ class FenceSet:
         self.client = client
         self.keys = keys
         self.records: dict[str, FenceRecord] = {}
+        self.loaded = asyncio.Event()
+        """Set once the first read of every fence is in `records`."""
         self._task: asyncio.Task[None] | None = None
 
     def fences(self, instance_id: str, job_id: str, epoch: int | None = None) -> bool:
@@ -103,16 +89,29 @@ class FenceSet:
         entries, revision = await until_etcd_answers(
             lambda: list_prefix(self.client, self.keys.fences()), "reading the fences"
         )
-        self._replace([FenceRecord.model_validate_json(e.value) for e in entries])
+        self._replace(entries)
+        self.loaded.set()
         async for event in watch_prefix(self.client, self.keys.fences(), revision + 1):
             if isinstance(event, Put):
-                record = FenceRecord.model_validate_json(event.entry.value)
-                self.records[record.instance_id] = record
-                log.info("fence.seen", member=record.instance_id, job=record.job_id)
+                record = _readable(event.entry)
+                if record is not None:
+                    self.records[record.instance_id] = record
+                    log.info("fence.seen", member=record.instance_id, job=record.job_id)
             elif isinstance(event, Delete):
                 self.records.pop(event.key.decode().rsplit("/", 1)[1], None)
             elif isinstance(event, Resync):
-                self._replace([FenceRecord.model_validate_json(e.value) for e in event.entries])
+                self._replace(event.entries)
 
-    def _replace(self, records: list[FenceRecord]) -> None:
+    def _replace(self, entries: list[Entry]) -> None:
+        records = [r for r in map(_readable, entries) if r is not None]
         self.records = {r.instance_id: r for r in records}
+
+
+def _readable(entry: Entry) -> FenceRecord | None:
+    """The fence at entry, or None (logged) for one that cannot be read: it must not end the
+    watch, after which no later fence would be seen."""
+    try:
+        return FenceRecord.model_validate_json(entry.value)
+    except ValueError as exc:
+        log.warning("fence.unreadable", key=entry.key.decode(), error=str(exc).split("\n")[0])
+        return None

@@ -27,7 +27,7 @@ from services.common.aio import cancel_and_wait
 from services.common.channels import open_channel
 from services.common.control import FIRST_EPOCH
 from services.common.errors import Aborted, FailedPrecondition, InvalidArgument, Unavailable
-from services.common.fences import fenced_from
+from services.common.fences import FenceSet
 from services.common.interceptors import REPEAT_WINDOW_S, Repeats
 from services.common.jobspec import JobSpec
 from services.common.logs import get_logger
@@ -133,9 +133,11 @@ class JobDriver:
         """(job, bound member) -> since when it is missing from the registry (`_unreported`)."""
         self.space = space
         self._undone = Repeats(REPEAT_WINDOW_S)
+        """Which `coordinator.lease_undone` lines to write (one per member per window)."""
+        self.fences: FenceSet | None = None
+        """Every fence, followed by a watch from the first election on (`_free_for`)."""
         self._barred: dict[str, set[str]] = {}
         """Job -> free members not bound to it because their id was fenced from it (logged once)."""
-        """Which `coordinator.lease_undone` lines to write (one per member per window)."""
 
     # ------------------------------------------------------------------ plumbing
 
@@ -158,6 +160,8 @@ class JobDriver:
     async def stop(self) -> None:
         await cancel_and_wait(self._task, *(task for _, task in self._preparing.values()))
         await self.executor.stop()
+        if self.fences is not None:
+            await self.fences.stop()
         for _, writes in self._ledger_writes.values():
             await writes.stop()
 
@@ -171,6 +175,11 @@ class JobDriver:
         for record, _ in records:
             await self._reload(record)
         log.info("coordinator.ledgers_reloaded", jobs=len(self.ledgers))
+        if self.fences is None:
+            assert self.runtime.client is not None
+            self.fences = FenceSet(self.runtime.client, self.runtime.keys)
+            self.fences.start()
+        await asyncio.wait_for(self.fences.loaded.wait(), self.runtime.etcd_settings.timeout)
         self.executor.start()
 
     async def _reload(self, record: JobRecord) -> None:
@@ -394,21 +403,20 @@ class JobDriver:
         except grpc.aio.AioRpcError as exc:  # busy, bound meanwhile or gone: the next tick sees
             log.info("coordinator.prepare_failed", member=member.instance_id, error=exc.details())
 
-    async def _free_for(
-        self, job_id: str, members: list[MemberRecord]
-    ) -> dict[str, list[MemberRecord]]:
+    def _free_for(self, job_id: str, members: list[MemberRecord]) -> dict[str, list[MemberRecord]]:
         """Free trainers and rollouts (`free_members`) that may be bound to job_id: not under an
-        id fenced from it. A fence names an instance id, and one bound under a fenced id (a
-        process restarted in place with a fixed INSTANCE_ID, or a job id used again after a
-        delete, whose fences stay) would be told it is fenced at its first beat and leave."""
+        id fenced from it, by the same check the monitor answers beats with. A fence names an
+        instance id, and one bound under a fenced id (a process restarted in place with a fixed
+        INSTANCE_ID, or a job id used again after a delete, whose fences stay) would be told it
+        is fenced at its first beat and leave."""
+        assert self.fences is not None, "fences are followed from the first election on"
         candidates = {role: free_members(members, role) for role in ("trainer", "rollout")}
-        assert self.runtime.client is not None
-        barred = await fenced_from(
-            self.runtime.client,
-            self.runtime.keys,
-            [m.instance_id for role in candidates.values() for m in role],
-            job_id,
-        )
+        barred = {
+            m.instance_id
+            for found in candidates.values()
+            for m in found
+            if self.fences.fences(m.instance_id, job_id)
+        }
         for instance_id in barred - self._barred.get(job_id, set()):
             log.warning(
                 "coordinator.fenced_member_not_bound",
@@ -426,18 +434,10 @@ class JobDriver:
     async def _try_start(self, record: JobRecord, members: list[MemberRecord]) -> None:
         spec = self.spec(record)
         need = spec.rollout.replicas
-
-        def startable(free: dict[str, list[MemberRecord]]) -> tuple[list[MemberRecord], ...]:
-            # A job starts on a free trainer; standbys wait for a trainer to fail.
-            trainers = [m for m in free["trainer"] if m.labels.get("standby") != "true"]
-            return trainers, free["rollout"]
-
-        trainers, rollouts = startable(
-            {r: free_members(members, r) for r in ("trainer", "rollout")}
-        )
-        if trainers and len(rollouts) >= need:
-            # Fences are read once there are enough free members, not every round of a wait.
-            trainers, rollouts = startable(await self._free_for(record.job_id, members))
+        free = self._free_for(record.job_id, members)
+        # A job starts on a free trainer; standbys wait for a trainer to fail.
+        trainers = [m for m in free["trainer"] if m.labels.get("standby") != "true"]
+        rollouts = free["rollout"]
         if not trainers or len(rollouts) < need:
             waiting = (
                 f"waiting for 1 free trainer and {need} free rollouts "
@@ -653,7 +653,7 @@ class JobDriver:
         if not missing:
             return
         epoch = record.epoch + 1 if "trainer" in missing else record.epoch
-        candidates = await self._free_for(record.job_id, members)
+        candidates = self._free_for(record.job_id, members)
         free = {  # those prepared for this job first, then warm standbys
             role: sorted(
                 candidates[role],

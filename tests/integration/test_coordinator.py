@@ -443,11 +443,23 @@ async def test_a_free_member_under_an_id_fenced_from_the_job_is_not_bound_to_it(
 
     async with lone_leader(etcd_settings, "fenced-id") as (runtime, leadership, driver):
         assert runtime.client is not None
-        await write_fence(
-            runtime.client,
-            runtime.keys,
-            FenceRecord(instance_id="r-again", job_id="fj", epoch=1, reason="lost"),
-        )
+
+        async def fence(instance_id: str, job_id: str) -> None:
+            """Write a fence and wait until the leader's fence watch has it."""
+            assert runtime.client is not None and driver.fences is not None
+            await write_fence(
+                runtime.client,
+                runtime.keys,
+                FenceRecord(instance_id=instance_id, job_id=job_id, epoch=1, reason="lost"),
+            )
+            fences = driver.fences
+
+            async def seen() -> bool:
+                return fences.fences(instance_id, job_id)
+
+            await eventually(seen, timeout=10)
+
+        await fence("r-again", "fj")
         members = [
             await started_member("rollout", name, etcd_settings) for name in ("r-again", "r-new")
         ]
@@ -462,11 +474,7 @@ async def test_a_free_member_under_an_id_fenced_from_the_job_is_not_bound_to_it(
 
             # A job id used again (after a delete; fences stay) does not start on a member
             # under an id fenced from its earlier run either: its one free trainer is such.
-            await write_fence(
-                runtime.client,
-                runtime.keys,
-                FenceRecord(instance_id="t-again", job_id="again", epoch=2, reason="lost"),
-            )
+            await fence("t-again", "again")
             members.append(await started_member("trainer", "t-again", etcd_settings))
             await driver.store.create(new_job("again", {"name": "again"}, 0.0), leadership.guard())
             await driver.tick()
