@@ -57,6 +57,7 @@ class Beat(_message.Message):
     role: _common_pb2.Role.ValueType
     instance_id: _builtins.str
     epoch: _builtins.int
+    """The epoch of the member's binding to job_id (its starting epoch while free)."""
     job_id: _builtins.str
     rank: _builtins.int
     seq: _builtins.int
@@ -100,7 +101,9 @@ class BeatAck(_message.Message):
     FENCED_FIELD_NUMBER: _builtins.int
     seq: _builtins.int
     fenced: _builtins.bool
-    """Set when the monitor knows this instance has been fenced: it must stop."""
+    """Set when a fence names this instance, the beat's job, and an epoch at or above the beat's:
+    it must stop. The same id bound afresh at a higher epoch is not fenced.
+    """
     def __init__(
         self,
         *,

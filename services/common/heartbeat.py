@@ -35,6 +35,8 @@ class Progress:
     phase: str = "idle"
     phase_started_at: float = field(default_factory=time.time)
     job_id: str = ""
+    epoch: int = 0
+    """The epoch of the binding to `job_id` (the fence check compares it with the fence's)."""
     rank: int = 0
     counters: dict[str, float] = field(default_factory=dict)
     _wake: Callable[[], None] | None = field(default=None, repr=False)
@@ -65,7 +67,6 @@ class HeartbeatSender:
         *,
         role: common_pb2.Role.ValueType,
         instance_id: str,
-        epoch: int,
         progress: Progress,
         interval: float,
         on_fenced: Callable[[], None] | None = None,
@@ -73,7 +74,6 @@ class HeartbeatSender:
         self.registry = registry
         self.role = role
         self.instance_id = instance_id
-        self.epoch = epoch
         self.progress = progress
         self.interval = interval
         self.on_fenced = on_fenced
@@ -104,7 +104,7 @@ class HeartbeatSender:
         beat = monitor_pb2.Beat(
             role=self.role,
             instance_id=self.instance_id,
-            epoch=self.epoch,
+            epoch=self.progress.epoch,
             job_id=self.progress.job_id,
             rank=self.progress.rank,
             seq=self._seq,

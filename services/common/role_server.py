@@ -200,7 +200,7 @@ class RoleControl:
             await asyncio.to_thread(worker.load)
         self.binding = after
         if after != before:
-            self.runtime.progress.job_id = after.job_id
+            self._report(after)
             try:
                 await self.runtime.update_member(job_id=after.job_id, epoch=after.epoch)
             except BaseException:
@@ -208,7 +208,7 @@ class RoleControl:
                 # instance would refuse every other job while the leader takes it for free.
                 if self.binding is after:  # no other control changed it meanwhile
                     self.binding = before
-                    self.runtime.progress.job_id = before.job_id
+                    self._report(before)
                 raise
             log.info(
                 f"{self.runtime.role}.control",
@@ -298,6 +298,12 @@ class RoleControl:
         status = self.status()
         status.metrics[FAULT_STEP_KEY] = float(step)
         return trainer_pb2.ControlResponse(status=status)
+
+    def _report(self, binding: Binding) -> None:
+        """Beat the binding's job and epoch: the monitor answers `fenced` only to a beat at or
+        below the epoch a fence names."""
+        self.runtime.progress.job_id = binding.job_id
+        self.runtime.progress.epoch = binding.epoch
 
     def fenced(self, binding: Binding | None = None) -> None:
         """This instance was fenced (it was replaced): leave the job in the registry, stop

@@ -88,7 +88,7 @@ class ServiceRuntime:
         self.host = GrpcHost(
             bind_host=settings.bind_host, port=settings.port, service_names=service_names
         )
-        self.progress = Progress()
+        self.progress = Progress(epoch=settings.epoch)
         self.labels = labels or {}
         self._heartbeats = heartbeats
         self.client: aetcd.Client | None = None
@@ -167,7 +167,6 @@ class ServiceRuntime:
                 self.registry,
                 role=ROLE_TO_PROTO[self.role],
                 instance_id=self.instance_id,
-                epoch=self.settings.epoch,
                 progress=self.progress,
                 interval=self.settings.heartbeat_interval,
                 on_fenced=on_fenced,

@@ -115,7 +115,7 @@ class MonitorServicer(monitor_pb2_grpc.MonitorServicer):
                 if beat.goodbye:
                     log.info("monitor.goodbye", member=instance_id)
                 fenced = self.fences is not None and self.fences.fences(
-                    beat.instance_id, beat.job_id
+                    beat.instance_id, beat.job_id, beat.epoch
                 )
                 yield monitor_pb2.BeatAck(seq=beat.seq, fenced=fenced)
         finally:

@@ -10,6 +10,7 @@ import grpc
 
 from robustrl.v1 import common_pb2, monitor_pb2, monitor_pb2_grpc
 from services.common.config import EtcdSettings
+from services.common.fences import FenceRecord, write_fence
 from services.common.heartbeat import HeartbeatSender, Progress
 from services.common.registry import MemberRecord, Registry
 from services.common.runtime import ServiceRuntime
@@ -34,8 +35,7 @@ async def test_a_clean_goodbye_is_never_an_incident(monitor: ServiceRuntime) -> 
         Registry(monitor.client, monitor.keys),
         role=common_pb2.ROLE_ROLLOUT,
         instance_id="rollout-a",
-        epoch=1,
-        progress=Progress(phase="generate", job_id="j", counters={"tokens": 5.0}),
+        progress=Progress(phase="generate", job_id="j", epoch=1, counters={"tokens": 5.0}),
         interval=0.1,
     )
     sender.start()
@@ -168,3 +168,43 @@ async def test_malformed_beats_are_invalid_argument(monitor: ServiceRuntime) -> 
             raise AssertionError("expected an error")
         except grpc.aio.AioRpcError as exc:
             assert exc.code() == grpc.StatusCode.INVALID_ARGUMENT
+
+
+async def test_a_beat_is_told_fenced_only_at_or_below_the_fences_epoch(
+    monitor: ServiceRuntime,
+) -> None:
+    """A fence names the epoch its instance served: beats of that binding (or older) hear
+    `fenced`; the same id bound afresh at a higher epoch, or to another job, does not."""
+    assert monitor.client is not None
+    await write_fence(
+        monitor.client,
+        monitor.keys,
+        FenceRecord(instance_id="rollout-f", job_id="j", epoch=2, reason="test"),
+    )
+    async with grpc.aio.insecure_channel(monitor.address) as channel:
+        call = monitor_pb2_grpc.MonitorStub(channel).Heartbeat()
+        seq = 0
+
+        async def fenced(job_id: str, epoch: int) -> bool:
+            nonlocal seq
+            seq += 1
+            beat = monitor_pb2.Beat(
+                role=common_pb2.ROLE_ROLLOUT,
+                instance_id="rollout-f",
+                job_id=job_id,
+                epoch=epoch,
+                seq=seq,
+            )
+            await call.write(beat)
+            ack = await call.read()
+            assert ack.seq == seq
+            return bool(ack.fenced)
+
+        async def fenced_at_its_epoch() -> bool:
+            return await fenced("j", 2)
+
+        await eventually(fenced_at_its_epoch, timeout=5)  # once the monitor's watch has it
+        assert await fenced("j", 1)
+        assert not await fenced("j", 3)
+        assert not await fenced("other-job", 2)
+        await call.done_writing()

@@ -93,6 +93,9 @@ async def test_a_bind_of_the_prepared_job_takes_the_prepared_worker() -> None:
     assert (made[0].epoch, made[0].loaded, made[0].started) == (3, 1, 1)
     assert PREPARED_LABEL not in runtime.member.labels
     assert (role.binding.job_id, role.binding.epoch) == ("j", 3)
+    # Beats carry the binding, which the monitor's fence check compares with a fence's epoch.
+    assert (runtime.progress.job_id, runtime.progress.epoch) == ("j", 3)
+    assert (runtime.member.job_id, runtime.member.epoch) == ("j", 3)
     with pytest.raises(FailedPrecondition, match="only a free instance"):
         await role.Control(request(Action.ACTION_PREPARE, "j", 3, SPEC), context=None)
 
