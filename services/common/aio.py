@@ -31,6 +31,14 @@ async def cancel_and_wait(*tasks: asyncio.Task[Any] | None) -> None:
             await task
 
 
+def raise_if_cancelled() -> None:
+    """Raise CancelledError if this task was cancelled and something it awaited swallowed it
+    (a library's `except CancelledError: pass`): a retry loop must not go on for ever."""
+    task = asyncio.current_task()
+    if task is not None and task.cancelling():
+        raise asyncio.CancelledError
+
+
 def cancel_leftover_tasks(loop: asyncio.AbstractEventLoop, wait_s: float) -> set[asyncio.Task[Any]]:
     """The last step of asyncio.run (asyncio.runners._cancel_all_tasks), bounded: cancel the
     loop's tasks and run the loop until they end, but at most `wait_s`; returns the tasks
@@ -108,6 +116,7 @@ async def retry_while(
         except Exception as exc:
             if not transient(exc):
                 raise
+            raise_if_cancelled()
             if since is None:
                 since = time.monotonic()
                 log.warning(waiting, error=str(exc)[:200], **context)

@@ -52,7 +52,12 @@ a pull that hashes bucket k while bucket k+1 copies moves at most ~16 GB/s again
 ucxx's 21 (0.78), and at 64 MiB, two buckets, the first copy runs alone and the last hash after
 it: (1.6 + 2.1 + 1.0) ms against 3.2, about 0.69, what ours reaches there. Hashing the last
 bucket's halves on two threads (a tree of two xxh3 digests) took 0.98 ms against 0.98 for one
-thread, right after a copy: not worth a new algorithm.
+thread, right after a copy: not worth a new algorithm. Nor did a tapered tail pay (buckets
+shrinking towards the end, each one's copy long enough to hide the hash of the one before, so
+that only a 1-2 MiB hash follows the last byte): +verify with 5-14 buckets tapering to 1-2 MiB
+reached 0.72-0.76 of plain ucxx at 64 MiB and 0.77-0.81 at 256, against 0.75 and 0.82 for
+32 MiB buckets and 0.75 and 0.76 for 16 MiB (median of 7 paired, 2 cores, 2026-11-27): what a
+short last hash saves, the more messages cost.
 
 Why a verified pull on the loop's thread stays near two thirds of plain ucxx: copy and hash
 take turns on one core, so their rates add as 1/(1/copy + 1/hash). Measured here (2 cores,

@@ -20,11 +20,15 @@ from dataclasses import dataclass
 
 import aetcd
 
+from services.common.aio import raise_if_cancelled
 from services.common.logs import get_logger
 
 log = get_logger(__name__)
 
 RESYNC_AFTER_FAILURES = 3
+
+RESET_WAIT_S = 5.0
+"""How long a watch whose creation timed out waits for the client's watch stream to end."""
 
 
 @dataclass(frozen=True)
@@ -106,7 +110,14 @@ async def _reset_watch_stream(client: aetcd.Client, prefix: bytes) -> None:
     if watcher is None:
         return
     log.warning("etcd.watch_stream_reset", prefix=prefix.decode(errors="replace"))
-    await watcher.shutdown()
+    # Its own task: aetcd's shutdown waits for the stream's handler under `except
+    # CancelledError: pass`, which also swallowed a cancel aimed at its caller, and the
+    # consumer, its cancellation lost, went on retrying for ever (a process's exit hung on it).
+    resetting = asyncio.ensure_future(watcher.shutdown())
+    _closing.add(resetting)
+    resetting.add_done_callback(_closing.discard)
+    with contextlib.suppress(Exception):
+        await asyncio.wait_for(asyncio.shield(resetting), RESET_WAIT_S)
 
 
 def _cancel_abandoned(creating: asyncio.Future[aetcd.Watch]) -> None:
@@ -175,6 +186,7 @@ async def watch_prefix(
             log.info("etcd.watch_compacted", prefix=prefix.decode(), revision=next_revision)
             resync = True
         except (TimeoutError, aetcd.exceptions.ClientError) as exc:
+            raise_if_cancelled()
             failures += 1
             log.warning("etcd.watch_broken", prefix=prefix.decode(), error=repr(exc))
             await asyncio.sleep(retry_delay)

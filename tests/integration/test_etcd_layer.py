@@ -377,6 +377,48 @@ async def test_a_watch_creation_that_timed_out_cannot_hand_its_watch_to_the_next
         await client.close()
 
 
+async def test_a_watch_cancelled_while_its_timed_out_creation_resets_the_stream_ends(
+    private_etcd: EtcdProcess,
+) -> None:
+    """A creation that timed out ends the client's watch stream, and aetcd's shutdown waits
+    for the stream's handler under `except CancelledError: pass`. A consumer cancelled in that
+    wait (as a process's exit cancels every task) must end, not swallow the cancel and retry
+    the watch for ever."""
+    client = await connect_etcd(EtcdSettings(endpoints=private_etcd.endpoints, timeout=1))
+    consumer: asyncio.Task[None] | None = None
+    try:
+        _, revision = await list_prefix(client, b"/x/")
+        await next_change(client, b"/x/", revision + 1, 0.01)  # the watch stream exists
+        watcher = client._watcher
+        stop_process(private_etcd.proc.pid)
+        try:
+
+            async def consume() -> None:
+                async for _ in watch_prefix(client, b"/late/", revision + 1, retry_delay=0.05):
+                    pass
+
+            consumer = asyncio.create_task(consume())
+            # The creation times out after 1 s; the reset then cancels the stream's handler
+            # and waits for it. Cancel the consumer within that wait (one turn of the loop).
+            deadline = asyncio.get_running_loop().time() + 10
+            while True:
+                handler = watcher._request_handler
+                if handler is not None and handler.cancelling() and not handler.done():
+                    break
+                assert asyncio.get_running_loop().time() < deadline, "no reset was seen"
+                await asyncio.sleep(0)
+            consumer.cancel()
+            done, _ = await asyncio.wait([consumer], timeout=3)
+            assert consumer in done, "the consumer swallowed its cancellation and kept retrying"
+            assert consumer.cancelled()
+        finally:
+            os.kill(private_etcd.proc.pid, signal.SIGCONT)
+    finally:
+        if consumer is not None and not consumer.done():
+            consumer.cancel()
+        await client.close()
+
+
 async def test_the_local_stacks_etcd_compacts_its_own_history(tmp_path: Path) -> None:
     """Without auto-compaction every ledger write stays in etcd's history until its quota is
     full; the stack's etcd is started to compact (here with a 1 s retention, not 5 min)."""
