@@ -94,7 +94,7 @@ def on_beat(
     phase_started_at: float = 0.0,
 ) -> MemberView:
     view = views.get(instance_id)
-    if view is not None and view.state in (State.LOST, State.GONE) and epoch <= view.epoch:
+    if view is not None and view.state in (State.LOST, State.GONE) and _late(view, job_id, epoch):
         # A late beat from an instance already declared lost or gone revives nothing.
         return view
     view = _view(views, role, instance_id)
@@ -114,6 +114,14 @@ def on_beat(
     elif view.state is State.SUSPECT:
         view.state = State.ALIVE
     return view
+
+
+def _late(view: MemberView, job_id: str, epoch: int) -> bool:
+    """Whether a sign of life comes from the binding `view` was declared lost or gone in: the
+    same job at no higher epoch. Epochs count per job, so another job is a new incarnation
+    whatever its epoch: a member lost while free and bound since (a partition that healed)
+    would otherwise stay lost to the monitor, its hangs never reported."""
+    return job_id == view.job_id and epoch <= view.epoch
 
 
 def on_stream_end(views: Views, instance_id: str, now: float) -> None:
@@ -141,10 +149,16 @@ def on_refused(views: Views, instance_id: str, ended_at: float, address: str) ->
 
 
 def on_registered(
-    views: Views, role: str, instance_id: str, epoch: int, now: float, address: str = ""
+    views: Views,
+    role: str,
+    instance_id: str,
+    epoch: int,
+    now: float,
+    address: str = "",
+    job_id: str = "",
 ) -> None:
     view = views.get(instance_id)
-    if view is not None and view.state is State.LOST and epoch <= view.epoch:
+    if view is not None and view.state is State.LOST and _late(view, job_id, epoch):
         return
     view = _view(views, role, instance_id)
     view.registered = True

@@ -194,7 +194,7 @@ class MonitorServicer(monitor_pb2_grpc.MonitorServicer):
         members, revision = await registry.list()
         for m in members:
             detectors.on_registered(
-                self.views, m.role, m.instance_id, m.epoch, time.time(), m.address
+                self.views, m.role, m.instance_id, m.epoch, time.time(), m.address, m.job_id
             )
         known = {m.instance_id for m in members}
         async for event in registry.watch(revision + 1):
@@ -203,7 +203,13 @@ class MonitorServicer(monitor_pb2_grpc.MonitorServicer):
                 member = parse_member(event.entry)
                 known.add(member.instance_id)
                 detectors.on_registered(
-                    self.views, member.role, member.instance_id, member.epoch, now, member.address
+                    self.views,
+                    member.role,
+                    member.instance_id,
+                    member.epoch,
+                    now,
+                    member.address,
+                    member.job_id,
                 )
             elif isinstance(event, Delete):
                 _, instance_id = registry.role_and_instance(event.key)

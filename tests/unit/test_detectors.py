@@ -7,13 +7,15 @@ from services.monitor import detectors as d
 CFG = d.DetectorConfig(reconnect_grace=1.0)
 
 
-def beat(views: d.Views, now: float, *, goodbye: bool = False, epoch: int = 0) -> None:
+def beat(
+    views: d.Views, now: float, *, goodbye: bool = False, epoch: int = 0, job_id: str = "j"
+) -> None:
     d.on_beat(
         views,
         role="rollout",
         instance_id="r0",
         epoch=epoch,
-        job_id="j",
+        job_id=job_id,
         rank=0,
         phase="generate",
         counters={"tokens": 1.0},
@@ -141,3 +143,21 @@ def test_a_late_beat_from_a_lost_instance_revives_nothing_but_a_new_epoch_does()
     assert views["r0"].state is d.State.LOST
     beat(views, 4.0, epoch=2)
     assert views["r0"].state is d.State.ALIVE and views["r0"].epoch == 2
+
+
+def test_a_member_lost_while_free_is_seen_again_once_bound_to_a_job_at_any_epoch() -> None:
+    """Epochs count per job: a member lost while free (released from a job at epoch 3), back
+    after a partition and bound to another job at epoch 1, is a new incarnation; its beats
+    and its registry record must not be taken as late, or its hangs would never be seen."""
+    views: d.Views = {}
+    beat(views, 0.0, epoch=3, job_id="")
+    d.on_stream_end(views, "r0", 0.0)
+    assert len(reported(views, 2.0)) == 1
+    beat(views, 3.0, epoch=3, job_id="")  # still the lost incarnation
+    d.on_registered(views, "rollout", "r0", 3, 3.0, "h:1", "")
+    assert views["r0"].state is d.State.LOST
+    d.on_registered(views, "rollout", "r0", 1, 4.0, "h:1", "job-b")
+    assert views["r0"].state is d.State.ALIVE and views["r0"].registered
+    beat(views, 4.5, epoch=1, job_id="job-b")
+    assert views["r0"].state is d.State.ALIVE and views["r0"].job_id == "job-b"
+    assert views["r0"].epoch == 1
