@@ -15,8 +15,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable
 from dataclasses import dataclass
+from typing import Any
 
 import aetcd
 
@@ -73,7 +74,23 @@ async def list_prefix(client: aetcd.Client, prefix: bytes) -> tuple[list[Entry],
     return [_entry(kv) for kv in result], result.header.revision
 
 
-_closing: set[asyncio.Future[None]] = set()  # cancels of abandoned watches, kept referenced
+_closing: set[asyncio.Future[Any]] = set()  # work left to finish on its own, kept referenced
+
+
+def _in_background(work: Awaitable[Any]) -> asyncio.Future[Any]:
+    """work as a task that no caller's cancellation reaches, referenced until it ends."""
+    task = asyncio.ensure_future(work)
+    _closing.add(task)
+    task.add_done_callback(_closing.discard)
+    return task
+
+
+async def _wait_at_most(work: Awaitable[Any], wait_s: float) -> None:
+    """Run work in the background (`_in_background`) and wait for it for at most wait_s; its
+    errors are ignored. A cancel of the caller ends the wait and reaches the caller, not work:
+    aetcd's calls here can hang on a dead stream, or swallow a cancel they are given."""
+    with contextlib.suppress(Exception):
+        await asyncio.wait_for(asyncio.shield(_in_background(work)), wait_s)
 
 
 async def _open_watch(client: aetcd.Client, prefix: bytes, start_revision: int) -> aetcd.Watch:
@@ -110,29 +127,22 @@ async def _reset_watch_stream(client: aetcd.Client, prefix: bytes) -> None:
     if watcher is None:
         return
     log.warning("etcd.watch_stream_reset", prefix=prefix.decode(errors="replace"))
-    # Its own task: aetcd's shutdown waits for the stream's handler under `except
+    # Not awaited directly: aetcd's shutdown waits for the stream's handler under `except
     # CancelledError: pass`, which also swallowed a cancel aimed at its caller, and the
     # consumer, its cancellation lost, went on retrying for ever (a process's exit hung on it).
-    resetting = asyncio.ensure_future(watcher.shutdown())
-    _closing.add(resetting)
-    resetting.add_done_callback(_closing.discard)
-    with contextlib.suppress(Exception):
-        await asyncio.wait_for(asyncio.shield(resetting), RESET_WAIT_S)
+    await _wait_at_most(watcher.shutdown(), RESET_WAIT_S)
 
 
 def _cancel_abandoned(creating: asyncio.Future[aetcd.Watch]) -> None:
     if creating.cancelled() or creating.exception() is not None:
         return
-    closing = asyncio.ensure_future(_cancel_watch(creating.result()))
-    _closing.add(closing)
-    closing.add_done_callback(_closing.discard)
+    _in_background(_cancel_watch(creating.result()))
 
 
 async def _cancel_watch(watch: aetcd.Watch) -> None:
     # Cancelling asks etcd over the watch stream; if that stream is gone the answer never
     # comes, and a consumer being cancelled must not hang on it.
-    with contextlib.suppress(Exception):
-        await asyncio.wait_for(asyncio.shield(watch.cancel()), 2.0)
+    await _wait_at_most(watch.cancel(), 2.0)
 
 
 async def next_change(
