@@ -17,7 +17,13 @@ from services.common.config import EtcdSettings
 from services.common.errors import InvalidArgument
 from services.common.fences import FenceSet
 from services.common.logs import get_logger
-from services.common.registry import ROLE_FROM_PROTO, ROLE_TO_PROTO, Registry, parse_member
+from services.common.registry import (
+    ROLE_FROM_PROTO,
+    ROLE_TO_PROTO,
+    MemberRecord,
+    Registry,
+    parse_member,
+)
 from services.common.runtime import ServiceRuntime
 from services.common.watch import Delete, Put, Resync
 from services.monitor import detectors, progress_detectors
@@ -188,29 +194,30 @@ class MonitorServicer(monitor_pb2_grpc.MonitorServicer):
         async for record in self.incident_log.follow(request.job_id, request.after_revision):
             yield to_proto(record)
 
+    def _registered(self, member: MemberRecord, now: float) -> None:
+        detectors.on_registered(
+            self.views,
+            member.role,
+            member.instance_id,
+            member.epoch,
+            now,
+            member.address,
+            member.job_id,
+        )
+
     async def _follow_registry(self) -> None:
         assert self.runtime.client is not None
         registry = Registry(self.runtime.client, self.runtime.keys)
         members, revision = await registry.list()
         for m in members:
-            detectors.on_registered(
-                self.views, m.role, m.instance_id, m.epoch, time.time(), m.address, m.job_id
-            )
+            self._registered(m, time.time())
         known = {m.instance_id for m in members}
         async for event in registry.watch(revision + 1):
             now = time.time()
             if isinstance(event, Put):
                 member = parse_member(event.entry)
                 known.add(member.instance_id)
-                detectors.on_registered(
-                    self.views,
-                    member.role,
-                    member.instance_id,
-                    member.epoch,
-                    now,
-                    member.address,
-                    member.job_id,
-                )
+                self._registered(member, now)
             elif isinstance(event, Delete):
                 _, instance_id = registry.role_and_instance(event.key)
                 known.discard(instance_id)
