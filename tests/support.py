@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import signal
 import subprocess
 import sys
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
 
 
@@ -63,6 +64,16 @@ def stop_process(pid: int, timeout: float = 10.0) -> None:
         if time.monotonic() > deadline:
             raise AssertionError(f"pid {pid} not stopped {timeout}s after SIGSTOP: {states}")
         time.sleep(0.001)
+
+
+@contextlib.contextmanager
+def stopped(pid: int) -> Iterator[None]:
+    """pid stopped (`stop_process`) for the block, and continued after it, whatever happens."""
+    stop_process(pid)
+    try:
+        yield
+    finally:
+        os.kill(pid, signal.SIGCONT)
 
 
 REPO = Path(__file__).resolve().parents[1]

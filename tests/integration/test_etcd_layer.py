@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import os
-import signal
 from pathlib import Path
 
 import aetcd
@@ -21,7 +19,7 @@ from services.common.session import Session
 from services.common.watch import Delete, Put, Resync, list_prefix, next_change, watch_prefix
 from tests.conftest import EtcdProcess
 from tests.integration.conftest import started_member, stored_member
-from tests.support import eventually, stop_process
+from tests.support import eventually, stopped
 
 
 def member(name: str, role: str = "rollout") -> MemberRecord:
@@ -353,14 +351,11 @@ async def test_a_watch_creation_that_timed_out_cannot_hand_its_watch_to_the_next
         await client.put(b"/c/1", b"before the stall")
         early = await asyncio.wait_for(first, 5)
         assert isinstance(early, Put) and early.entry.key == b"/c/1"
-        stop_process(private_etcd.proc.pid)
-        try:
+        with stopped(private_etcd.proc.pid):
             with pytest.raises(aetcd.exceptions.WatchTimeoutError):
                 await _open_watch(client, b"/a/", revision + 1)
             second = asyncio.ensure_future(_open_watch(client, b"/b/", revision + 1))
             await asyncio.sleep(0.3)  # B's creation is on its way while etcd still sleeps
-        finally:
-            os.kill(private_etcd.proc.pid, signal.SIGCONT)
         watch = await second
         try:
             await client.put(b"/a/k", b"not B's")
@@ -390,29 +385,24 @@ async def test_a_watch_cancelled_while_its_timed_out_creation_resets_the_stream_
         _, revision = await list_prefix(client, b"/x/")
         await next_change(client, b"/x/", revision + 1, 0.01)  # the watch stream exists
         watcher = client._watcher
-        stop_process(private_etcd.proc.pid)
-        try:
 
-            async def consume() -> None:
-                async for _ in watch_prefix(client, b"/late/", revision + 1, retry_delay=0.05):
-                    pass
+        async def consume() -> None:
+            async for _ in watch_prefix(client, b"/late/", revision + 1, retry_delay=0.05):
+                pass
 
+        async def resetting() -> bool:  # the handler cancelled, and not ended yet
+            handler = watcher._request_handler
+            return handler is not None and bool(handler.cancelling()) and not handler.done()
+
+        with stopped(private_etcd.proc.pid):
             consumer = asyncio.create_task(consume())
             # The creation times out after 1 s; the reset then cancels the stream's handler
             # and waits for it. Cancel the consumer within that wait (one turn of the loop).
-            deadline = asyncio.get_running_loop().time() + 10
-            while True:
-                handler = watcher._request_handler
-                if handler is not None and handler.cancelling() and not handler.done():
-                    break
-                assert asyncio.get_running_loop().time() < deadline, "no reset was seen"
-                await asyncio.sleep(0)
+            await eventually(resetting, timeout=10, interval=0)
             consumer.cancel()
             done, _ = await asyncio.wait([consumer], timeout=3)
             assert consumer in done, "the consumer swallowed its cancellation and kept retrying"
             assert consumer.cancelled()
-        finally:
-            os.kill(private_etcd.proc.pid, signal.SIGCONT)
     finally:
         if consumer is not None and not consumer.done():
             consumer.cancel()
@@ -513,15 +503,12 @@ async def test_work_waiting_on_an_unreachable_etcd_goes_on_once_it_answers(
             assert got is not None
             return bytes(got.value)
 
-        stop_process(private_etcd.proc.pid)
-        try:
+        with stopped(private_etcd.proc.pid):
             waiting = asyncio.ensure_future(
                 until_etcd_answers(read, "reading", on_wait=lambda: waits.append(1.0))
             )
             await asyncio.sleep(3.0)
             assert not waiting.done() and tries >= 2 and waits == [1.0]
-        finally:
-            os.kill(private_etcd.proc.pid, signal.SIGCONT)
         assert await asyncio.wait_for(waiting, 10) == b"kept"
         assert waits == [1.0]
 

@@ -15,7 +15,6 @@ import json
 import os
 import random
 import re
-import signal
 import sys
 import time
 from collections.abc import AsyncIterator
@@ -55,7 +54,7 @@ from services.common.ucx_transport import (
 from services.common.watch import Delete, Entry, Put, Resync
 from services.common.weights import Announcement, GrpcStreamTransport, WeightIntegrityError
 from tests.integration.ucx_peer import make_tensors, tensors_digest
-from tests.support import eventually, stop_process
+from tests.support import eventually, stop_process, stopped
 
 JOB = "job-1"
 REPO = Path(__file__).resolve().parents[2]
@@ -863,14 +862,11 @@ async def test_a_connect_that_timed_out_on_a_frozen_holder_writes_into_no_freed_
     try:
         maker = puller.endpoints_for_pulls()
         await (await HolderConnection.open(maker, holder.address, 5.0)).close()
-        stop_process(holder.proc.pid)
-        try:
+        with stopped(holder.proc.pid):
             with pytest.raises(TimeoutError):
                 await HolderConnection.open(maker, holder.address, 0.5)
             assert ucx_progress.pending_handshakes() == 1  # the receive UCX still holds
             sentinels = _sentinels()
-        finally:
-            os.kill(holder.proc.pid, signal.SIGCONT)
 
         async def landed() -> bool:
             return ucx_progress.pending_handshakes() == 0
