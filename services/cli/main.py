@@ -11,6 +11,7 @@ import asyncio
 import json
 import os
 import shutil
+import signal
 import sys
 import time
 from collections.abc import Awaitable, Callable
@@ -717,7 +718,14 @@ def main(argv: list[str] | None = None) -> int:
             parser.error(f"unrecognized arguments: {' '.join(extra)}")
         args.overrides = [*args.overrides, *extra]
     try:
-        return int(args.func(args))
+        code = int(args.func(args))
+        sys.stdout.flush()  # a reader gone early fails here, not in the interpreter's exit
+        return code
+    except BrokenPipeError:
+        # The reader stopped reading (`robustrl status JOB --json | head`): end quietly, as
+        # other command-line tools do on SIGPIPE, with nothing more written to the closed pipe.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 128 + signal.SIGPIPE
     except UsageError as exc:
         err_console.print(f"robustrl: error: {exc}", highlight=False)
         return 2

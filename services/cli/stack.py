@@ -89,7 +89,11 @@ def free_ports(count: int) -> list[int]:
 
 
 def port_is_free(port: int) -> bool:
+    """Whether a server (etcd) could listen on `port`: bound with SO_REUSEADDR, as etcd's
+    listeners are, so the connections a stopped stack leaves in TIME_WAIT for a minute do not
+    count as taking it."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             sock.bind(("127.0.0.1", port))
         except OSError:
@@ -198,9 +202,8 @@ def start_etcd(state: StackState, history: str = ETCD_HISTORY_RETENTION) -> Proc
     data_dir = Path(state.home) / "etcd"
     client, peer = state.etcd_client_port, state.etcd_peer_port
     if not (client and peer and port_is_free(client) and port_is_free(peer)):
-        # New ports mean a new member URL; start the data over rather than fight etcd.
-        if data_dir.exists():
-            shutil.rmtree(data_dir)
+        # The data is kept on new ports too: a single member restarts from its data directory
+        # whatever its URLs now are (etcd reads its membership from there, not from the flags).
         client, peer = free_ports(2)
     state.etcd_client_port, state.etcd_peer_port = client, peer
     state.etcd_endpoints = f"127.0.0.1:{client}"

@@ -618,16 +618,23 @@ class JobDriver:
         members: it never saw it go). Once recorded, the incident is recovered as any other
         (its recovery unbinds the member, so it is recorded once)."""
         now = time.time()
+        names = {m.instance_id: m for m in members}
         for instance_id, since in missing_members(record, members, self._missing, now):
             if now - since < self.unreported_loss_after:
                 continue
             role = record.member_roles[instance_id]
+            other = names.get(instance_id)
+            where = (
+                "missing from the registry"
+                if other is None
+                else f"registered again as a member of {other.job_id or 'no job'} (a new process)"
+            )
             await self._record_incident(
                 record,
                 instance_id,
                 "MEMBER_LOST",
-                f"bound to job {record.job_id} but missing from the registry for "
-                f"{now - since:.0f}s, and no monitor reported it",
+                f"bound to job {record.job_id} but {where} for {now - since:.0f}s, "
+                "and no monitor reported it",
                 confidence=0.9,
             )
             self._missing[(record.job_id, instance_id)] = now  # once per grace, at most
@@ -1110,8 +1117,13 @@ def missing_members(
     now: float,
 ) -> list[tuple[str, float]]:
     """The job's bound members missing from the registry, each with since when (kept in
-    `missing`, which forgets a member once it is registered again or no longer bound)."""
-    registered = {m.instance_id for m in members}
+    `missing`, which forgets a member once it is registered again or no longer bound).
+
+    Registered means registered as a member of this job: a record under the same name but of no
+    job or another is a new process that took the name (the whole local stack stopped and
+    started again, a pod replaced under a fixed name), and the job's member is as gone as if
+    nothing were there."""
+    registered = {m.instance_id for m in members if m.job_id == record.job_id}
     bound = {(record.job_id, i) for i in record.member_roles if i not in registered}
     for key in [k for k in missing if k[0] == record.job_id and k not in bound]:
         del missing[key]

@@ -7,11 +7,13 @@ import json
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -224,3 +226,76 @@ def test_down_stops_exactly_what_up_started(cli: Cli) -> None:
     cli.run("down")
     assert not any(is_running(p) for p in state.procs)
     assert "no local stack running" in cli.run("jobs", check=False).stderr
+
+
+@pytest.mark.slow
+def test_down_then_up_keeps_every_job_and_a_running_one_goes_on(cli: Cli, model_dir: Path) -> None:
+    """`down` without --purge keeps etcd's data; the next `up` starts etcd on it again, on the
+    same ports, though a stopped stack leaves connections to them in TIME_WAIT for a minute,
+    and on new ones (the data kept) when another process took them. A job that ran when the
+    stack stopped goes on: its members stopped cleanly (no incident), and new processes took
+    their names, so the leader records the old ones lost and binds the new ones."""
+    cli.run(
+        "submit",
+        str(EXAMPLE),
+        "--id",
+        "running",
+        f"model.path={model_dir}",
+        "rollout.replicas=1",
+        "trainer.groups_per_step=8",
+        "trainer.steps=150",
+        "trainer.eval_every=1000",
+    )
+    eventually_sync(lambda: job(cli, "running")["step"] >= 5, timeout=120, interval=0.5)
+    cli.run("submit", str(EXAMPLE), "--id", "kept", "rollout.replicas=3")  # waits for rollouts
+    before = StackState.load(cli.home)
+    assert before is not None
+    cli.run("down")
+    cli.run("up", "--trainers", "1", "--rollouts", "1")
+    after = StackState.load(cli.home)
+    assert after is not None
+    assert (after.etcd_client_port, after.etcd_peer_port) == (
+        before.etcd_client_port,
+        before.etcd_peer_port,
+    )
+    assert sorted(j["job_id"] for j in listed_jobs(cli)) == ["kept", "running"]
+    eventually_sync(lambda: job(cli, "running")["phase"] == "SUCCEEDED", timeout=150, interval=1)
+    incidents = cli.json("incidents", "running")
+    assert isinstance(incidents, list)
+    assert sorted(i["instance_id"] for i in incidents) == ["rollout-0", "trainer-0"]
+    assert all("a new process" in i["evidence"] for i in incidents)
+    # A reader that stops reading (`| head`) ends the command quietly, as SIGPIPE would.
+    reader_gone = subprocess.Popen(
+        cli.argv("status", "running", "--json"),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        env=cli.env,
+        cwd=REPO,
+    )
+    assert reader_gone.stdout is not None
+    reader_gone.stdout.close()  # long before the command writes: it takes ~1 s to start
+    _, stderr = reader_gone.communicate(timeout=60)
+    assert reader_gone.returncode == 128 + signal.SIGPIPE and b"Traceback" not in stderr
+
+    # Someone else listens on etcd's client port now: new ports, the same data.
+    cli.run("down")
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as squatter:
+        squatter.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        squatter.bind(("127.0.0.1", after.etcd_client_port))
+        squatter.listen()
+        cli.run("up")
+    moved = StackState.load(cli.home)
+    assert moved is not None and moved.etcd_client_port != after.etcd_client_port
+    assert sorted(j["job_id"] for j in listed_jobs(cli)) == ["kept", "running"]
+
+
+def job(cli: Cli, job_id: str) -> dict[str, Any]:
+    status = cli.json("status", job_id)
+    assert isinstance(status, dict)
+    return status
+
+
+def listed_jobs(cli: Cli) -> list[dict[str, Any]]:
+    jobs = cli.json("jobs")
+    assert isinstance(jobs, list)
+    return jobs
