@@ -2,7 +2,9 @@
 
 A member is lost when its heartbeat stream ended without a goodbye and it did not come back
 within the reconnect grace, or when its registry key vanished (lease expired) without a
-goodbye while it was not beating either. A member that said goodbye is gone, never lost.
+goodbye while it was not beating either. A member that said goodbye is gone, never lost,
+unless its goodbye beat still names a job: a clean stop of a member that serves a job loses the
+job that member.
 
 A stream that ended without a goodbye is also checked at once: when the member's own address
 refuses connections, nothing listens there any more (the process died; a stopped or merely
@@ -110,7 +112,18 @@ def on_beat(
     )
     if goodbye:
         view.goodbye = True
-        view.state = State.GONE
+        if job_id and rank == 0:
+            # A clean stop (SIGTERM: a pod deleted, a node drained, `robustrl down`) of a member
+            # that still serves a job is that job's loss all the same; reported now instead of
+            # when the leader finds it missing from the registry. A trainer's follower rank is
+            # left out: rank 0 reports its exit itself, and at a job's end followers leave with
+            # the job still in their beats.
+            view.state = State.LOST
+            view.evidence = (
+                f"stopped cleanly (a goodbye) while it still served job {job_id} at epoch {epoch}"
+            )
+        else:
+            view.state = State.GONE
     elif view.state is State.SUSPECT:
         view.state = State.ALIVE
     return view

@@ -119,7 +119,8 @@ class MonitorServicer(monitor_pb2_grpc.MonitorServicer):
                 if any(n > b for n, b in zip(nonfinite_now, nonfinite_before, strict=True)):
                     self._wake.set()  # a new NaN is reported in its step, not at the next round
                 if beat.goodbye:
-                    log.info("monitor.goodbye", member=instance_id)
+                    log.info("monitor.goodbye", member=instance_id, job=beat.job_id)
+                    self._wake.set()  # a member that left its job is reported now
                 fenced = self.fences is not None and self.fences.fences(
                     beat.instance_id, beat.job_id, beat.epoch
                 )

@@ -233,8 +233,9 @@ def test_down_then_up_keeps_every_job_and_a_running_one_goes_on(cli: Cli, model_
     """`down` without --purge keeps etcd's data; the next `up` starts etcd on it again, on the
     same ports, though a stopped stack leaves connections to them in TIME_WAIT for a minute,
     and on new ones (the data kept) when another process took them. A job that ran when the
-    stack stopped goes on: its members stopped cleanly (no incident), and new processes took
-    their names, so the leader records the old ones lost and binds the new ones."""
+    stack stopped goes on: `down` stops the coordinators first and the monitor last, which
+    records each member's clean stop as the job's loss; the next leader recovers it from
+    there."""
     cli.run(
         "submit",
         str(EXAMPLE),
@@ -263,7 +264,7 @@ def test_down_then_up_keeps_every_job_and_a_running_one_goes_on(cli: Cli, model_
     incidents = cli.json("incidents", "running")
     assert isinstance(incidents, list)
     assert sorted(i["instance_id"] for i in incidents) == ["rollout-0", "trainer-0"]
-    assert all("a new process" in i["evidence"] for i in incidents)
+    assert all("stopped cleanly (a goodbye)" in i["evidence"] for i in incidents)
     # A reader that stops reading (`| head`) ends the command quietly, as SIGPIPE would.
     reader_gone = subprocess.Popen(
         cli.argv("status", "running", "--json"),

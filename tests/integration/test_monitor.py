@@ -29,13 +29,15 @@ async def health_state(api: monitor_pb2_grpc.MonitorStub, instance_id: str) -> s
     return ""
 
 
-async def test_a_clean_goodbye_is_never_an_incident(monitor: ServiceRuntime) -> None:
+async def test_a_clean_goodbye_of_a_member_in_no_job_is_never_an_incident(
+    monitor: ServiceRuntime,
+) -> None:
     assert monitor.client is not None
     sender = HeartbeatSender(
         Registry(monitor.client, monitor.keys),
         role=common_pb2.ROLE_ROLLOUT,
         instance_id="rollout-a",
-        progress=Progress(phase="generate", job_id="j", epoch=1, counters={"tokens": 5.0}),
+        progress=Progress(phase="idle", job_id="", epoch=1, counters={"tokens": 5.0}),
         interval=0.1,
     )
     sender.start()
@@ -57,6 +59,38 @@ async def test_a_clean_goodbye_is_never_an_incident(monitor: ServiceRuntime) -> 
         reply = await api.GetHealth(monitor_pb2.GetHealthRequest(), timeout=5)
         assert reply.incidents_total == 0
     assert (await IncidentLog(monitor.client, monitor.keys).list())[0] == []
+
+
+async def test_a_clean_goodbye_of_a_member_that_serves_a_job_is_its_loss_at_once(
+    monitor: ServiceRuntime,
+) -> None:
+    """SIGTERM of a bound member (a pod deleted, a node drained): its job lost it all the same,
+    reported on the goodbye rather than when the leader finds it missing from the registry."""
+    assert monitor.client is not None
+    sender = HeartbeatSender(
+        Registry(monitor.client, monitor.keys),
+        role=common_pb2.ROLE_ROLLOUT,
+        instance_id="rollout-b",
+        progress=Progress(phase="generate", job_id="job-g", epoch=2, counters={"tokens": 5.0}),
+        interval=0.1,
+    )
+    sender.start()
+    await asyncio.wait_for(sender.connected.wait(), 5)
+    async with grpc.aio.insecure_channel(monitor.address) as channel:
+        api = monitor_pb2_grpc.MonitorStub(channel)
+        incidents = api.WatchIncidents(
+            monitor_pb2.WatchIncidentsRequest(job_id="job-g"), timeout=15
+        )
+        await asyncio.sleep(0.2)  # the watch is established
+        await sender.stop()
+        incident = await asyncio.wait_for(incidents.read(), 5)
+        incidents.cancel()
+    assert incident.kind == common_pb2.INCIDENT_KIND_MEMBER_LOST
+    assert (incident.instance_id, incident.job_id, incident.epoch) == ("rollout-b", "job-g", 2)
+    assert "stopped cleanly (a goodbye) while it still served job job-g" in incident.evidence
+    await asyncio.sleep(1.5)  # past the reconnect grace and the deregistration: no second one
+    recorded, _ = await IncidentLog(monitor.client, monitor.keys).list("job-g")
+    assert [r.instance_id for r in recorded] == ["rollout-b"]
 
 
 async def test_a_stream_that_dies_without_goodbye_raises_one_incident(

@@ -61,7 +61,7 @@ def test_a_refusal_counts_only_for_the_stream_end_it_answers() -> None:
     d.on_stream_end(views, "r0", 2.0)
     assert not d.on_refused(views, "r0", 1.0, "127.0.0.1:9")  # an older stream's check
     assert views["r0"].state is d.State.SUSPECT
-    beat(views, 2.2, goodbye=True)
+    beat(views, 2.2, goodbye=True, job_id="")
     assert not d.on_refused(views, "r0", 2.0, "127.0.0.1:9")  # it left properly
     assert d.evaluate(views, 100.0, CFG) == []
 
@@ -75,15 +75,50 @@ def test_reconnect_within_the_grace_is_not_a_failure() -> None:
     assert views["r0"].state is d.State.ALIVE
 
 
-def test_goodbye_then_deregistration_is_never_an_incident() -> None:
+def test_goodbye_of_a_member_in_no_job_then_deregistration_is_never_an_incident() -> None:
     views: d.Views = {}
     d.on_registered(views, "rollout", "r0", 0, 0.0)
-    beat(views, 0.1)
-    beat(views, 0.2, goodbye=True)
+    beat(views, 0.1, job_id="")
+    beat(views, 0.2, goodbye=True, job_id="")
     d.on_stream_end(views, "r0", 0.3)
     d.on_unregistered(views, "r0", 0.4)
     assert d.evaluate(views, 100.0, CFG) == []
     assert views["r0"].state is d.State.GONE
+
+
+def test_goodbye_of_a_member_that_serves_a_job_is_its_loss_at_once() -> None:
+    """A clean stop (SIGTERM: a pod deleted, a node drained) while it serves a job."""
+    views: d.Views = {}
+    d.on_registered(views, "rollout", "r0", 2, 0.0, job_id="j")
+    beat(views, 0.1, epoch=2)
+    beat(views, 0.2, goodbye=True, epoch=2)
+    findings = reported(views, 0.2)
+    assert [f.kind for f in findings] == ["MEMBER_LOST"]
+    assert findings[0].evidence.startswith("stopped cleanly (a goodbye) while it still served")
+    assert (findings[0].view.job_id, findings[0].view.epoch) == ("j", 2)
+    d.on_stream_end(views, "r0", 0.3)
+    d.on_unregistered(views, "r0", 0.4)
+    assert reported(views, 100.0) == []  # one loss, one incident
+
+
+def test_goodbye_of_a_trainers_follower_rank_is_never_an_incident() -> None:
+    """Rank 0 reports a follower's exit itself; at a job's end followers leave in the job."""
+    views: d.Views = {}
+    for goodbye in (False, True):
+        d.on_beat(
+            views,
+            role="trainer",
+            instance_id="t0-rank1",
+            epoch=1,
+            job_id="j",
+            rank=1,
+            phase="train",
+            counters={},
+            goodbye=goodbye,
+            now=0.1,
+        )
+    assert d.evaluate(views, 100.0, CFG) == []
+    assert views["t0-rank1"].state is d.State.GONE
 
 
 def test_the_address_comes_from_the_registry_and_outlives_beats() -> None:
