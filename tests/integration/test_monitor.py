@@ -29,19 +29,28 @@ async def health_state(api: monitor_pb2_grpc.MonitorStub, instance_id: str) -> s
     return ""
 
 
-async def test_a_clean_goodbye_of_a_member_in_no_job_is_never_an_incident(
-    monitor: ServiceRuntime,
-) -> None:
+async def beating_rollout(
+    monitor: ServiceRuntime, instance_id: str, *, job_id: str, epoch: int
+) -> HeartbeatSender:
+    """A rollout's heartbeat stream to `monitor`, connected, beating every 0.1 s."""
     assert monitor.client is not None
     sender = HeartbeatSender(
         Registry(monitor.client, monitor.keys),
         role=common_pb2.ROLE_ROLLOUT,
-        instance_id="rollout-a",
-        progress=Progress(phase="idle", job_id="", epoch=1, counters={"tokens": 5.0}),
+        instance_id=instance_id,
+        progress=Progress(phase="generate", job_id=job_id, epoch=epoch, counters={"tokens": 5.0}),
         interval=0.1,
     )
     sender.start()
     await asyncio.wait_for(sender.connected.wait(), 5)
+    return sender
+
+
+async def test_a_clean_goodbye_of_a_member_in_no_job_is_never_an_incident(
+    monitor: ServiceRuntime,
+) -> None:
+    assert monitor.client is not None
+    sender = await beating_rollout(monitor, "rollout-a", job_id="", epoch=1)
     async with grpc.aio.insecure_channel(monitor.address) as channel:
         api = monitor_pb2_grpc.MonitorStub(channel)
 
@@ -67,15 +76,7 @@ async def test_a_clean_goodbye_of_a_member_that_serves_a_job_is_its_loss_at_once
     """SIGTERM of a bound member (a pod deleted, a node drained): its job lost it all the same,
     reported on the goodbye rather than when the leader finds it missing from the registry."""
     assert monitor.client is not None
-    sender = HeartbeatSender(
-        Registry(monitor.client, monitor.keys),
-        role=common_pb2.ROLE_ROLLOUT,
-        instance_id="rollout-b",
-        progress=Progress(phase="generate", job_id="job-g", epoch=2, counters={"tokens": 5.0}),
-        interval=0.1,
-    )
-    sender.start()
-    await asyncio.wait_for(sender.connected.wait(), 5)
+    sender = await beating_rollout(monitor, "rollout-b", job_id="job-g", epoch=2)
     async with grpc.aio.insecure_channel(monitor.address) as channel:
         api = monitor_pb2_grpc.MonitorStub(channel)
         incidents = api.WatchIncidents(

@@ -50,13 +50,7 @@ def test_standbys_spread_over_running_jobs_and_a_finished_jobs_standby_is_reused
 
 
 def test_a_bound_member_missing_from_the_registry_is_timed_from_when_it_went() -> None:
-    record = JobRecord(
-        job_id="a",
-        spec={},
-        created_at=0.0,
-        updated_at=0.0,
-        member_roles={"t0": "trainer", "r0": "rollout", "r1": "rollout"},
-    )
+    record = job_a_with_t0_r0_r1()
     registered = [trainer("t0", job="a"), rollout("r0", job="a")]
     since: dict[tuple[str, str], float] = {}
     assert missing_members(record, registered, since, now=10.0) == [("r1", 10.0)]
@@ -73,13 +67,7 @@ def test_a_new_process_under_a_bound_members_name_is_not_that_member() -> None:
     """The whole stack stopped cleanly (no incident) and started again: new processes took the
     names of the job's members, free or in another job. The job's members count as missing,
     so the leader records their loss and the job is recovered instead of waiting for ever."""
-    record = JobRecord(
-        job_id="a",
-        spec={},
-        created_at=0.0,
-        updated_at=0.0,
-        member_roles={"t0": "trainer", "r0": "rollout", "r1": "rollout"},
-    )
+    record = job_a_with_t0_r0_r1()
     again = [trainer("t0"), rollout("r0", job="b"), rollout("r1", job="a")]
     since: dict[tuple[str, str], float] = {}
     assert missing_members(record, again, since, now=5.0) == [("r0", 5.0), ("t0", 5.0)]
@@ -88,4 +76,15 @@ def test_a_new_process_under_a_bound_members_name_is_not_that_member() -> None:
 def rollout(name: str, *, job: str = "") -> MemberRecord:
     return MemberRecord(
         role="rollout", instance_id=name, address="h:2", pid=2, host="h", job_id=job
+    )
+
+
+def job_a_with_t0_r0_r1() -> JobRecord:
+    """Job a, running with trainer t0 and rollouts r0 and r1."""
+    return JobRecord(
+        job_id="a",
+        spec={},
+        created_at=0.0,
+        updated_at=0.0,
+        member_roles={"t0": "trainer", "r0": "rollout", "r1": "rollout"},
     )
