@@ -1,9 +1,11 @@
-"""`robustrl chaos JOB`: inject failures into a running job — kill, hang, NaN, error.
+"""`robustrl chaos JOB`: inject failures into a running job — kill, hang, NaN, error, stop.
 
 - kill: SIGKILL of the member's process; hang: SIGSTOP (with `--hang-for S`, SIGCONT after S
   seconds: a zombie that comes back, which recovery must survive); nan: the trainer's Control
   INJECT_NAN, so one step's loss is non-finite; error: the trainer's Control INJECT_ERROR, so it
-  stops with an error at one step, as a failing device would.
+  stops with an error at one step, as a failing device would; stop: SIGTERM, a clean stop of a
+  member that still serves the job (a pod deleted, a node drained). `stop` is only injected when
+  named (`--fault stop`): `random` draws among the other four, so a seed plans what it always did.
 - Signals go only to processes on this host: the member's host is this machine's hostname and
   its pid runs python. A NaN or an error goes over gRPC, wherever the trainer runs.
 - `--once` (the default) injects one fault now. `--every-pct P --seed S` plans one fault per
@@ -40,7 +42,9 @@ from services.common.registry import DATA_PLANE_ROLES as ROLES
 from services.common.registry import MemberRecord
 from services.common.role_server import FAULT_STEP_KEY
 
-FAULTS = ("kill", "hang", "nan", "error")
+RANDOM_FAULTS = ("kill", "hang", "nan", "error")
+"""What `random` (or no --fault) draws from."""
+FAULTS = (*RANDOM_FAULTS, "stop")
 CONTROL_FAULTS = {
     "nan": trainer_pb2.ControlRequest.ACTION_INJECT_NAN,
     "error": trainer_pb2.ControlRequest.ACTION_INJECT_ERROR,
@@ -90,7 +94,9 @@ class Injected:
 
 def fault_choices(faults: Sequence[str], roles: Sequence[str]) -> list[tuple[str, str]]:
     """Every (fault, role) pair the options allow: a NaN or an error goes to a trainer only."""
-    faults = list(FAULTS) if not faults or "random" in faults else list(dict.fromkeys(faults))
+    faults = (
+        list(RANDOM_FAULTS) if not faults or "random" in faults else list(dict.fromkeys(faults))
+    )
     roles = list(ROLES) if not roles or "random" in roles else list(dict.fromkeys(roles))
     unknown = [f for f in faults if f not in FAULTS] + [r for r in roles if r not in ROLES]
     if unknown:
@@ -351,8 +357,8 @@ class Chaos:
             problem = local_problem(victim)
             if problem:
                 raise ChaosError(problem)
-            if injection.fault == "kill":
-                os.kill(victim.pid, signal.SIGKILL)
+            if injection.fault in ("kill", "stop"):
+                os.kill(victim.pid, signal.SIGKILL if injection.fault == "kill" else signal.SIGTERM)
             else:
                 began = start_time(victim.pid)
                 os.kill(victim.pid, signal.SIGSTOP)
@@ -442,8 +448,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--fault",
         action="append",
         choices=[*FAULTS, "random"],
-        help="kill (SIGKILL), hang (SIGSTOP), nan (a non-finite loss) or error (the trainer "
-        "stops on an error at a step); repeat to choose among several (default: random)",
+        help="kill (SIGKILL), hang (SIGSTOP), nan (a non-finite loss), error (the trainer "
+        "stops on an error at a step) or stop (SIGTERM: a clean stop); repeat to choose among "
+        "several (default: random, among all but stop)",
     )
     parser.add_argument(
         "--role", choices=[*ROLES, "random"], default="random", help="(default: random)"

@@ -85,6 +85,13 @@ def test_chaos_injects_a_nan_and_a_timed_hang_that_the_monitor_reports(
         )
 
     eventually_sync(hung_or_lost, timeout=TTL)
+
+    # A clean stop (SIGTERM) of a member that serves the job is its loss, reported at once.
+    pid = int(member(stack, "rollout-0")["pid"])
+    [stop] = chaos(stack, JOB, "--fault", "stop", "--instance", "rollout-0")
+    assert (stop["fault"], stop["pid"]) == ("stop", pid)
+    lost = wait_for_incident(stack, "MEMBER_LOST", "rollout-0", timeout=SLACK + 5)
+    assert "stopped cleanly (a goodbye)" in lost["evidence"]
     stack.run("cancel", JOB)
 
 

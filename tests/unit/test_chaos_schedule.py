@@ -66,6 +66,15 @@ def test_a_nan_or_an_error_is_planned_on_a_trainer_only() -> None:
             fault_choices([fault], ["rollout"])
 
 
+def test_a_clean_stop_is_injected_only_when_named_and_into_any_role() -> None:
+    """`random` keeps drawing among the four faults it always did, so a seed's plan (the demo's
+    among them) does not change; `--fault stop` reaches trainers and rollouts alike."""
+    assert {f for f, _ in fault_choices(["random"], ["random"])} == {"kill", "hang", "nan", "error"}
+    assert sorted(fault_choices(["stop"], ["random"])) == [("stop", "rollout"), ("stop", "trainer")]
+    plan = plan_schedule(1000, 5, 3, ["stop", "kill"], ["rollout"])
+    assert {p.fault for p in plan} == {"stop", "kill"}
+
+
 @pytest.mark.parametrize("pct", [0, -5, 101, float("nan"), float("inf")])
 def test_a_bad_percentage_is_refused(pct: float) -> None:
     with pytest.raises(ChaosError, match="every-pct"):
