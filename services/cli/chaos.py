@@ -45,6 +45,8 @@ from services.common.role_server import FAULT_STEP_KEY
 RANDOM_FAULTS = ("kill", "hang", "nan", "error")
 """What `random` (or no --fault) draws from."""
 FAULTS = (*RANDOM_FAULTS, "stop")
+SIGNAL_FAULTS = {"kill": signal.SIGKILL, "stop": signal.SIGTERM}
+"""Faults that are one signal to the member's process (a hang is SIGSTOP, then maybe SIGCONT)."""
 CONTROL_FAULTS = {
     "nan": trainer_pb2.ControlRequest.ACTION_INJECT_NAN,
     "error": trainer_pb2.ControlRequest.ACTION_INJECT_ERROR,
@@ -357,8 +359,8 @@ class Chaos:
             problem = local_problem(victim)
             if problem:
                 raise ChaosError(problem)
-            if injection.fault in ("kill", "stop"):
-                os.kill(victim.pid, signal.SIGKILL if injection.fault == "kill" else signal.SIGTERM)
+            if injection.fault in SIGNAL_FAULTS:
+                os.kill(victim.pid, SIGNAL_FAULTS[injection.fault])
             else:
                 began = start_time(victim.pid)
                 os.kill(victim.pid, signal.SIGSTOP)

@@ -200,21 +200,7 @@ def cmd_down(args: argparse.Namespace) -> int:
     if state is None:
         console.print(f"no stack recorded in {home}; nothing to stop")
         return 0
-    # In this order: the coordinators first, so that none recovers the jobs the stop takes
-    # members from (which would start replacements); then the data plane, then the monitor,
-    # which records each bound member's clean stop as its job's loss (the next `up` recovers
-    # the job from there); etcd last.
-    order = {"coordinator": 0, "monitor": 2, "etcd": 3}  # the data plane: 1
-
-    def at(step: int) -> list[stack.Proc]:
-        # A record without a role (a stack.json of an older release) goes by its name.
-        return [p for p in state.procs if order.get(p.role or p.name.split("-")[0], 1) == step]
-
-    stopped = stack.stop_procs(at(0))
-    # The replacements the coordinators started are recorded in etcd: read with them stopped.
-    stopped += stack.stop_procs(at(1) + stack.provisioned_procs(state))
-    stopped += stack.stop_procs(at(2))
-    stopped += stack.stop_procs(at(3))
+    stopped = stack.stop_stack(state)
     if args.purge:
         shutil.rmtree(home / "etcd", ignore_errors=True)
         (home / stack.STATE_FILE).unlink(missing_ok=True)

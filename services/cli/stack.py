@@ -324,6 +324,29 @@ def stop_procs(procs: list[Proc], timeout: float = 10.0) -> list[str]:
     return stopped
 
 
+STOP_ORDER = {"coordinator": 0, "monitor": 2, "etcd": 3}
+"""When `stop_stack` stops each kind of process; the data plane (trainers, rollouts) at 1."""
+
+
+def stop_stack(state: StackState) -> list[str]:
+    """Stop what `up` started and what its coordinators started since, in this order: the
+    coordinators first, so that none recovers the jobs the stop takes members from (which
+    would start replacements); then the data plane, with those replacements (read from etcd
+    once the coordinators are gone); then the monitor, which records each bound member's clean
+    stop as its job's loss (the next `up` recovers the job from there); etcd last. The names of
+    the processes stopped."""
+
+    def at(step: int) -> list[Proc]:
+        # A record without a role (a stack.json of an older release) goes by its name.
+        return [p for p in state.procs if STOP_ORDER.get(p.role or p.name.split("-")[0], 1) == step]
+
+    stopped = stop_procs(at(0))
+    stopped += stop_procs(at(1) + provisioned_procs(state))
+    stopped += stop_procs(at(2))
+    stopped += stop_procs(at(3))
+    return stopped
+
+
 def provisioned_procs(state: StackState) -> list[Proc]:
     """Processes the coordinators' local provisioner started on this host (recorded in etcd
     under <prefix>/provisioned/): `down` stops them too, checked by command line like ours.

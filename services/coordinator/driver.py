@@ -618,12 +618,11 @@ class JobDriver:
         members: it never saw it go). Once recorded, the incident is recovered as any other
         (its recovery unbinds the member, so it is recorded once)."""
         now = time.time()
-        names = {m.instance_id: m for m in members}
         for instance_id, since in missing_members(record, members, self._missing, now):
             if now - since < self.unreported_loss_after:
                 continue
             role = record.member_roles[instance_id]
-            other = names.get(instance_id)
+            other = next((m for m in members if m.instance_id == instance_id), None)
             where = (
                 "missing from the registry"
                 if other is None

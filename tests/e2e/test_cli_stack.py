@@ -58,6 +58,16 @@ class Cli:
         assert isinstance(members, list)
         return members
 
+    def jobs(self) -> list[dict[str, Any]]:
+        jobs = self.json("jobs")
+        assert isinstance(jobs, list)
+        return jobs
+
+    def status(self, job_id: str) -> dict[str, Any]:
+        status = self.json("status", job_id)
+        assert isinstance(status, dict)
+        return status
+
 
 @pytest.fixture
 def cli(tmp_path: Path) -> Iterator[Cli]:
@@ -247,7 +257,7 @@ def test_down_then_up_keeps_every_job_and_a_running_one_goes_on(cli: Cli, model_
         "trainer.steps=150",
         "trainer.eval_every=1000",
     )
-    eventually_sync(lambda: job(cli, "running")["step"] >= 5, timeout=120, interval=0.5)
+    eventually_sync(lambda: cli.status("running")["step"] >= 5, timeout=120, interval=0.5)
     cli.run("submit", str(EXAMPLE), "--id", "kept", "rollout.replicas=3")  # waits for rollouts
     before = StackState.load(cli.home)
     assert before is not None
@@ -259,8 +269,8 @@ def test_down_then_up_keeps_every_job_and_a_running_one_goes_on(cli: Cli, model_
         before.etcd_client_port,
         before.etcd_peer_port,
     )
-    assert sorted(j["job_id"] for j in listed_jobs(cli)) == ["kept", "running"]
-    eventually_sync(lambda: job(cli, "running")["phase"] == "SUCCEEDED", timeout=150, interval=1)
+    assert sorted(j["job_id"] for j in cli.jobs()) == ["kept", "running"]
+    eventually_sync(lambda: cli.status("running")["phase"] == "SUCCEEDED", timeout=150, interval=1)
     incidents = cli.json("incidents", "running")
     assert isinstance(incidents, list)
     assert sorted(i["instance_id"] for i in incidents) == ["rollout-0", "trainer-0"]
@@ -287,16 +297,4 @@ def test_down_then_up_keeps_every_job_and_a_running_one_goes_on(cli: Cli, model_
         cli.run("up")
     moved = StackState.load(cli.home)
     assert moved is not None and moved.etcd_client_port != after.etcd_client_port
-    assert sorted(j["job_id"] for j in listed_jobs(cli)) == ["kept", "running"]
-
-
-def job(cli: Cli, job_id: str) -> dict[str, Any]:
-    status = cli.json("status", job_id)
-    assert isinstance(status, dict)
-    return status
-
-
-def listed_jobs(cli: Cli) -> list[dict[str, Any]]:
-    jobs = cli.json("jobs")
-    assert isinstance(jobs, list)
-    return jobs
+    assert sorted(j["job_id"] for j in cli.jobs()) == ["kept", "running"]

@@ -86,9 +86,7 @@ def member(cli: Cli, instance_id: str) -> dict[str, Any]:
 
 
 def step_of(cli: Cli, job: str) -> int:
-    status = cli.json("status", job)
-    assert isinstance(status, dict)
-    return int(status["step"])
+    return int(cli.status(job)["step"])
 
 
 def wait_for_incident(cli: Cli, kind: str, instance_id: str, timeout: float) -> dict[str, Any]:
