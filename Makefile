@@ -23,7 +23,7 @@ $(STAMP): pyproject.toml
 
 ## The main job: the local stack on CPU (embedded etcd, all services), a real job.
 demo: $(STAMP)
-	$(PY) -m services.cli.demo
+	$(PY) -m robustrl.cli.demo
 
 # Test processes for `make test` (pytest-xdist). Each test file runs whole on one worker, so
 # the chaos file (the longest) runs on one while the rest share the other.
@@ -41,6 +41,7 @@ lint: $(STAMP) check-protos
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/mypy
+	$(VENV)/bin/lint-imports --no-cache
 
 fmt: $(STAMP)
 	$(VENV)/bin/ruff format .

@@ -25,11 +25,11 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM
 
-from services.common.tasks import TaskItem, get_task
-from services.rollout.engine import Engine, SamplingParams, TorchEngine
-from services.rollout.rewards import RewardFn, load_reward, score
+from robustrl.generation.engine import Engine, SamplingParams, TorchEngine
+from robustrl.generation.modelgen import ModelShape, SFTConfig, init_model, sft_warmup
+from robustrl.generation.rewards import RewardFn, load_reward, score
+from robustrl.generation.tasks import TaskItem, get_task
 from services.trainer.grpo import GRPOConfig, GRPOTrainer, Sample, group_advantages
-from services.trainer.modelgen import ModelShape, SFTConfig, init_model, sft_warmup
 
 
 @dataclass(frozen=True)

@@ -16,7 +16,7 @@ For each number of callers at once (`--callers`), one after the other in one run
   KB/change      bytes sent to etcd per change (the stored ledger times writes/change)
   wait ms        median time from a change to its write landing
 and shared against own at the same number of callers. Also printed: the ledger's size as JSON
-and as stored (services.common.packed).
+and as stored (robustrl.contracts.packed).
 
     python benchmarks/ledger_writes.py                         # callers 1,4,16,64
     python benchmarks/ledger_writes.py --callers 1,64 --changes 3000 --json rows.json
@@ -43,7 +43,7 @@ sys.path.insert(0, str(REPO))
 
 
 def start_etcd(workdir: Path) -> tuple[subprocess.Popen[bytes], str]:
-    from services.cli.stack import etcd_argv, etcd_healthy, free_port
+    from robustrl.cli.stack import etcd_argv, etcd_healthy, free_port
 
     client, peer = free_port(), free_port()
     endpoints = f"127.0.0.1:{client}"
@@ -62,9 +62,9 @@ def start_etcd(workdir: Path) -> tuple[subprocess.Popen[bytes], str]:
 
 
 async def measure(args: argparse.Namespace, endpoints: str) -> list[dict[str, Any]]:
-    from services.common.config import EtcdSettings
-    from services.common.logs import configure_logging
-    from services.common.runtime import ServiceRuntime
+    from robustrl.core.config import EtcdSettings
+    from robustrl.core.logs import configure_logging
+    from robustrl.core.runtime import ServiceRuntime
     from services.coordinator.config import CoordinatorSettings
     from services.coordinator.driver import JobDriver
     from services.coordinator.leadership import Leadership
@@ -101,7 +101,7 @@ async def one_run(
     args: argparse.Namespace, driver: Any, job: str, callers: int, mode: str
 ) -> dict[str, Any]:
     """`callers` rollouts at once on a new job's ledger, storing each change the `mode` way."""
-    from services.common import packed
+    from robustrl.contracts import packed
     from services.coordinator import work
 
     client, key = driver.runtime.client, driver.runtime.keys.work(job)

@@ -23,7 +23,7 @@ class Stack:
 
     @staticmethod
     def argv(*args: str) -> list[str]:
-        return [sys.executable, "-m", "services.cli.main", *args]
+        return [sys.executable, "-m", "robustrl.cli.main", *args]
 
     def cli(self, *args: str, timeout: float = 600) -> str:
         done = subprocess.run(

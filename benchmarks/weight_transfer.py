@@ -129,11 +129,11 @@ class Worker:
         self.payload: list[tuple[str, torch.Tensor]] = []
 
     async def start(self) -> dict[str, Any]:
-        from services.common.config import EtcdSettings
-        from services.common.etcd_client import connect_etcd
-        from services.common.keys import KeySpace
-        from services.common.logs import configure_logging
-        from services.common.ucx_transport import UcxTransport
+        from robustrl.contracts.keys import KeySpace
+        from robustrl.core.config import EtcdSettings
+        from robustrl.core.etcd_client import connect_etcd
+        from robustrl.core.logs import configure_logging
+        from robustrl.weights.ucx.transport import UcxTransport
 
         level = os.environ.get("BENCH_LOG_LEVEL", "warning")
         configure_logging(service="bench", instance=self.args.instance, level=level)
@@ -165,9 +165,9 @@ class Worker:
 
     async def do_publish(self, cmd: dict[str, Any]) -> dict[str, Any]:
         """Hold one payload three ways: UCX transport, gRPC transport, plain ucxx."""
-        from services.common import ucx_listeners
-        from services.common.ucx_transport import allocate_buffer, load_ucxx
-        from services.common.weights import GrpcStreamTransport
+        from robustrl.weights.transport import GrpcStreamTransport
+        from robustrl.weights.ucx import listeners as ucx_listeners
+        from robustrl.weights.ucx.transport import allocate_buffer, load_ucxx
 
         nbytes, version = int(cmd["bytes"]), int(cmd["version"])
         # Off the event loop: making a GiB of random bytes there kept the session's keepalive
@@ -214,7 +214,7 @@ class Worker:
     async def _start_grpc(self) -> None:
         """A gRPC server with only Trainer.PullWeights, delegated to GrpcStreamTransport.serve
         exactly as the trainer's servicer does."""
-        from services.common.weights import start_weight_server
+        from robustrl.weights.transport import start_weight_server
 
         def serve(request: Any) -> AsyncIterator[Any]:
             return self.grpc_transport.serve(request)
@@ -230,8 +230,8 @@ class Worker:
         of the loop, and the spinning took a core from the puller. With ucxx's send, plain
         ucxx verified on the pulling thread (two busy threads on the puller) ran at 0.5-0.6 of
         unverified, below ours."""
-        from services.common import ucx_progress
-        from services.common.ucx_transport import IN_FLIGHT_BUCKETS, ucx_buffer
+        from robustrl.weights.ucx import progress as ucx_progress
+        from robustrl.weights.ucx.transport import IN_FLIGHT_BUCKETS, ucx_buffer
 
         with contextlib.suppress(Exception):
             while True:
@@ -269,7 +269,7 @@ class Worker:
         }
 
     async def do_grpc_fetch(self, cmd: dict[str, Any]) -> dict[str, Any]:
-        from services.common.weights import GrpcStreamTransport, latest_announcement
+        from robustrl.weights.transport import GrpcStreamTransport, latest_announcement
 
         transport = GrpcStreamTransport(self.client, self.keys, GRPC_JOB, address="", epoch=0)
         announcement = await latest_announcement(self.client, self.keys, GRPC_JOB)
@@ -281,9 +281,9 @@ class Worker:
         return {"seconds": seconds}
 
     async def do_plain(self, cmd: dict[str, Any]) -> dict[str, Any]:
-        from services.common import ucx_progress
-        from services.common.checksums import LandedChecks
-        from services.common.ucx_transport import (
+        from robustrl.weights.checksums import LandedChecks
+        from robustrl.weights.ucx import progress as ucx_progress
+        from robustrl.weights.ucx.transport import (
             IN_FLIGHT_BUCKETS,
             allocate_buffer,
             load_ucxx,
@@ -345,7 +345,7 @@ class Worker:
         return {}
 
     async def close(self) -> None:
-        from services.common import ucx_listeners
+        from robustrl.weights.ucx import listeners as ucx_listeners
 
         for endpoint in self.plain_eps.values():
             endpoint.abort()
@@ -364,7 +364,7 @@ def sync(device: torch.device) -> None:
 
 async def worker_main(args: argparse.Namespace) -> None:
     if args.in_flight:
-        from services.common import ucx_transport
+        from robustrl.weights.ucx import transport as ucx_transport
 
         ucx_transport.IN_FLIGHT_BUCKETS = args.in_flight
     worker = Worker(args)
@@ -440,7 +440,7 @@ class Driver:
         self.procs: list[Proc] = []
 
     def start_etcd(self) -> None:
-        from services.cli.stack import etcd_argv, etcd_healthy, free_port
+        from robustrl.cli.stack import etcd_argv, etcd_healthy, free_port
 
         client, peer = free_port(), free_port()
         self.endpoints = f"127.0.0.1:{client}"
@@ -519,7 +519,7 @@ def memcpy_gbps(nbytes: int, repeat: int, device: torch.device) -> float:
 
 def checksum_of(args: argparse.Namespace) -> str:
     """The bucket checksum the run uses: --checksum, or what a publisher picks by device."""
-    from services.common.checksums import algorithm_for
+    from robustrl.weights.checksums import algorithm_for
 
     return algorithm_for(args.device) if args.checksum == "auto" else str(args.checksum)
 
@@ -533,7 +533,7 @@ def checksum_gbps(
     Warm, as in a pull: an untimed pass first makes wsum128's coefficients and each thread's
     CUDA stream (timed, they made an H200's wsum128 read 0.7-4.5 GB/s on one thread against
     145-200 warm)."""
-    from services.common.checksums import bucket_checksum
+    from robustrl.weights.checksums import bucket_checksum
 
     data = torch.randint(0, 256, (nbytes,), dtype=torch.uint8).to(device)
     sync(device)
@@ -723,7 +723,7 @@ def print_report(
     load = ", ".join(f"{x:.1f}" for x in os.getloadavg())
     stat = f"{args.stat} of {args.repeat}"
     where = "GPU to GPU" if args.device == "cuda" else "host to host"
-    from services.common.ucx_transport import IN_FLIGHT_BUCKETS
+    from robustrl.weights.ucx.transport import IN_FLIGHT_BUCKETS
 
     in_flight = args.in_flight or IN_FLIGHT_BUCKETS
     print(
@@ -845,7 +845,7 @@ async def driver_main(args: argparse.Namespace) -> None:
             await driver.close()
             if args.keep_logs:
                 keep_logs(Path(tmp), Path(args.keep_logs))
-    from services.common.ucx_transport import DEFAULT_HASH_THREADS
+    from robustrl.weights.ucx.transport import DEFAULT_HASH_THREADS
 
     device = torch.device(args.device)
     checksum = {
@@ -860,7 +860,7 @@ async def driver_main(args: argparse.Namespace) -> None:
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
-    from services.common.checksums import CHECKSUM_ALGORITHMS
+    from robustrl.weights.checksums import CHECKSUM_ALGORITHMS
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--sizes", default="64,256", help="payload sizes in MiB (64,256,1024)")

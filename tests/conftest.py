@@ -11,37 +11,20 @@ import shutil
 import signal
 import subprocess
 import sys
-import time
 import uuid
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
 import pytest
 
-from services.cli.stack import etcd_argv, etcd_healthy, free_ports
-from services.common.aio import cancel_leftover_tasks
-from services.common.config import EtcdSettings
-
-STUCK_TASK_WAIT_S = 15.0
-"""The longest a test's event loop waits, as it closes, for its tasks to end once cancelled."""
-
-
-def _cancel_all_tasks_or_name_the_stuck(loop: asyncio.AbstractEventLoop) -> None:
-    """asyncio.Runner's last step (asyncio.runners._cancel_all_tasks), bounded the way a
-    service's main bounds it (services.common.aio.cancel_leftover_tasks), but failing the test
-    that left tasks which did not end within STUCK_TASK_WAIT_S of being cancelled, naming them.
-    pytest-timeout does not help there: it had fired already, or fires once."""
-    stuck = cancel_leftover_tasks(loop, STUCK_TASK_WAIT_S)
-    if stuck:
-        raise RuntimeError(
-            f"{len(stuck)} task(s) did not end within {STUCK_TASK_WAIT_S}s of being cancelled"
-            f" as the test's event loop closed: {sorted(repr(t) for t in stuck)}"
-        )
+from robustrl.core.config import EtcdSettings
+from tests.support.etcd import EtcdProcess, started_etcd
+from tests.support.loops import cancel_all_tasks_or_name_the_stuck
 
 
 def pytest_configure(config: pytest.Config) -> None:
     os.environ.setdefault("PYTHONUNBUFFERED", "1")
-    asyncio.runners._cancel_all_tasks = _cancel_all_tasks_or_name_the_stuck  # type: ignore[attr-defined]
+    asyncio.runners._cancel_all_tasks = cancel_all_tasks_or_name_the_stuck  # type: ignore[attr-defined]
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -60,36 +43,6 @@ def _cuda_available() -> bool:
         return bool(torch.cuda.is_available())
     except ImportError:
         return False
-
-
-class EtcdProcess:
-    def __init__(self, data_dir: Path) -> None:
-        self.client_port, self.peer_port = free_ports(2)
-        self.endpoints = f"127.0.0.1:{self.client_port}"
-        self.proc = subprocess.Popen(
-            [*etcd_argv("test", data_dir, self.client_port, self.peer_port), "--log-level=error"],
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-        )
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-
-
-def started_etcd(data_dir: Path) -> EtcdProcess:
-    server = EtcdProcess(data_dir)
-    deadline = time.monotonic() + 30
-    while not etcd_healthy(server.endpoints):
-        assert server.proc.poll() is None, "etcd exited at start"
-        assert time.monotonic() < deadline, "etcd did not become healthy within 30s"
-        time.sleep(0.1)
-    return server
 
 
 @pytest.fixture
@@ -120,7 +73,7 @@ def etcd_settings(etcd_server: EtcdProcess) -> EtcdSettings:
 
 @pytest.fixture
 async def etcd_client(etcd_settings: EtcdSettings) -> AsyncIterator[object]:
-    from services.common.etcd_client import connect_etcd
+    from robustrl.core.etcd_client import connect_etcd
 
     client = await connect_etcd(etcd_settings)
     yield client
@@ -141,7 +94,7 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
         if not made.exists():
             shutil.rmtree(out, ignore_errors=True)  # what a worker that failed left
             subprocess.run(
-                [sys.executable, "-m", "services.cli.main", "model", "init", "--out", str(out)],
+                [sys.executable, "-m", "robustrl.cli.main", "model", "init", "--out", str(out)],
                 cwd=Path(__file__).resolve().parents[1],
                 check=True,
                 capture_output=True,
@@ -157,8 +110,8 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     the engine, GRPO and trainer-rank tests. Read-only: a test that changes it makes a copy."""
     import torch
 
-    from services.trainer.modelgen import init_model
-    from tests.unit.tiny_model import TINY
+    from robustrl.generation.modelgen import init_model
+    from tests.support.tiny_model import TINY
 
     torch.set_num_threads(1)
     return init_model(tmp_path_factory.mktemp("tiny"), seed=0, shape=TINY)

@@ -18,7 +18,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Awaitable, Callable
 
-from services.common.aio import cancel_and_wait
+from robustrl.core.aio import cancel_and_wait
 
 
 class CoalescedWrites:

@@ -7,7 +7,7 @@ from typing import Literal
 from pydantic import Field
 from pydantic_settings import SettingsConfigDict
 
-from services.common.config import ServiceSettings
+from robustrl.core.config import ServiceSettings
 
 
 class CoordinatorSettings(ServiceSettings):

@@ -21,31 +21,33 @@ from typing import TypeAlias
 import grpc
 from pydantic import ValidationError
 
+from robustrl.contracts import packed
+from robustrl.contracts.binding import FIRST_EPOCH
+from robustrl.contracts.errors import Aborted, FailedPrecondition, InvalidArgument, Unavailable
+from robustrl.contracts.ettr import EttrAccount, fold_horizon
+from robustrl.contracts.ids import group_index
+from robustrl.contracts.incidents import IncidentSubject, new_incident
+from robustrl.contracts.jobspec import JobSpec
+from robustrl.contracts.ledger import dropped_pages
+from robustrl.contracts.members import MemberRecord
+from robustrl.core.aio import cancel_and_wait
+from robustrl.core.channels import open_channel
+from robustrl.core.fences import FenceSet
+from robustrl.core.interceptors import REPEAT_WINDOW_S, Repeats
+from robustrl.core.logs import get_logger
+from robustrl.core.registry import Registry
+from robustrl.core.role_server import LEAVING_LABEL, PREPARED_LABEL
+from robustrl.core.runtime import ServiceRuntime
+from robustrl.generation.tasks import TaskItem, UnknownTaskError, get_task, load_dataset
 from robustrl.v1 import coordinator_pb2, rollout_pb2_grpc, trainer_pb2, trainer_pb2_grpc
-from services.common import packed
-from services.common.aio import cancel_and_wait
-from services.common.channels import open_channel
-from services.common.control import FIRST_EPOCH
-from services.common.errors import Aborted, FailedPrecondition, InvalidArgument, Unavailable
-from services.common.fences import FenceSet
-from services.common.interceptors import REPEAT_WINDOW_S, Repeats
-from services.common.jobspec import JobSpec
-from services.common.logs import get_logger
-from services.common.registry import MemberRecord, Registry
-from services.common.role_server import LEAVING_LABEL, PREPARED_LABEL
-from services.common.runtime import ServiceRuntime
-from services.common.tasks import TaskItem, UnknownTaskError, get_task, load_dataset
 from services.coordinator import jobs, recovery, work
 from services.coordinator.coalesce import CoalescedWrites
-from services.coordinator.ettr import EttrAccount, fold_horizon
 from services.coordinator.executor import RecoveryExecutor
 from services.coordinator.jobs import JobRecord, Phase
 from services.coordinator.leadership import Leadership
 from services.coordinator.provisioner import NoProvisioner, Provisioner
 from services.coordinator.space import SpaceKeeper
-from services.coordinator.store import JobStore, dropped_pages
-from services.monitor.detectors import MemberView
-from services.monitor.incidents import new_incident
+from services.coordinator.store import JobStore
 
 log = get_logger(__name__)
 
@@ -594,13 +596,13 @@ class JobDriver:
     ) -> None:
         """An incident the leader found itself (not the monitor), about a member of `record`,
         recorded where the monitor's go: the executor recovers it as any other."""
-        view = MemberView(
+        subject = IncidentSubject(
             role=record.member_roles.get(instance_id, "trainer"),
             instance_id=instance_id,
             epoch=record.epoch,
             job_id=record.job_id,
         )
-        incident = new_incident(view, kind, evidence, confidence, time.time(), step=step)
+        incident = new_incident(subject, kind, evidence, confidence, time.time(), step=step)
         await self.executor.incident_log.record(incident)
 
     async def fail(
@@ -944,7 +946,7 @@ class JobDriver:
             )
             deadline = time.time() + self.lease_seconds
             for group in granted:
-                item = dataset[work.group_index(group) % len(dataset)]
+                item = dataset[group_index(group) % len(dataset)]
                 msg = reply.groups.add(
                     group_id=group,
                     item_id=item.id,

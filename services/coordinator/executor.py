@@ -17,19 +17,20 @@ import aetcd
 import grpc
 from pydantic import BaseModel, Field
 
+from robustrl.contracts.errors import NotFound
+from robustrl.contracts.ettr import IncidentTiming
+from robustrl.contracts.incidents import IncidentRecord
+from robustrl.contracts.keys import KeySpace
+from robustrl.contracts.members import MemberRecord
+from robustrl.core.aio import cancel_and_wait
+from robustrl.core.fences import FenceRecord, withdraw_holder_records, write_fence
+from robustrl.core.incident_log import IncidentLog
+from robustrl.core.logs import get_logger
+from robustrl.core.role_server import EXIT_ARG
 from robustrl.v1 import trainer_pb2
-from services.common.aio import cancel_and_wait
-from services.common.errors import NotFound
-from services.common.fences import FenceRecord, withdraw_holder_records, write_fence
-from services.common.keys import KeySpace
-from services.common.logs import get_logger
-from services.common.registry import MemberRecord
-from services.common.role_server import EXIT_ARG
 from services.coordinator import recovery, work
-from services.coordinator.ettr import IncidentTiming
 from services.coordinator.jobs import TERMINAL, JobRecord, Phase
 from services.coordinator.recovery import Do
-from services.monitor.incidents import IncidentLog, IncidentRecord
 
 if TYPE_CHECKING:
     from services.coordinator.driver import JobDriver

@@ -13,8 +13,8 @@ import time
 from google.protobuf.timestamp_pb2 import Timestamp
 from pydantic import BaseModel, Field
 
+from robustrl.contracts.errors import FailedPrecondition
 from robustrl.v1 import coordinator_pb2
-from services.common.errors import FailedPrecondition
 
 
 class Phase(enum.StrEnum):

@@ -19,14 +19,14 @@ import json
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from services.common.aio import cancel_and_wait
-from services.common.channels import refuses_connections
-from services.common.election import Election, current_leader
-from services.common.errors import NotLeader, Unavailable
-from services.common.logs import get_logger
-from services.common.runtime import ServiceRuntime
-from services.common.session import Session
-from services.common.watch import Entry
+from robustrl.contracts.errors import NotLeader, Unavailable
+from robustrl.core.aio import cancel_and_wait
+from robustrl.core.channels import refuses_connections
+from robustrl.core.election import Election, current_leader
+from robustrl.core.logs import get_logger
+from robustrl.core.runtime import ServiceRuntime
+from robustrl.core.session import Session
+from robustrl.core.watch import Entry
 
 log = get_logger(__name__)
 

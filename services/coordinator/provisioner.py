@@ -22,34 +22,17 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import aetcd
-from pydantic import BaseModel
 
+from robustrl.contracts.errors import AlreadyExists, InvalidArgument, NotFound
+from robustrl.contracts.keys import KeySpace
+from robustrl.contracts.provisioning import ProvisionedRecord
+from robustrl.contracts.roles import DATA_PLANE_ROLES as ROLES
+from robustrl.contracts.roles import ROLE_FROM_PROTO, ROLE_TO_PROTO
+from robustrl.core.config import EtcdSettings, member_argv, member_env
+from robustrl.core.logs import get_logger
 from robustrl.v1 import provisioning_pb2
-from services.common.config import EtcdSettings, member_argv, member_env
-from services.common.errors import AlreadyExists, InvalidArgument, NotFound
-from services.common.keys import KeySpace
-from services.common.logs import get_logger
-from services.common.registry import DATA_PLANE_ROLES as ROLES
-from services.common.registry import ROLE_FROM_PROTO, ROLE_TO_PROTO
 
 log = get_logger(__name__)
-
-ACCEPTED_METADATA_KEY = "robustrl-scheduler-accepted"
-"""Initial metadata of a Provisioning stream whose hello was accepted (value: the name)."""
-
-
-class ProvisionedRecord(BaseModel):
-    """`<prefix>/provisioned/<instance_id>`: what `robustrl down` must stop as well."""
-
-    instance_id: str
-    role: str
-    pid: int
-    host: str
-    argv: list[str]
-    log: str
-    job_id: str
-    reason: str
-    at: float
 
 
 class Provisioner(ABC):
@@ -266,10 +249,3 @@ class ExternalProvisioner(Provisioner):
         pending.sent_to = chosen.name
         chosen.outbox.put_nowait(pending.message)
         return chosen.name
-
-
-async def list_provisioned(client: aetcd.Client, keys: KeySpace) -> list[ProvisionedRecord]:
-    return [
-        ProvisionedRecord.model_validate_json(kv.value)
-        for kv in await client.get_prefix(keys.provisioned())
-    ]

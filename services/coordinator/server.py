@@ -10,29 +10,26 @@ from typing import Any
 import grpc
 from google.protobuf.timestamp_pb2 import Timestamp
 
+from robustrl.contracts.errors import Aborted, FailedPrecondition, InvalidArgument
+from robustrl.contracts.jobspec import parse_spec, validate_job_id
+from robustrl.contracts.members import member_to_proto
+from robustrl.contracts.provisioning import ACCEPTED_METADATA_KEY
+from robustrl.contracts.roles import ROLE_FROM_PROTO
+from robustrl.core.config import EtcdSettings
+from robustrl.core.logs import get_logger
+from robustrl.core.runtime import ServiceRuntime
 from robustrl.v1 import (
     coordinator_pb2,
     coordinator_pb2_grpc,
     provisioning_pb2,
     provisioning_pb2_grpc,
 )
-from services.common.config import EtcdSettings
-from services.common.errors import Aborted, FailedPrecondition, InvalidArgument
-from services.common.jobspec import parse_spec, validate_job_id
-from services.common.logs import get_logger
-from services.common.registry import ROLE_FROM_PROTO, member_to_proto
-from services.common.runtime import ServiceRuntime
 from services.coordinator import jobs
 from services.coordinator.config import CoordinatorSettings
 from services.coordinator.driver import JobDriver
 from services.coordinator.jobs import Phase
 from services.coordinator.leadership import Leadership
-from services.coordinator.provisioner import (
-    ACCEPTED_METADATA_KEY,
-    ExternalProvisioner,
-    LocalProvisioner,
-    Scheduler,
-)
+from services.coordinator.provisioner import ExternalProvisioner, LocalProvisioner, Scheduler
 from services.coordinator.space import SpaceKeeper
 from services.coordinator.store import JobStore
 

@@ -33,8 +33,8 @@ from urllib.parse import urlsplit
 import aetcd
 from aetcd import rpc
 
-from services.common.config import EtcdSettings
-from services.common.logs import get_logger
+from robustrl.core.config import EtcdSettings
+from robustrl.core.logs import get_logger
 
 log = get_logger("coordinator")
 

@@ -12,13 +12,11 @@ from typing import Any
 
 import aetcd
 
-from services.common import packed
-from services.common.errors import Aborted, AlreadyExists, NotFound, Unavailable
-from services.common.keys import KeySpace
-from services.common.watch import Delete, Put, Resync, list_prefix, watch_prefix
+from robustrl.contracts.errors import Aborted, AlreadyExists, NotFound, Unavailable
+from robustrl.contracts.incidents import IncidentRecord
+from robustrl.contracts.keys import KeySpace
+from robustrl.core.watch import Delete, Put, Resync, list_prefix, watch_prefix
 from services.coordinator.jobs import JobRecord
-from services.coordinator.work import DroppedPage
-from services.monitor.incidents import IncidentRecord
 
 DELETE_BATCH = 64
 """Deletions per etcd transaction when a job is deleted (etcd allows 128 operations)."""
@@ -147,9 +145,3 @@ class JobStore:
                         yield JobRecord.model_validate_json(entry.value), entry.mod_revision
             elif isinstance(event, Delete) and event.key == key:
                 return
-
-
-async def dropped_pages(client: aetcd.Client, keys: KeySpace, job_id: str) -> list[DroppedPage]:
-    """Every page of dropped groups and take-backs moved out of the job's ledger, in order."""
-    rows = sorted(await client.get_prefix(keys.dropped_pages(job_id)), key=lambda kv: kv.key)
-    return [packed.load(DroppedPage, kv.value) for kv in rows]

@@ -2,14 +2,14 @@
 
 from __future__ import annotations
 
-from services.common.aio import run_process
-from services.common.config import EtcdSettings
+from robustrl.core.aio import run_process
+from robustrl.core.config import EtcdSettings
 from services.monitor.config import MonitorSettings
 
 
 async def _main() -> None:
     settings, etcd = MonitorSettings(), EtcdSettings()  # a bad one fails before imports
-    from services.common.runtime import long_lived_objects
+    from robustrl.core.runtime import long_lived_objects
 
     with long_lived_objects(start=True):
         from services.monitor.server import serve

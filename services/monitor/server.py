@@ -10,31 +10,23 @@ from collections.abc import AsyncIterator
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from robustrl.contracts.errors import InvalidArgument
+from robustrl.contracts.incidents import IncidentRecord, new_incident, to_proto
+from robustrl.contracts.members import MemberRecord
+from robustrl.contracts.roles import ROLE_FROM_PROTO, ROLE_TO_PROTO
+from robustrl.core.aio import cancel_and_wait
+from robustrl.core.channels import open_channel, refuses_connections
+from robustrl.core.config import EtcdSettings
+from robustrl.core.fences import FenceSet
+from robustrl.core.incident_log import IncidentLog
+from robustrl.core.logs import get_logger
+from robustrl.core.registry import Registry, parse_member
+from robustrl.core.runtime import ServiceRuntime
+from robustrl.core.watch import Delete, Put, Resync
 from robustrl.v1 import common_pb2, monitor_pb2, monitor_pb2_grpc, rollout_pb2, rollout_pb2_grpc
-from services.common.aio import cancel_and_wait
-from services.common.channels import open_channel, refuses_connections
-from services.common.config import EtcdSettings
-from services.common.errors import InvalidArgument
-from services.common.fences import FenceSet
-from services.common.logs import get_logger
-from services.common.registry import (
-    ROLE_FROM_PROTO,
-    ROLE_TO_PROTO,
-    MemberRecord,
-    Registry,
-    parse_member,
-)
-from services.common.runtime import ServiceRuntime
-from services.common.watch import Delete, Put, Resync
 from services.monitor import detectors, progress_detectors
 from services.monitor.config import MonitorSettings
-from services.monitor.incidents import (
-    IncidentLog,
-    IncidentRecord,
-    from_finding,
-    new_incident,
-    to_proto,
-)
+from services.monitor.incidents import from_finding
 
 log = get_logger(__name__)
 

@@ -5,12 +5,12 @@ from __future__ import annotations
 
 import grpc
 
+from robustrl.contracts.errors import InvalidArgument
+from robustrl.contracts.jobspec import JobSpec
+from robustrl.core.config import EtcdSettings
+from robustrl.core.role_server import RoleControl
+from robustrl.core.runtime import ServiceRuntime
 from robustrl.v1 import rollout_pb2, rollout_pb2_grpc
-from services.common.config import EtcdSettings
-from services.common.errors import InvalidArgument
-from services.common.jobspec import JobSpec
-from services.common.role_server import RoleControl
-from services.common.runtime import ServiceRuntime
 from services.rollout.config import RolloutSettings
 from services.rollout.worker import RolloutWorker
 

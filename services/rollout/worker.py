@@ -37,22 +37,26 @@ from pathlib import Path
 import grpc
 import torch
 
+from robustrl.contracts.errors import InvalidArgument, Unavailable
+from robustrl.contracts.ids import group_index
+from robustrl.contracts.jobspec import JobSpec
+from robustrl.core.aio import cancel_and_wait
+from robustrl.core.channels import open_channel
+from robustrl.core.coordinator_client import NO_LEADER_ANSWER, CoordinatorClient
+from robustrl.core.etcd_client import etcd_unavailable, until_etcd_answers
+from robustrl.core.interceptors import REPEAT_WINDOW_S, Repeats
+from robustrl.core.logs import get_logger
+from robustrl.core.runtime import ServiceRuntime, long_lived_objects
+from robustrl.generation.engine import ContextExceeded, SamplingParams, TorchEngine
+from robustrl.generation.rewards import RewardError, RewardFn, load_reward, score
 from robustrl.v1 import coordinator_pb2, trainer_pb2, trainer_pb2_grpc
-from services.common.aio import cancel_and_wait
-from services.common.channels import open_channel
-from services.common.coordinator_client import NO_LEADER_ANSWER, CoordinatorClient
-from services.common.errors import InvalidArgument, Unavailable
-from services.common.etcd_client import etcd_unavailable, until_etcd_answers
-from services.common.interceptors import REPEAT_WINDOW_S, Repeats
-from services.common.jobspec import JobSpec
-from services.common.logs import get_logger
-from services.common.runtime import ServiceRuntime, long_lived_objects
-from services.common.ucx_transport import make_transport
-from services.common.weights import WeightIntegrityError, WeightTransport, latest_announcement
-from services.coordinator.work import group_index
+from robustrl.weights import (
+    WeightIntegrityError,
+    WeightTransport,
+    latest_announcement,
+    make_transport,
+)
 from services.rollout.config import RolloutSettings
-from services.rollout.engine import ContextExceeded, SamplingParams, TorchEngine
-from services.rollout.rewards import RewardError, RewardFn, load_reward, score
 
 log = get_logger(__name__)
 

@@ -5,14 +5,14 @@ Config is parsed before the model stack is imported, so a bad setting fails fast
 
 from __future__ import annotations
 
-from services.common.aio import run_process
-from services.common.config import EtcdSettings
+from robustrl.core.aio import run_process
+from robustrl.core.config import EtcdSettings
 from services.trainer.config import TrainerSettings
 
 
 async def _main() -> None:
     settings, etcd = TrainerSettings(), EtcdSettings()
-    from services.common.runtime import long_lived_objects
+    from robustrl.core.runtime import long_lived_objects
 
     with long_lived_objects(start=True):
         from services.trainer.server import serve

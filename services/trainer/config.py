@@ -5,7 +5,7 @@ from __future__ import annotations
 from pydantic import Field
 from pydantic_settings import SettingsConfigDict
 
-from services.common.config import ServiceSettings
+from robustrl.core.config import ServiceSettings
 
 
 class TrainerSettings(ServiceSettings):

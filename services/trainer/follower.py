@@ -31,12 +31,12 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from services.common.aio import run_process
-from services.common.config import EtcdSettings
-from services.common.heartbeat import Progress
-from services.common.jobspec import JobSpec
-from services.common.logs import get_logger
-from services.common.runtime import ServiceRuntime, long_lived_objects
+from robustrl.contracts.jobspec import JobSpec
+from robustrl.core.aio import run_process
+from robustrl.core.config import EtcdSettings
+from robustrl.core.heartbeat import Progress
+from robustrl.core.logs import get_logger
+from robustrl.core.runtime import ServiceRuntime, long_lived_objects
 from services.trainer.config import TrainerSettings
 
 if TYPE_CHECKING:

@@ -5,7 +5,7 @@ while sampling (possibly under an older weight version), not a recomputation by 
 trainer. The ratio ``exp(logp - behaviour_logp)`` therefore also corrects for staleness,
 and clipping bounds how far one step moves on stale data.
 
-Logprobs here follow the engine's convention (services/rollout/engine.py):
+Logprobs here follow the engine's convention (robustrl/generation/engine.py):
 ``log_softmax(logits.float() / T)`` with the sampling temperature T (T = 1 when T = 0).
 """
 
@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
-from services.common.jobspec import JobSpec
+from robustrl.contracts.jobspec import JobSpec
 
 
 def group_advantages(rewards: Sequence[float], *, scale_by_std: bool = True) -> list[float]:

@@ -14,8 +14,8 @@ import bisect
 from dataclasses import dataclass, field
 from typing import Any
 
+from robustrl.contracts.ids import parse_group_id
 from robustrl.v1 import trainer_pb2
-from services.coordinator.work import parse_group_id
 
 
 @dataclass
@@ -40,8 +40,9 @@ class TrainedGroups:
     It goes into every per-step checkpoint, so it must stay small: listing the ids made the
     checkpoint's metadata 3.4 MB after 1000 steps of the tiny model (every trajectory id,
     rewritten each step). Groups are numbered by the coordinator and trained nearly in order,
-    so numbered ids (work.group_id) are kept as runs [start, end) per job; the runs break only
-    where a group was dropped or trained out of order. Other ids are listed as they are.
+    so numbered ids (contracts.ids.group_id) are kept as runs [start, end) per job; the runs
+    break only where a group was dropped or trained out of order. Other ids are listed as they
+    are.
     """
 
     def __init__(self) -> None:

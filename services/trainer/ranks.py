@@ -60,9 +60,9 @@ from typing import TypeVar
 import torch
 import torch.distributed as dist
 
-from services.common.config import EtcdSettings, ServiceSettings
-from services.common.heartbeat import Progress
-from services.common.logs import get_logger
+from robustrl.core.config import EtcdSettings, ServiceSettings
+from robustrl.core.heartbeat import Progress
+from robustrl.core.logs import get_logger
 from services.trainer.grpo import GRPOTrainer, Sample, StepMetrics
 
 log = get_logger(__name__)

@@ -8,14 +8,14 @@ from collections.abc import AsyncIterator
 
 import grpc
 
+from robustrl.contracts.errors import FailedPrecondition
+from robustrl.contracts.jobspec import JobSpec
+from robustrl.core.config import EtcdSettings
+from robustrl.core.logs import get_logger
+from robustrl.core.role_server import RoleControl
+from robustrl.core.runtime import ServiceRuntime
 from robustrl.v1 import trainer_pb2, trainer_pb2_grpc
-from services.common.config import EtcdSettings
-from services.common.errors import FailedPrecondition
-from services.common.jobspec import JobSpec
-from services.common.logs import get_logger
-from services.common.role_server import RoleControl
-from services.common.runtime import ServiceRuntime
-from services.common.weights import GrpcStreamTransport
+from robustrl.weights import GrpcStreamTransport
 from services.trainer.config import TrainerSettings
 from services.trainer.worker import TrainerWorker
 

@@ -21,22 +21,21 @@ from typing import Any
 import grpc
 import torch
 
+from robustrl.contracts.binding import FIRST_EPOCH
+from robustrl.contracts.errors import Fenced, InvalidArgument
+from robustrl.contracts.jobspec import JobSpec
+from robustrl.core.aio import cancel_and_wait
+from robustrl.core.coordinator_client import CoordinatorClient
+from robustrl.core.etcd_client import until_etcd_answers
+from robustrl.core.fences import FenceSet
+from robustrl.core.heartbeat import Progress
+from robustrl.core.logs import get_logger
+from robustrl.core.runtime import ServiceRuntime, long_lived_objects
+from robustrl.generation.engine import ContextExceeded, SamplingParams, TorchEngine
+from robustrl.generation.rewards import RewardError, RewardFn, load_reward, score
+from robustrl.generation.tasks import TaskItem, UnknownTaskError, get_task
 from robustrl.v1 import coordinator_pb2, trainer_pb2
-from services.common.aio import cancel_and_wait
-from services.common.control import FIRST_EPOCH
-from services.common.coordinator_client import CoordinatorClient
-from services.common.errors import Fenced, InvalidArgument
-from services.common.etcd_client import until_etcd_answers
-from services.common.fences import FenceSet
-from services.common.heartbeat import Progress
-from services.common.jobspec import JobSpec
-from services.common.logs import get_logger
-from services.common.runtime import ServiceRuntime, long_lived_objects
-from services.common.tasks import TaskItem, UnknownTaskError, get_task
-from services.common.ucx_transport import make_transport, warm_up_ucxx
-from services.common.weights import WeightTransport
-from services.rollout.engine import ContextExceeded, SamplingParams, TorchEngine
-from services.rollout.rewards import RewardError, RewardFn, load_reward, score
+from robustrl.weights import WeightTransport, make_transport, warm_up_ucxx
 from services.trainer import checkpoint, grpo
 from services.trainer.config import TrainerSettings
 from services.trainer.intake import Group, Intake, TrainedGroups

@@ -19,13 +19,13 @@ from typing import Any
 
 import pytest
 
-from services.cli.stack import StackState
-from services.common.config import member_argv, member_env
-from services.common.control import FIRST_EPOCH
+from robustrl.cli.stack import StackState
+from robustrl.contracts.binding import FIRST_EPOCH
+from robustrl.core.config import member_argv, member_env
 from services.trainer import checkpoint
-from tests.e2e.test_chaos_cli import chaos
-from tests.e2e.test_cli_stack import EXAMPLE, REPO, Cli
-from tests.e2e.test_detection import (
+from tests.support import eventually_sync, process_state
+from tests.support.cli import Cli, chaos, etcd_json
+from tests.support.detection import (
     LEDGER_PAGE_SIZE,
     detection_stack,
     incidents,
@@ -33,8 +33,7 @@ from tests.e2e.test_detection import (
     step_of,
     wait_for_incident,
 )
-from tests.e2e.test_rl_job import etcd_json
-from tests.support import eventually_sync, process_state
+from tests.support.paths import EXAMPLE, REPO
 
 STEPS = 80
 # Jobs that must outlast a recovery: at 80 steps the surviving rollout finished the job before

@@ -3,16 +3,15 @@ monitor reports, on the member it names, and a timed hang comes back."""
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import pytest
 
-from services.cli.chaos import plan_schedule
-from tests.e2e.test_cli_stack import Cli
-from tests.e2e.test_detection import (
+from robustrl.cli.chaos import plan_schedule
+from tests.support import eventually_sync, process_state
+from tests.support.cli import Cli, chaos
+from tests.support.detection import (
     PROBE_DEADLINE,
     PROBE_WAIT,
     SILENCE,
@@ -25,7 +24,6 @@ from tests.e2e.test_detection import (
     submit,
     wait_for_incident,
 )
-from tests.support import eventually_sync, process_state
 
 JOB = "chaos"
 
@@ -35,12 +33,6 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cli]:
     """One stack for the module: the second test needs only the trainer the first leaves."""
     with detection_stack(tmp_path_factory.mktemp("chaos")) as cli:
         yield cli
-
-
-def chaos(cli: Cli, job: str, *args: str, timeout: float = 60) -> list[dict[str, Any]]:
-    out = json.loads(cli.run("chaos", job, *args, "--json", timeout=timeout).stdout)
-    assert isinstance(out, list)
-    return out
 
 
 @pytest.mark.slow

@@ -3,70 +3,23 @@
 from __future__ import annotations
 
 import datetime
-import json
 import os
 import re
 import signal
 import socket
 import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import pytest
 
-from services.cli.stack import StackState, find_etcd, is_running
+from robustrl.cli.stack import StackState, find_etcd, is_running
 from tests.support import eventually_sync
+from tests.support.cli import Cli
+from tests.support.paths import EXAMPLE, REPO
 
-REPO = Path(__file__).resolve().parents[2]
-EXAMPLE = REPO / "examples" / "arithmetic-grpo.yaml"
 TTL = 5.0  # the default session TTL the stack runs with
-
-
-class Cli:
-    def __init__(self, home: Path) -> None:
-        self.home = home
-        self.env = {k: v for k, v in os.environ.items() if not k.startswith("ROBUSTRL_")}
-        self.env["ROBUSTRL_HOME"] = str(home)
-
-    def run(
-        self, *args: str, check: bool = True, timeout: float = 120, stdin: str | None = None
-    ) -> subprocess.CompletedProcess[str]:
-        result = subprocess.run(
-            self.argv(*args),
-            input=stdin,
-            capture_output=True,
-            text=True,
-            env=self.env,
-            cwd=REPO,
-            timeout=timeout,
-        )
-        if check and result.returncode != 0:
-            raise AssertionError(f"robustrl {' '.join(args)} failed: {result.stderr}")
-        return result
-
-    def argv(self, *args: str) -> list[str]:
-        return [sys.executable, "-m", "services.cli.main", *args]
-
-    def json(self, *args: str) -> object:
-        return json.loads(self.run(*args, "--json").stdout)
-
-    def members(self) -> list[dict[str, object]]:
-        members = self.json("members")
-        assert isinstance(members, list)
-        return members
-
-    def jobs(self) -> list[dict[str, Any]]:
-        jobs = self.json("jobs")
-        assert isinstance(jobs, list)
-        return jobs
-
-    def status(self, job_id: str) -> dict[str, Any]:
-        status = self.json("status", job_id)
-        assert isinstance(status, dict)
-        return status
 
 
 @pytest.fixture

@@ -3,103 +3,37 @@ bound, by the right kind, naming the right member — and a fault-free run repor
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import signal
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import pytest
 
-from tests.e2e.test_cli_stack import EXAMPLE, Cli
 from tests.support import eventually_sync
-
-TTL = 8.0
-SILENCE = 2.0
-PROBE_WAIT = 1.0
-PROBE_DEADLINE = 2.0
-EVALUATE = 0.2
-COLLECTIVE_BUDGET = 2.0
-LEDGER_PAGE_SIZE = 4
-#: Beats are 0.5 s apart; one beat's lag plus an evaluation round is the slack on top of a bound.
-SLACK = 0.5 + 2 * EVALUATE
-
-DETECTION_ENV = {
-    "ROBUSTRL_ETCD_SESSION_TTL": str(int(TTL)),
-    "ROBUSTRL_MONITOR_SILENCE_WINDOW": str(SILENCE),
-    "ROBUSTRL_MONITOR_PROBE_WAIT": str(PROBE_WAIT),
-    "ROBUSTRL_MONITOR_PROBE_DEADLINE": str(PROBE_DEADLINE),
-    "ROBUSTRL_MONITOR_EVALUATE_INTERVAL": str(EVALUATE),
-    "ROBUSTRL_MONITOR_COLLECTIVE_BUDGET": str(COLLECTIVE_BUDGET),
-    # Small pages, so that these jobs move dropped groups and take-backs out of the ledger.
-    "ROBUSTRL_COORDINATOR_LEDGER_PAGE_SIZE": str(LEDGER_PAGE_SIZE),
-}
-
-
-@contextlib.contextmanager
-def detection_stack(
-    tmp_path: Path, *up_args: str, env: dict[str, str] | None = None
-) -> Iterator[Cli]:
-    """A local stack (1 trainer, 2 rollouts) with fast detection settings (and `env`); `down`
-    at the end."""
-    cli = Cli(tmp_path / "home")
-    cli.env.update(DETECTION_ENV)
-    cli.env.update(env or {})
-    cli.env["ROBUSTRL_TRAINER_RUNS_DIR"] = str(tmp_path / "runs")
-    cli.run("up", "--trainers", "1", "--rollouts", "2", *up_args)
-    try:
-        yield cli
-    finally:
-        cli.run("down", check=False)
+from tests.support.cli import Cli
+from tests.support.detection import (
+    COLLECTIVE_BUDGET,
+    PROBE_DEADLINE,
+    PROBE_WAIT,
+    SILENCE,
+    SLACK,
+    TTL,
+    detection_stack,
+    incidents,
+    member,
+    step_of,
+    submit,
+    wait_for_incident,
+)
 
 
 @pytest.fixture
 def stack(tmp_path: Path) -> Iterator[Cli]:
     with detection_stack(tmp_path) as cli:
         yield cli
-
-
-def submit(cli: Cli, model_dir: Path, job: str, *overrides: str) -> None:
-    cli.run(
-        "submit",
-        str(EXAMPLE),
-        "--id",
-        job,
-        f"model.path={model_dir}",
-        "trainer.groups_per_step=8",
-        "trainer.eval_every=1000",
-        *overrides,
-    )
-
-
-def incidents(cli: Cli, job: str = "") -> list[dict[str, Any]]:
-    out = cli.json("incidents", *([job] if job else []))
-    assert isinstance(out, list)
-    return out
-
-
-def member(cli: Cli, instance_id: str) -> dict[str, Any]:
-    return next(m for m in cli.members() if m["instance_id"] == instance_id)
-
-
-def step_of(cli: Cli, job: str) -> int:
-    return int(cli.status(job)["step"])
-
-
-def wait_for_incident(cli: Cli, kind: str, instance_id: str, timeout: float) -> dict[str, Any]:
-    found: list[dict[str, Any]] = []
-
-    def reported() -> bool:
-        found[:] = [
-            i for i in incidents(cli) if i["kind"] == kind and i["instance_id"] == instance_id
-        ]
-        return bool(found)
-
-    eventually_sync(reported, timeout=timeout, interval=0.2)
-    return found[0]
 
 
 @pytest.mark.slow

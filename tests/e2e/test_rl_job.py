@@ -4,17 +4,15 @@ trained twice."""
 from __future__ import annotations
 
 import json
-import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from services.cli.stack import StackState, find_etcd
-from services.common import packed
-from tests.e2e.test_cli_stack import EXAMPLE, Cli
 from tests.support import eventually_sync
+from tests.support.cli import Cli, etcd_json
+from tests.support.paths import EXAMPLE
 
 STEPS = 100
 STALENESS = 1
@@ -31,21 +29,6 @@ def stack(tmp_path: Path) -> Iterator[Cli]:
         yield cli
     finally:
         cli.run("down", check=False)
-
-
-def etcd_json(cli: Cli, key: str) -> dict[str, object]:
-    state = StackState.load(cli.home)
-    assert state is not None
-    etcdctl = Path(find_etcd()).with_name("etcdctl")
-    out = subprocess.run(
-        [str(etcdctl), f"--endpoints={state.etcd_endpoints}", "get", key, "--print-value-only"],
-        capture_output=True,
-        check=True,
-        timeout=30,
-    ).stdout
-    # The ledger and the ETTR account are stored compressed (services.common.packed).
-    value: dict[str, object] = json.loads(packed.json_of(out))
-    return value
 
 
 @pytest.mark.slow

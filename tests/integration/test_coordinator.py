@@ -3,23 +3,17 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import os
 import sys
 import time
-from collections.abc import AsyncIterator
-from typing import Any
 
 import grpc
 import pytest
 
-from robustrl.v1 import coordinator_pb2 as pb
-from robustrl.v1 import coordinator_pb2_grpc
-from services.cli.client import StackClient
-from services.common import packed
-from services.common.config import EtcdSettings
-from services.common.errors import (
+from robustrl.cli.client import StackClient
+from robustrl.contracts import packed
+from robustrl.contracts.errors import (
     LEADER_METADATA_KEY,
     Aborted,
     FailedPrecondition,
@@ -28,60 +22,26 @@ from services.common.errors import (
     NotLeader,
     Unavailable,
 )
-from services.common.registry import MemberRecord
-from services.common.runtime import ServiceRuntime
+from robustrl.contracts.incidents import IncidentRecord
+from robustrl.contracts.ledger import dropped_pages
+from robustrl.contracts.members import MemberRecord
+from robustrl.core.config import EtcdSettings
+from robustrl.core.runtime import ServiceRuntime
+from robustrl.v1 import coordinator_pb2 as pb
 from services.coordinator import work
-from services.coordinator.config import CoordinatorSettings
-from services.coordinator.driver import JobDriver
 from services.coordinator.jobs import JobRecord, Phase, new_job, transition
-from services.coordinator.leadership import Leadership
-from services.coordinator.store import JobStore, dropped_pages
-from services.monitor.incidents import IncidentRecord
-from tests.e2e.test_cli_stack import REPO
-from tests.integration.conftest import accepts_writes, leader_of, started_member
+from services.coordinator.store import JobStore
 from tests.support import eventually
-
-SPEC = "name: arith\ntrainer: {steps: 3}\n"
-
-
-def stub(runtime: ServiceRuntime) -> tuple[grpc.aio.Channel, coordinator_pb2_grpc.CoordinatorStub]:
-    channel = grpc.aio.insecure_channel(runtime.address)
-    return channel, coordinator_pb2_grpc.CoordinatorStub(channel)
-
-
-async def code_of(call: object) -> grpc.aio.AioRpcError:
-    with pytest.raises(grpc.aio.AioRpcError) as info:
-        await call  # type: ignore[misc]
-    return info.value
-
-
-@contextlib.asynccontextmanager
-async def lone_leader(
-    etcd_settings: EtcdSettings, name: str, **driver_options: Any
-) -> AsyncIterator[tuple[ServiceRuntime, Leadership, JobDriver]]:
-    """One coordinator runtime that has won its election, with a driver that does not tick on
-    its own (the test calls it); stopped on the way out."""
-    settings = CoordinatorSettings(instance_id=f"coordinator-{name}", heartbeat_interval=0.2)
-    runtime = ServiceRuntime("coordinator", settings, etcd_settings, service_names=[])
-
-    async def elected() -> None:
-        await driver.on_elected()
-
-    leadership = Leadership(runtime, name, elected)
-    driver = JobDriver(runtime, leadership, tick_interval=60, lease_seconds=60, **driver_options)
-    await runtime.start()
-    leadership.start()
-    try:
-
-        async def leads() -> bool:
-            return leadership.is_leader
-
-        await eventually(leads, timeout=10)
-        yield runtime, leadership, driver
-    finally:
-        await leadership.resign()
-        await driver.stop()
-        await runtime.shutdown()
+from tests.support.cli import REPO
+from tests.support.cluster import (
+    SPEC,
+    accepts_writes,
+    code_of,
+    leader_of,
+    lone_leader,
+    started_member,
+    stub,
+)
 
 
 async def test_submit_get_list_watch_cancel(coordinators: list[ServiceRuntime]) -> None:
@@ -138,6 +98,13 @@ async def test_bad_requests_get_the_right_code_and_change_nothing(
                 api.SubmitJob(pb.SubmitJobRequest(spec="name: x\ntrainer: {lr: 0}\n"), timeout=5),
                 grpc.StatusCode.INVALID_ARGUMENT,
                 "trainer.lr",
+            ),
+            (
+                api.SubmitJob(
+                    pb.SubmitJobRequest(spec=SPEC, overrides=["rollout.engine=vllm"]), timeout=5
+                ),
+                grpc.StatusCode.INVALID_ARGUMENT,
+                "rollout.engine",
             ),
             (
                 api.SubmitJob(pb.SubmitJobRequest(spec="::: not yaml :::\n - ["), timeout=5),
@@ -253,7 +220,7 @@ async def test_a_new_leader_reloads_records_stored_as_plain_json_and_writes_them
     were stored before they were compressed): elected, the leader carries on with both and the
     CLI reads them; its next write of the ledger is compressed, and a leader elected after it
     reloads that."""
-    from services.coordinator.ettr import EttrAccount
+    from robustrl.contracts.ettr import EttrAccount
 
     async with lone_leader(etcd_settings, "plain") as (runtime, leadership, driver):
         client = await StackClient.connect(etcd_settings.endpoints, etcd_settings.prefix)
@@ -438,7 +405,7 @@ async def test_a_free_member_under_an_id_fenced_from_the_job_is_not_bound_to_it(
     fenced from the job is passed over (the other is sent PREPARE, and a replacement is asked
     for in its place), and it stays free for other jobs. A pending job does not start on one
     either."""
-    from services.common.fences import FenceRecord, write_fence
+    from robustrl.core.fences import FenceRecord, write_fence
     from services.coordinator.provisioner import ExternalProvisioner
 
     async with lone_leader(etcd_settings, "fenced-id") as (runtime, leadership, driver):
@@ -663,7 +630,7 @@ async def test_watch_waits_for_a_coordinator_then_gives_up_with_why(
     proc = await asyncio.create_subprocess_exec(
         sys.executable,
         "-m",
-        "services.cli.main",
+        "robustrl.cli.main",
         "--etcd",
         etcd_settings.endpoints,
         "watch",
@@ -727,11 +694,12 @@ async def test_delete_job_removes_every_key_of_the_job_and_no_other(
     a ledger, a dropped page, an ETTR account, weight versions and holders, recovery records
     and more incidents than one etcd transaction takes. Deleting "dk" removes exactly its keys;
     a member still bound to it makes the delete fail and change nothing."""
-    from services.common.keys import WeightKeys
+    from robustrl.contracts.incidents import new_incident
+    from robustrl.contracts.keys import WeightKeys
+    from robustrl.core.incident_log import IncidentLog
     from services.coordinator.jobs import Phase, new_job, transition
     from services.monitor.detectors import MemberView
-    from services.monitor.incidents import IncidentLog, new_incident
-    from tests.integration.conftest import started_member
+    from tests.support.cluster import started_member
 
     member: ServiceRuntime | None = None
     async with lone_leader(etcd_settings, "delete") as (runtime, leadership, driver):

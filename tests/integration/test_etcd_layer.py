@@ -8,18 +8,19 @@ from pathlib import Path
 import aetcd
 import pytest
 
-from services.cli.stack import StackState, etcd_healthy, start_etcd, stop_procs, wait_until
-from services.common.config import EtcdSettings
-from services.common.election import Election, current_leader
-from services.common.etcd_client import ETCD_UNREACHABLE, connect_etcd
-from services.common.keys import KeySpace
-from services.common.registry import MemberRecord, Registry
-from services.common.role_server import RoleControl
-from services.common.session import Session
-from services.common.watch import Delete, Put, Resync, list_prefix, next_change, watch_prefix
-from tests.conftest import EtcdProcess
-from tests.integration.conftest import started_member, stored_member
+from robustrl.cli.stack import StackState, etcd_healthy, start_etcd, stop_procs, wait_until
+from robustrl.contracts.keys import KeySpace
+from robustrl.contracts.members import MemberRecord
+from robustrl.core.config import EtcdSettings
+from robustrl.core.election import Election, current_leader
+from robustrl.core.etcd_client import ETCD_UNREACHABLE, connect_etcd
+from robustrl.core.registry import Registry
+from robustrl.core.role_server import RoleControl
+from robustrl.core.session import Session
+from robustrl.core.watch import Delete, Put, Resync, list_prefix, next_change, watch_prefix
 from tests.support import eventually, stopped
+from tests.support.cluster import started_member, stored_member
+from tests.support.etcd import EtcdProcess
 
 
 def member(name: str, role: str = "rollout") -> MemberRecord:
@@ -208,7 +209,7 @@ async def test_session_done_fires_when_the_lease_is_revoked_elsewhere(
 async def test_observe_reports_each_leader_change(
     etcd_client: aetcd.Client, etcd_settings: EtcdSettings
 ) -> None:
-    from services.common.election import observe
+    from robustrl.core.election import observe
 
     prefix = KeySpace(etcd_settings.prefix).election("observed")
     seen: list[bytes | None] = []
@@ -286,7 +287,7 @@ async def test_a_bind_that_etcd_refused_leaves_the_instance_free(small_etcd: str
     """A BIND whose registry write etcd refuses (out of space) fails, and the instance stays
     free: bound in memory only, it would have refused every other job while the leader, which
     reads the registry, took it for free."""
-    from tests.unit.test_prepare_control import SPEC, Action, CountingWorker, request
+    from tests.support.role_control import SPEC, Action, CountingWorker, request
 
     settings = EtcdSettings(endpoints=small_etcd, prefix="/robustrl-refused")
     runtime = await started_member("trainer", "trainer-n", settings)
@@ -339,8 +340,8 @@ async def test_a_watch_creation_that_timed_out_cannot_hand_its_watch_to_the_next
     """etcd stalls (SIGSTOP) while watch A is being created: A times out, watch B is asked for
     before etcd wakes. etcd then answers A's creation first; B must still get its own events,
     and a watch that was running all along (C) must lose none of its events."""
-    from services.common.etcd_client import connect_etcd
-    from services.common.watch import _open_watch
+    from robustrl.core.etcd_client import connect_etcd
+    from robustrl.core.watch import _open_watch
 
     client = await connect_etcd(EtcdSettings(endpoints=private_etcd.endpoints, timeout=1))
     try:
@@ -488,7 +489,7 @@ async def test_work_waiting_on_an_unreachable_etcd_goes_on_once_it_answers(
 ) -> None:
     """until_etcd_answers: a read made while etcd is stopped (each try times out) returns the
     value once etcd wakes; `on_wait` is told once. An answer that is an error is raised."""
-    from services.common.etcd_client import until_etcd_answers
+    from robustrl.core.etcd_client import until_etcd_answers
 
     client = await connect_etcd(EtcdSettings(endpoints=private_etcd.endpoints, timeout=1))
     try:

@@ -14,27 +14,28 @@ import aetcd
 import grpc
 import pytest
 
+from robustrl.contracts import packed
+from robustrl.core.aio import cancel_and_wait
+from robustrl.core.config import EtcdSettings
+from robustrl.core.runtime import ServiceRuntime
 from robustrl.v1 import coordinator_pb2 as pb
 from robustrl.v1 import coordinator_pb2_grpc
-from services.common import packed
-from services.common.aio import cancel_and_wait
-from services.common.config import EtcdSettings
-from services.common.runtime import ServiceRuntime
 from services.coordinator import work
 from services.coordinator.jobs import Phase, new_job, transition
 from services.coordinator.space import SpaceKeeper, nospace_members
-from tests.integration.conftest import (
+from tests.support import eventually
+from tests.support.cluster import (
+    SPEC,
     EtcdMember,
     accepts_writes,
     fill_etcd,
     leader_of,
+    lone_leader,
     small_etcds,
     start_coordinators,
     started_member,
     stored_member,
 )
-from tests.integration.test_coordinator import SPEC, lone_leader
-from tests.support import eventually
 
 PREFIX = "/robustrl-space"
 

@@ -12,10 +12,10 @@ from typing import Any
 import pytest
 import torch
 
+from robustrl.contracts.keys import KeySpace
+from robustrl.core.config import EtcdSettings
 from robustrl.v1 import trainer_pb2
-from services.common.config import EtcdSettings
-from services.common.keys import KeySpace
-from services.common.weights import (
+from robustrl.weights.transport import (
     CHUNK_BYTES,
     IDLE_PULL_GAUGES,
     GrpcStreamTransport,

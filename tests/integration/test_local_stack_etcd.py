@@ -10,9 +10,9 @@ from pathlib import Path
 import aetcd
 import pytest
 
-from services.cli import main, stack
-from services.cli.main import keep_warning_about_etcd, warn_about_etcd
-from services.cli.stack import (
+from robustrl.cli import main, stack
+from robustrl.cli.main import keep_warning_about_etcd, warn_about_etcd
+from robustrl.cli.stack import (
     StackState,
     alarm_warning,
     etcd_alarms,
@@ -21,11 +21,11 @@ from services.cli.stack import (
     free_ports,
     provisioned_procs,
 )
-from services.common.config import EtcdSettings
-from services.common.keys import KeySpace
-from services.coordinator.provisioner import ProvisionedRecord
-from tests.integration.conftest import fill_etcd
+from robustrl.contracts.keys import KeySpace
+from robustrl.contracts.provisioning import ProvisionedRecord
+from robustrl.core.config import EtcdSettings
 from tests.support import eventually
+from tests.support.cluster import fill_etcd
 
 PREFIX = "/robustrl-test"
 

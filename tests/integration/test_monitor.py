@@ -8,15 +8,16 @@ import socket
 
 import grpc
 
+from robustrl.contracts.members import MemberRecord
+from robustrl.core.config import EtcdSettings
+from robustrl.core.fences import FenceRecord, write_fence
+from robustrl.core.heartbeat import HeartbeatSender, Progress
+from robustrl.core.incident_log import IncidentLog
+from robustrl.core.registry import Registry
+from robustrl.core.runtime import ServiceRuntime
+from robustrl.core.session import Session
 from robustrl.v1 import common_pb2, monitor_pb2, monitor_pb2_grpc
-from services.common.config import EtcdSettings
-from services.common.fences import FenceRecord, write_fence
-from services.common.heartbeat import HeartbeatSender, Progress
-from services.common.registry import MemberRecord, Registry
-from services.common.runtime import ServiceRuntime
-from services.common.session import Session
 from services.monitor.config import MonitorSettings
-from services.monitor.incidents import IncidentLog
 from services.monitor.server import serve as serve_monitor
 from tests.support import eventually
 

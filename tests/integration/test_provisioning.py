@@ -10,10 +10,10 @@ from collections.abc import AsyncIterator, Sequence
 import grpc
 import pytest
 
+from robustrl.contracts.errors import LEADER_METADATA_KEY
+from robustrl.contracts.provisioning import ACCEPTED_METADATA_KEY
+from robustrl.core.runtime import ServiceRuntime
 from robustrl.v1 import common_pb2, provisioning_pb2, provisioning_pb2_grpc
-from services.common.errors import LEADER_METADATA_KEY
-from services.common.runtime import ServiceRuntime
-from services.coordinator.provisioner import ACCEPTED_METADATA_KEY
 
 Message = provisioning_pb2.ProvisionerMessage
 

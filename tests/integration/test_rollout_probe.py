@@ -20,6 +20,11 @@ import grpc
 import pytest
 import torch
 
+from robustrl.contracts import packed
+from robustrl.contracts.ledger import WorkLedger
+from robustrl.core.config import EtcdSettings
+from robustrl.core.runtime import ServiceRuntime
+from robustrl.generation.modelgen import ModelShape, init_model
 from robustrl.v1 import (
     coordinator_pb2,
     coordinator_pb2_grpc,
@@ -27,16 +32,11 @@ from robustrl.v1 import (
     rollout_pb2_grpc,
     trainer_pb2,
 )
-from services.common import packed
-from services.common.config import EtcdSettings
-from services.common.runtime import ServiceRuntime
-from services.coordinator.work import WorkLedger
 from services.rollout.config import RolloutSettings
 from services.rollout.server import RolloutServicer
 from services.rollout.server import start as start_rollout
 from services.rollout.worker import RATE_WINDOW_S, GenerationMeter, RolloutWorker
 from services.trainer.config import TrainerSettings
-from services.trainer.modelgen import ModelShape, init_model
 from services.trainer.server import serve as serve_trainer
 from tests.support import eventually
 

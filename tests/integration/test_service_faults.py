@@ -8,9 +8,9 @@ import signal
 from pathlib import Path
 from typing import Any
 
-from services.common.config import EtcdSettings, member_argv, member_env
-from services.common.keys import KeySpace
-from services.common.registry import Registry
+from robustrl.contracts.keys import KeySpace
+from robustrl.core.config import EtcdSettings, member_argv, member_env
+from robustrl.core.registry import Registry
 from tests.support import eventually
 
 REPO = Path(__file__).resolve().parents[2]

@@ -7,10 +7,10 @@ from pathlib import Path
 
 import pytest
 
-from services.common.config import EtcdSettings
-from services.common.control import FIRST_EPOCH
-from services.common.jobspec import JobSpec, ModelSpec
-from services.common.runtime import ServiceRuntime
+from robustrl.contracts.binding import FIRST_EPOCH
+from robustrl.contracts.jobspec import JobSpec, ModelSpec
+from robustrl.core.config import EtcdSettings
+from robustrl.core.runtime import ServiceRuntime
 from services.trainer import checkpoint
 from services.trainer.config import TrainerSettings
 from services.trainer.worker import TrainerWorker

@@ -16,14 +16,14 @@ from pathlib import Path
 import grpc
 import pytest
 
+from robustrl.contracts.jobspec import JobSpec, ModelSpec
+from robustrl.core.config import EtcdSettings
+from robustrl.core.heartbeat import Progress
+from robustrl.core.incident_log import IncidentLog
+from robustrl.core.runtime import ServiceRuntime
 from robustrl.v1 import monitor_pb2, monitor_pb2_grpc
-from services.common.config import EtcdSettings
-from services.common.heartbeat import Progress
-from services.common.jobspec import JobSpec, ModelSpec
-from services.common.runtime import ServiceRuntime
 from services.monitor import progress_detectors
 from services.monitor.config import MonitorSettings
-from services.monitor.incidents import IncidentLog
 from services.monitor.server import serve as serve_monitor
 from services.trainer.config import TrainerSettings
 from services.trainer.follower import EXIT_FAILED, load_trainer

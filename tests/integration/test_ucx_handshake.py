@@ -5,8 +5,8 @@ from __future__ import annotations
 import asyncio
 import logging
 
-from services.common import ucx_progress
-from services.common.ucx_transport import load_ucxx
+from robustrl.weights.ucx import progress as ucx_progress
+from robustrl.weights.ucx.transport import load_ucxx
 
 
 class _Records(logging.Handler):

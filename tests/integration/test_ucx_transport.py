@@ -1,6 +1,6 @@
 """The UCX weight plane across real processes: real ucxx endpoints on loopback, real etcd.
 
-Every trainer, relay and puller is its own process (tests/integration/ucx_peer.py) driven
+Every trainer, relay and puller is its own process (tests/support/ucx_peer.py) driven
 over stdin/stdout; the test kills them by pid. Tensors are small (about 2 MiB in nine 256 KiB
 buckets): process start-up dominates, and the file takes about 40 s on two idle cores.
 """
@@ -24,12 +24,15 @@ from typing import Any
 import pytest
 import torch
 
-from services.common import ucx_listeners, ucx_progress
-from services.common.checksums import CHECKSUM_ALGORITHMS, WSUM128
-from services.common.config import EtcdSettings
-from services.common.fences import withdraw_holder_records
-from services.common.keys import KeySpace, WeightKeys
-from services.common.ucx_transport import (
+from robustrl.contracts.keys import KeySpace, WeightKeys
+from robustrl.core.config import EtcdSettings
+from robustrl.core.fences import withdraw_holder_records
+from robustrl.core.watch import Delete, Entry, Put, Resync
+from robustrl.weights.checksums import CHECKSUM_ALGORITHMS, WSUM128
+from robustrl.weights.transport import Announcement, GrpcStreamTransport, WeightIntegrityError
+from robustrl.weights.ucx import listeners as ucx_listeners
+from robustrl.weights.ucx import progress as ucx_progress
+from robustrl.weights.ucx.transport import (
     PROTOCOL_VERSION,
     ROLE_RELAY,
     ROLE_TRAINER,
@@ -51,10 +54,8 @@ from services.common.ucx_transport import (
     plan_layout,
     unpack_views,
 )
-from services.common.watch import Delete, Entry, Put, Resync
-from services.common.weights import Announcement, GrpcStreamTransport, WeightIntegrityError
-from tests.integration.ucx_peer import make_tensors, tensors_digest
 from tests.support import eventually, stop_process, stopped
+from tests.support.ucx_peer import make_tensors, tensors_digest
 
 JOB = "job-1"
 REPO = Path(__file__).resolve().parents[2]
@@ -118,7 +119,7 @@ async def peers(etcd_settings: EtcdSettings, tmp_path: Path) -> AsyncIterator[An
         proc = await asyncio.create_subprocess_exec(
             sys.executable,
             "-m",
-            "tests.integration.ucx_peer",
+            "tests.support.ucx_peer",
             "--endpoints",
             etcd_settings.endpoints,
             "--prefix",
@@ -368,7 +369,7 @@ def cpu_seconds(pid: int) -> float:
 
 
 async def test_processes_that_moved_weights_sleep_while_idle(peers: Any) -> None:
-    """ucxx's blocking progress mode spun once a message had come (services.common.ucx_progress):
+    """ucxx's blocking progress mode spun once a message had come (robustrl.weights.ucx.progress):
     every process that had moved weights once used 50-100% of a core for the rest of its life,
     taken from the trainer and rollouts beside it."""
     trainer, puller = await peers(("trainer",), ("puller",))
@@ -879,7 +880,7 @@ async def test_a_connect_that_timed_out_on_a_frozen_holder_writes_into_no_freed_
 
 _LATE_HANDSHAKE = """
 import asyncio, sys
-from services.common.ucx_transport import load_ucxx
+from robustrl.weights.ucx.transport import load_ucxx
 from ucxx._lib_async import application_context
 
 async def main(host, port, delay):
@@ -1276,7 +1277,7 @@ async def test_make_transport_falls_back_to_grpc_when_asked_or_when_ucx_cannot_s
     proc = await asyncio.create_subprocess_exec(
         sys.executable,
         "-m",
-        "tests.integration.ucx_peer",
+        "tests.support.ucx_peer",
         "--endpoints",
         etcd_settings.endpoints,
         "--prefix",

@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 
-from services.common.aio import retry_while
+from robustrl.core.aio import retry_while
 
 
 async def test_a_retry_loop_ends_when_its_call_swallowed_the_cancel() -> None:

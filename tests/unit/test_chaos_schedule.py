@@ -10,8 +10,7 @@ from typing import Any
 
 import pytest
 
-from robustrl.v1 import trainer_pb2
-from services.cli.chaos import (
+from robustrl.cli.chaos import (
     ChaosError,
     Injection,
     choose,
@@ -20,12 +19,13 @@ from services.cli.chaos import (
     plan_once,
     plan_schedule,
 )
-from services.common.control import Action, Binding, apply_control
-from services.common.errors import FailedPrecondition, Fenced, InvalidArgument
-from services.common.heartbeat import Progress
-from services.common.jobspec import JobSpec
-from services.common.registry import MemberRecord
-from services.common.role_server import FAULT_STEP_KEY, RoleControl, fault_step
+from robustrl.contracts.binding import Action, Binding, apply_control
+from robustrl.contracts.errors import FailedPrecondition, Fenced, InvalidArgument
+from robustrl.contracts.jobspec import JobSpec
+from robustrl.contracts.members import MemberRecord
+from robustrl.core.heartbeat import Progress
+from robustrl.core.role_server import FAULT_STEP_KEY, RoleControl, fault_step
+from robustrl.v1 import trainer_pb2
 
 # ----------------------------------------------------------------------------- the plan
 

@@ -8,8 +8,8 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import torch
 
-from services.common import checksums
-from services.common.checksums import (
+from robustrl.weights import checksums
+from robustrl.weights.checksums import (
     CHECKSUM_ALGORITHMS,
     IMM128,
     ON_DEVICE,
@@ -144,7 +144,7 @@ def test_a_gpu_copy_has_the_digest_of_the_host_copy(algorithm: str, length: int)
 def test_a_wsum128_kernel_that_disagrees_on_the_probe_is_never_used(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    from services.common import wsum_triton
+    from robustrl.weights import wsum_triton
 
     real = wsum_triton.wsum128_sums
     monkeypatch.setattr(wsum_triton, "wsum128_sums", lambda words, size: real(words, size) + 1)

@@ -8,9 +8,9 @@ import time
 import torch
 from rich.console import Console
 
-from services.cli.weights import holder_summary, manifest_summary, mark_fenced, render
-from services.common.fences import FenceRecord
-from services.common.ucx_transport import (
+from robustrl.cli.weights import holder_summary, manifest_summary, mark_fenced, render
+from robustrl.core.fences import FenceRecord
+from robustrl.weights.ucx.transport import (
     ROLE_RELAY,
     ROLE_TRAINER,
     BucketEntry,

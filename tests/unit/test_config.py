@@ -3,7 +3,7 @@ from __future__ import annotations
 import pytest
 from pydantic import ValidationError
 
-from services.common.config import EtcdSettings
+from robustrl.core.config import EtcdSettings
 
 
 def test_endpoints_parse() -> None:

@@ -2,8 +2,8 @@ from __future__ import annotations
 
 import pytest
 
-from services.common.control import Action, Binding, apply_control
-from services.common.errors import FailedPrecondition, Fenced, InvalidArgument
+from robustrl.contracts.binding import Action, Binding, apply_control
+from robustrl.contracts.errors import FailedPrecondition, Fenced, InvalidArgument
 
 
 def test_bind_release_rebind() -> None:

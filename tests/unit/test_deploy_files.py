@@ -16,9 +16,9 @@ import pytest
 import yaml
 from pydantic_settings import BaseSettings
 
-from services.cli.stack import etcd_history_flags
-from services.common.config import EtcdSettings
-from services.common.jobspec import parse_spec
+from robustrl.cli.stack import etcd_history_flags
+from robustrl.contracts.jobspec import parse_spec
+from robustrl.core.config import EtcdSettings
 from services.coordinator.config import CoordinatorSettings
 from services.monitor.config import MonitorSettings
 from services.rollout.config import RolloutSettings

@@ -5,7 +5,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from services.common.config import EtcdSettings, ServiceSettings
+from robustrl.core.config import EtcdSettings, ServiceSettings
 from services.coordinator.config import CoordinatorSettings
 from services.monitor.config import MonitorSettings
 from services.rollout.config import RolloutSettings

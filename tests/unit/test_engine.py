@@ -13,16 +13,16 @@ from typing import Any
 import pytest
 import torch
 
-from services.rollout.engine import (
+from robustrl.generation.engine import (
     ContextExceeded,
     SamplingParams,
     TorchEngine,
     cache_keyword,
     sampling_logprobs,
 )
+from robustrl.generation.modelgen import init_model
 from services.trainer.grpo import Sample, completion_logprobs
-from services.trainer.modelgen import init_model
-from tests.unit.tiny_model import TINY
+from tests.support.tiny_model import TINY
 
 PROMPTS = ["3+4=", "12+17=", "1+1=", "19+13="]
 
@@ -305,7 +305,7 @@ def test_a_weight_swap_waits_for_the_generation_in_progress(
 
 
 def test_vllm_engine_module_needs_no_vllm_to_import() -> None:
-    from services.rollout import vllm_engine
+    from robustrl.generation import vllm_engine
 
     if importlib.util.find_spec("vllm") is None:
         with pytest.raises(ImportError, match=r"robustrl\[gpu\]"):
@@ -315,13 +315,13 @@ def test_vllm_engine_module_needs_no_vllm_to_import() -> None:
 def test_vllm_weight_specs_come_from_the_checkpoint_header(
     engine: TorchEngine, tiny_model_dir: Path
 ) -> None:
-    from services.rollout.vllm_engine import checkpoint_specs
+    from robustrl.generation.vllm_engine import checkpoint_specs
 
     assert checkpoint_specs(tiny_model_dir) == engine.weight_specs()
 
 
 def test_vllm_outputs_convert_to_completions() -> None:
-    from services.rollout.vllm_engine import completion_from_output
+    from robustrl.generation.vllm_engine import completion_from_output
 
     def lp(x: float) -> SimpleNamespace:
         return SimpleNamespace(logprob=x)
@@ -346,7 +346,7 @@ def test_vllm_engine_matches_the_torch_engine(tiny_model_dir: Path, tmp_path: Pa
     pytest.importorskip("vllm")
     if not torch.cuda.is_available():
         pytest.skip("vLLM needs a CUDA GPU")
-    from services.rollout.vllm_engine import VLLMEngine
+    from robustrl.generation.vllm_engine import VLLMEngine
 
     reference = TorchEngine.from_pretrained(tiny_model_dir)
     vllm = VLLMEngine(

@@ -4,7 +4,7 @@ import random
 
 import pytest
 
-from services.coordinator.ettr import (
+from robustrl.contracts.ettr import (
     FOLD_AFTER_S,
     MAX_INCIDENTS,
     STALL_FACTOR,

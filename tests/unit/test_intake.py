@@ -6,8 +6,8 @@ import json
 
 import pytest
 
+from robustrl.contracts.ids import group_id
 from robustrl.v1 import trainer_pb2
-from services.coordinator.work import group_id
 from services.trainer import intake as intake_module
 from services.trainer.intake import Intake, TrainedGroups
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from services.common.interceptors import Repeats
+from robustrl.core.interceptors import Repeats
 
 
 def test_equal_failures_are_logged_once_a_window_and_the_next_says_how_many_were_not() -> None:

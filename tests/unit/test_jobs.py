@@ -4,8 +4,8 @@ import json
 
 import pytest
 
+from robustrl.contracts.errors import FailedPrecondition
 from robustrl.v1 import coordinator_pb2
-from services.common.errors import FailedPrecondition
 from services.coordinator.jobs import ALLOWED, TERMINAL, Phase, new_job, to_proto, transition
 
 

@@ -5,9 +5,9 @@ from pathlib import Path
 
 import pytest
 
-from services.common.checksums import CHECKSUM_ALGORITHMS
-from services.common.errors import InvalidArgument
-from services.common.jobspec import TrainerSpec, apply_overrides, parse_spec, validate_job_id
+from robustrl.contracts.errors import InvalidArgument
+from robustrl.contracts.jobspec import TrainerSpec, apply_overrides, parse_spec, validate_job_id
+from robustrl.weights.checksums import CHECKSUM_ALGORITHMS
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "arithmetic-grpo.yaml"
 
@@ -45,6 +45,7 @@ def test_overrides_do_not_mutate_the_input() -> None:
         ("name: a\ntrainer: {lr: -1}\n", [], "trainer.lr"),
         ("name: a\ntrainer: {lrr: 0.1}\n", [], "trainer.lrr: unknown field"),
         ("name: a\n", ["rollout.engine=tpu"], "rollout.engine"),
+        ("name: a\n", ["rollout.engine=vllm"], "rollout.engine: Value error, 'vllm' is not wired"),
         ("name: Bad Name\n", [], "name"),
         ("trainer: {}\n", [], "name: Field required"),
         ("- a list\n", [], "YAML mapping"),

@@ -8,14 +8,14 @@ import asyncio.runners
 
 import pytest
 
-from tests import conftest
+from tests.support import loops
 
 
 def test_a_task_that_ignores_cancellation_is_named_instead_of_hanging_the_close(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    assert asyncio.runners._cancel_all_tasks is conftest._cancel_all_tasks_or_name_the_stuck  # type: ignore[attr-defined]
-    monkeypatch.setattr(conftest, "STUCK_TASK_WAIT_S", 0.2)
+    assert asyncio.runners._cancel_all_tasks is loops.cancel_all_tasks_or_name_the_stuck  # type: ignore[attr-defined]
+    monkeypatch.setattr(loops, "STUCK_TASK_WAIT_S", 0.2)
     release = asyncio.Event()
 
     async def stubborn() -> None:
@@ -36,7 +36,7 @@ def test_a_task_that_ignores_cancellation_is_named_instead_of_hanging_the_close(
         ]
         loop.run_until_complete(asyncio.sleep(0))
         with pytest.raises(RuntimeError, match=r"1 task\(s\) did not end .*stubborn"):
-            conftest._cancel_all_tasks_or_name_the_stuck(loop)
+            loops.cancel_all_tasks_or_name_the_stuck(loop)
         # Let it go, so that this test leaves no pending task behind.
         release.set()
         tasks[0].cancel()  # wakes it from its sleep; it sees the release and returns

@@ -10,8 +10,7 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from services.common.tasks import UnknownTaskError, get_task
-from services.trainer.modelgen import (
+from robustrl.generation.modelgen import (
     SFTConfig,
     build_tokenizer,
     init_model,
@@ -19,7 +18,8 @@ from services.trainer.modelgen import (
     sft_batch,
     sft_warmup,
 )
-from tests.unit.tiny_model import TINY
+from robustrl.generation.tasks import UnknownTaskError, get_task
+from tests.support.tiny_model import TINY
 
 
 @pytest.fixture(autouse=True)

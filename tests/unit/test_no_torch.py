@@ -17,7 +17,7 @@ class NoModelStack(importlib.abc.MetaPathFinder):
 sys.meta_path.insert(0, NoModelStack())
 import services.coordinator, services.coordinator.server, services.coordinator.__main__
 import services.monitor, services.monitor.server, services.monitor.__main__
-import services.cli.main
+import robustrl.cli.main
 heavy = sorted(m for m in sys.modules if m.split(".")[0] in {"torch", "transformers", "numpy"})
 assert not heavy, heavy
 print("ok")

@@ -1,4 +1,4 @@
-"""The codec of the records the coordinator rewrites on every request (services.common.packed)."""
+"""The codec of the records the coordinator rewrites on every request (contracts.packed)."""
 
 from __future__ import annotations
 
@@ -6,9 +6,9 @@ import zlib
 
 import pytest
 
-from services.common import packed
+from robustrl.contracts import packed
+from robustrl.contracts.ettr import EttrAccount
 from services.coordinator import work
-from services.coordinator.ettr import EttrAccount
 
 
 def busy_ledger() -> work.WorkLedger:

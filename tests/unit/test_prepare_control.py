@@ -2,61 +2,12 @@
 
 from __future__ import annotations
 
-from typing import Any
-
 import pytest
 
-from robustrl.v1 import trainer_pb2
-from services.common.errors import FailedPrecondition
-from services.common.heartbeat import Progress
-from services.common.jobspec import JobSpec
-from services.common.registry import MemberRecord
-from services.common.role_server import PREPARED_LABEL, RoleControl
-
-Action = trainer_pb2.ControlRequest
-
-
-class CountingWorker:
-    def __init__(self, job_id: str, epoch: int, spec: JobSpec) -> None:
-        self.job_id, self.epoch, self.spec = job_id, epoch, spec
-        self.prepared = self.loaded = self.started = 0
-
-    def prepare(self) -> None:
-        if not self.prepared:
-            self.prepared += 1
-
-    def load(self) -> None:
-        self.prepare()
-        self.loaded += 1
-
-    def start(self) -> None:
-        self.started += 1
-
-    async def stop(self) -> None: ...
-
-
-class Runtime:
-    """What RoleControl reads and writes of its service runtime, without etcd."""
-
-    role = "trainer"
-    instance_id = "standby-0"
-
-    def __init__(self) -> None:
-        self.settings: Any = type("S", (), {"epoch": 0})()
-        self.progress = Progress()
-        self.member = MemberRecord(
-            role="trainer",
-            instance_id="standby-0",
-            address="h:1",
-            pid=1,
-            host="h",
-            labels={"standby": "true"},
-        )
-
-    async def update_member(
-        self, *, labels: dict[str, str | None] | None = None, **changes: Any
-    ) -> None:
-        self.member = self.member.changed(labels, **changes)
+from robustrl.contracts.errors import FailedPrecondition
+from robustrl.contracts.jobspec import JobSpec
+from robustrl.core.role_server import PREPARED_LABEL, RoleControl
+from tests.support.role_control import SPEC, Action, CountingWorker, Runtime, request
 
 
 def control() -> tuple[RoleControl, Runtime, list[CountingWorker]]:
@@ -68,17 +19,6 @@ def control() -> tuple[RoleControl, Runtime, list[CountingWorker]]:
 
     runtime = Runtime()
     return RoleControl(runtime, make), runtime, made  # type: ignore[arg-type]
-
-
-def request(
-    action: Action.Action.ValueType, job: str, epoch: int, spec: JobSpec
-) -> trainer_pb2.ControlRequest:
-    return Action(
-        action=action, job_id=job, epoch=epoch, args={"spec_json": spec.model_dump_json()}
-    )
-
-
-SPEC = JobSpec(name="j")
 
 
 async def test_a_bind_of_the_prepared_job_takes_the_prepared_worker() -> None:

@@ -10,10 +10,10 @@ from pathlib import Path
 
 import pytest
 
+from robustrl.contracts.errors import AlreadyExists, InvalidArgument, NotFound
+from robustrl.contracts.keys import KeySpace
+from robustrl.core.config import EtcdSettings
 from robustrl.v1 import common_pb2, provisioning_pb2
-from services.common.config import EtcdSettings
-from services.common.errors import AlreadyExists, InvalidArgument, NotFound
-from services.common.keys import KeySpace
 from services.coordinator.provisioner import ExternalProvisioner, LocalProvisioner, Scheduler
 
 

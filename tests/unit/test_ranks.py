@@ -13,8 +13,8 @@ import torch
 import torch.multiprocessing as mp
 from transformers import AutoModelForCausalLM
 
-from services.cli.stack import free_port
-from services.common.heartbeat import Progress
+from robustrl.cli.stack import free_port
+from robustrl.core.heartbeat import Progress
 from services.trainer.grpo import GRPOConfig, GRPOTrainer, Sample, completion_logprobs
 from services.trainer.ranks import (
     RankGroup,

@@ -85,9 +85,9 @@ def test_full_restart_mode_restarts_everything_for_any_failure() -> None:
 
 
 def test_an_incident_about_a_trainer_rank_is_about_the_trainer_that_runs_it() -> None:
+    from robustrl.contracts.incidents import IncidentRecord
     from services.coordinator.executor import serving_instance
     from services.coordinator.jobs import JobRecord
-    from services.monitor.incidents import IncidentRecord
 
     record = JobRecord(
         job_id="j",

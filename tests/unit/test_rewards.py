@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from services.rollout.rewards import RewardError, arithmetic_exact, load_reward, score
+from robustrl.generation.rewards import RewardError, arithmetic_exact, load_reward, score
 
 
 @pytest.mark.parametrize(
@@ -31,7 +31,7 @@ def test_arithmetic_exact(completion: str, answer: str, expected: float) -> None
 
 
 def test_load_by_module_path() -> None:
-    fn = load_reward("services.rollout.rewards:arithmetic_exact")
+    fn = load_reward("robustrl.generation.rewards:arithmetic_exact")
     assert fn is arithmetic_exact
 
 
@@ -58,9 +58,9 @@ def test_two_plugin_files_with_the_same_name_stay_apart(tmp_path: Path) -> None:
     [
         ("arithmetic_exact", "bad reward spec"),
         (":fn", "bad reward spec"),
-        ("services.rollout.rewards:", "bad reward spec"),
+        ("robustrl.generation.rewards:", "bad reward spec"),
         ("no_such_module_xyz:fn", "cannot import module 'no_such_module_xyz'"),
-        ("services.rollout.rewards:no_such_fn", "has no attribute 'no_such_fn'"),
+        ("robustrl.generation.rewards:no_such_fn", "has no attribute 'no_such_fn'"),
         ("/nowhere/reward.py:fn", "does not exist"),
     ],
 )

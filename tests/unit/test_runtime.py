@@ -11,13 +11,13 @@ import sys
 import time
 from pathlib import Path
 
-from services.common.runtime import CRASH_EXIT
+from robustrl.core.runtime import CRASH_EXIT
 
 REPO = Path(__file__).resolve().parents[2]
 
 SCRIPT = """
-from services.common.config import EtcdSettings, ServiceSettings
-from services.common.runtime import ServiceRuntime
+from robustrl.core.config import EtcdSettings, ServiceSettings
+from robustrl.core.runtime import ServiceRuntime
 runtime = ServiceRuntime("rollout", ServiceSettings(), EtcdSettings(), service_names=[])
 runtime.crash("generate-j failed")
 print("still running")
@@ -37,7 +37,7 @@ def test_a_crash_ends_the_process_at_once_with_its_status_and_says_why() -> None
 
 FREEZE_SCRIPT = """
 import gc
-from services.common.runtime import long_lived_objects
+from robustrl.core.runtime import long_lived_objects
 
 with long_lived_objects():  # no main started it: a block that runs as it is
     kept = [[] for _ in range(1000)]
@@ -69,7 +69,7 @@ def test_long_lived_objects_freezes_in_a_service_process_and_nowhere_else() -> N
 
 EXIT_SCRIPT = """
 import asyncio, sys
-from services.common.aio import run_process
+from robustrl.core.aio import run_process
 
 async def stubborn():
     while True:
@@ -126,7 +126,7 @@ def test_a_service_process_exits_though_a_task_ignores_its_cancellation() -> Non
 
 ID_SCRIPT = """
 import os
-from services.common.config import ServiceSettings
+from robustrl.core.config import ServiceSettings
 os.getpid = lambda: 1  # as a container's main process is, after every restart
 ids = {ServiceSettings().resolved_instance_id("rollout") for _ in range(3)}
 assert len(ids) == 1, ids

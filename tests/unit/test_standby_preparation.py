@@ -3,7 +3,7 @@ bound members are missing from the registry, and since when."""
 
 from __future__ import annotations
 
-from services.common.registry import MemberRecord
+from robustrl.contracts.members import MemberRecord
 from services.coordinator.driver import missing_members, standbys_to_prepare
 from services.coordinator.jobs import JobRecord
 

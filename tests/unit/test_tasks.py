@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from services.common.tasks import (
+from robustrl.generation.tasks import (
     TASKS,
     TaskItem,
     UnknownTaskError,
@@ -111,7 +111,7 @@ def test_malformed_lines_name_the_line(tmp_path: Path, line: str, message: str) 
 
 def test_tasks_module_does_not_import_torch() -> None:
     # The coordinator imports this module and must stay free of torch.
-    code = "import sys, services.common.tasks; sys.exit('torch' in sys.modules)"
+    code = "import sys, robustrl.generation.tasks; sys.exit('torch' in sys.modules)"
     result = subprocess.run(
         [sys.executable, "-c", code], cwd=Path(__file__).resolve().parents[2], check=False
     )

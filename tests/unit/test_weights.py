@@ -6,10 +6,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from services.common import weights
-from services.common.ucx_transport import changes_held_manifest
-from services.common.watch import Delete, Entry, Put
-from services.common.weights import PullProgress, WeightIntegrityError, pack, unpack
+from robustrl.core.watch import Delete, Entry, Put
+from robustrl.weights import transport as weights
+from robustrl.weights.transport import PullProgress, WeightIntegrityError, pack, unpack
+from robustrl.weights.ucx.transport import changes_held_manifest
 
 
 def tensors() -> list[tuple[str, torch.Tensor]]:

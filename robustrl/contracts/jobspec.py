@@ -1,0 +1,218 @@
+"""The job spec a user writes (YAML), its validation, and `key.sub=value` overrides.
+
+Unknown keys are errors (a typo must not silently fall back to a default), and every error
+names the field by its dotted path, e.g. `trainer.lr: Input should be greater than 0`.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any, Literal
+
+import yaml
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    NonNegativeInt,
+    PositiveInt,
+    ValidationError,
+    field_validator,
+)
+
+from robustrl.contracts.errors import InvalidArgument, describe_validation_error
+
+JOB_ID_RE = re.compile(r"^[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?$")
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class ModelSpec(_Strict):
+    path: str = ".robustrl/models/tiny-qwen"
+    """Hugging Face model directory (config, weights, tokenizer) that trainer and rollouts read."""
+
+
+class TaskSpec(_Strict):
+    name: str = "arithmetic"
+    """Built-in task that generates the dataset when `dataset` is empty."""
+
+    dataset: str = ""
+    """JSONL file of {id, prompt, answer}; empty: generate the built-in task's data."""
+
+    reward: str = "robustrl.generation.rewards:arithmetic_exact"
+    """Reward plug-in, `module:function` or `path/to/file.py:function`."""
+
+    eval_size: int = Field(default=128, ge=1, le=100_000)
+    """Held-out prompts scored greedily to measure learning (the arithmetic task has 128)."""
+
+
+class TrainerSpec(_Strict):
+    steps: int = Field(default=600, ge=1)
+    """Step budget: the job succeeds when the trainer has committed this many steps."""
+
+    lr: float = Field(default=1e-3, gt=0, le=1.0)
+    """Peak learning rate; it decays linearly to `min_lr_ratio * lr` over `steps`."""
+
+    min_lr_ratio: float = Field(default=0.1, ge=0, le=1)
+    groups_per_step: int = Field(default=64, ge=1)
+    """Prompt groups consumed by one optimizer step."""
+
+    kl_coef: float = Field(default=0.0, ge=0)
+    """Weight of the KL penalty to the initial policy; 0 keeps no reference model."""
+
+    clip_eps: float = Field(default=0.2, gt=0, lt=1)
+    max_staleness: int = Field(default=1, ge=0)
+    """k: a trajectory made with weight version v may train step s only if s - v <= k (0: sync)."""
+
+    weight_transport: Literal["ucx", "grpc"] = "ucx"
+    """How weight versions travel: UCX (point to point, rollouts relay to each other) or the
+    gRPC stream (fallback and baseline; also used automatically when UCX cannot start)."""
+
+    weight_checksum: Literal["auto", "xxh3_128", "wsum128", "imm128"] = "auto"
+    """How UCX weight buckets are checksummed (robustrl/weights/checksums.py). auto: xxh3_128
+    for weights in host memory, wsum128 for weights in GPU memory. imm128 (one int8 matrix
+    product per bucket) is opt-in: on an H200 it was slower than wsum128's kernel."""
+
+    weight_bucket_mib: int = Field(default=32, ge=1, le=4096)
+    """Size of the buckets a UCX weight version is cut into (one message and one checksum
+    each). Larger buckets mean fewer messages and a smaller manifest: a version's manifest
+    must fit in one etcd write, which takes about 28,000 buckets beside 1,000 tensors (0.9 TB
+    at 32 MiB); a publish that would not fit fails and says so."""
+
+    checkpoint_every: int = Field(default=1, ge=1)
+    eval_every: int = Field(default=5, ge=1)
+
+    world_size: int = Field(default=1, ge=1, le=64)
+    """Data-parallel trainer ranks on gloo. Rank 0 is the bound trainer; it starts ranks
+    1..N-1 on its own host and every rank streams its own heartbeat."""
+
+
+class RolloutSpec(_Strict):
+    replicas: int = Field(default=2, ge=1, le=4096)
+    group_size: int = Field(default=8, ge=2)
+    """Completions sampled per prompt; advantages are normalised within the group."""
+
+    max_new_tokens: int = Field(default=4, ge=1)
+    temperature: float = Field(default=1.0, gt=0)
+    engine: Literal["torch", "vllm"] = "torch"
+    """The inference engine. Only `torch` runs today: `vllm` is refused (not ignored) until
+    the vLLM engine is wired into the rollout."""
+
+    @field_validator("engine")
+    @classmethod
+    def _engine_runs(cls, engine: str) -> str:
+        if engine != "torch":
+            raise ValueError(f"{engine!r} is not wired into the rollout yet; only 'torch' runs")
+        return engine
+
+    long_tail_every: int = Field(default=0, ge=0)
+    """Every Nth prompt group of the job (by group index) is a long-tail one; 0: none. For
+    showing that a slow generation is not taken for a hang."""
+
+    long_tail_factor: int = Field(default=20, ge=1)
+    """A long-tail group generates exactly `max_new_tokens * long_tail_factor` tokens
+    (end-of-sequence is held back until then); its completions are scored and trained as
+    usual. The model's context must have room for them: a rollout refuses the job otherwise."""
+
+
+class RecoverySpec(_Strict):
+    mode: Literal["role_based", "full_restart"] = "role_based"
+    """role_based recovers only the failed role; full_restart is the comparison baseline."""
+    group_losses: int = Field(default=3, ge=1)
+    """A prompt group whose rollouts are lost this many times while they generate it is a
+    poison group (it takes down whatever generates it: a prompt that crashes or hangs the
+    engine) and is dropped instead of being leased again. After its first loss a group is
+    leased alone, so that groups leased beside it are not blamed for it."""
+    poison_groups: int = Field(default=5, ge=0)
+    """The job fails once this many of its prompt groups were dropped as poison groups: what
+    takes down every rollout is then the job's own (its model, engine or data), and replacing
+    rollouts would go on forever, one poison group at a time. 0: never."""
+
+
+class FaultSpec(_Strict):
+    """Deterministic failure injection for tests, demos and benchmarks; off by default."""
+
+    nan_loss_steps: list[PositiveInt] = Field(default_factory=list)
+    """Steps (1-based) whose loss is made non-finite on rank `nan_rank`, as a corrupt batch
+    would: the step is skipped and the monitor reports NON_FINITE in that step."""
+
+    nan_rank: int = Field(default=0, ge=0)
+
+    error_steps: list[PositiveInt] = Field(default_factory=list)
+    """Steps (1-based) at which the trainer stops with an error, every trainer of the job alike,
+    as a bug in the job would: the first is recovered on another trainer, and the same step
+    failing again there fails the job (a fault that one trainer alone has is injected with
+    `robustrl chaos --fault error`)."""
+
+    crash_groups: list[NonNegativeInt] = Field(default_factory=list)
+    """Prompt group indices (0-based, in lease order) whose lease makes the rollout that holds
+    it crash, every rollout alike, as a prompt that crashes the engine would: the group is
+    dropped as a poison group after `recovery.group_losses` crashes."""
+
+
+class JobSpec(_Strict):
+    id: str = ""
+    """Job id; empty: '<name>-<random suffix>'."""
+
+    name: str = Field(min_length=1, max_length=48, pattern=r"^[a-z0-9]([a-z0-9-]*[a-z0-9])?$")
+    seed: int = 0
+    model: ModelSpec = ModelSpec()
+    task: TaskSpec = TaskSpec()
+    trainer: TrainerSpec = TrainerSpec()
+    rollout: RolloutSpec = RolloutSpec()
+    recovery: RecoverySpec = RecoverySpec()
+    faults: FaultSpec = FaultSpec()
+
+
+def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
+    """Return a copy of data with each `a.b.c=value` set (value parsed as YAML)."""
+    out: dict[str, Any] = _deep_copy(data)
+    for item in overrides:
+        path, sep, raw = item.partition("=")
+        if not sep or not path or any(not part for part in path.split(".")):
+            raise InvalidArgument(f"override {item!r} is not of the form key.sub=value")
+        try:
+            value = yaml.safe_load(raw) if raw else ""
+        except yaml.YAMLError as exc:
+            raise InvalidArgument(f"override {item!r}: value is not valid YAML ({exc})") from exc
+        node = out
+        parts = path.split(".")
+        for part in parts[:-1]:
+            child = node.setdefault(part, {})
+            if not isinstance(child, dict):
+                raise InvalidArgument(f"override {item!r}: {part} is not a section")
+            node = child
+        node[parts[-1]] = value
+    return out
+
+
+def _deep_copy(data: dict[str, Any]) -> dict[str, Any]:
+    return {k: _deep_copy(v) if isinstance(v, dict) else v for k, v in data.items()}
+
+
+def parse_spec(text: str, overrides: list[str] | None = None) -> JobSpec:
+    """YAML/JSON text + overrides -> a validated JobSpec, or InvalidArgument naming the field."""
+    try:
+        data = yaml.safe_load(text) if text.strip() else None
+    except yaml.YAMLError as exc:
+        raise InvalidArgument(f"spec is not valid YAML: {exc}") from exc
+    if not isinstance(data, dict):
+        raise InvalidArgument("spec must be a YAML mapping with at least a `name`")
+    data = apply_overrides(data, overrides or [])
+    try:
+        spec = JobSpec.model_validate(data)
+    except ValidationError as exc:
+        raise InvalidArgument("invalid job spec: " + describe_validation_error(exc)) from exc
+    if spec.id and not JOB_ID_RE.match(spec.id):
+        raise InvalidArgument(f"invalid job spec: id: {spec.id!r} is not a valid job id")
+    return spec
+
+
+def validate_job_id(job_id: str) -> str:
+    if not JOB_ID_RE.match(job_id):
+        raise InvalidArgument(
+            f"job id {job_id!r} is invalid: use 1-63 lowercase letters, digits and '-'"
+        )
+    return job_id

@@ -1,0 +1,52 @@
+"""A member of the stack as the registry stores it in etcd, and as the API shows it."""
+
+from __future__ import annotations
+
+import time
+
+from pydantic import BaseModel, Field
+
+from robustrl.contracts.roles import ROLE_TO_PROTO
+from robustrl.v1 import common_pb2
+
+
+class MemberRecord(BaseModel):
+    """A member as stored in etcd (JSON)."""
+
+    role: str
+    instance_id: str
+    address: str
+    pid: int
+    host: str
+    epoch: int = 0
+    lease_id: int = 0
+    job_id: str = ""
+    registered_at: float = Field(default_factory=time.time)
+    labels: dict[str, str] = Field(default_factory=dict)
+
+    def changed(
+        self, labels: dict[str, str | None] | None = None, **fields: object
+    ) -> MemberRecord:
+        """A copy with `fields` replaced (job_id, epoch) and `labels` merged into the labels
+        (a label set to None is removed)."""
+        if labels:
+            merged = {**self.labels, **labels}
+            fields["labels"] = {name: value for name, value in merged.items() if value is not None}
+        return self.model_copy(update=fields)
+
+
+def member_to_proto(member: MemberRecord, *, leader: bool = False) -> common_pb2.Member:
+    out = common_pb2.Member(
+        role=ROLE_TO_PROTO.get(member.role, common_pb2.ROLE_UNSPECIFIED),
+        instance_id=member.instance_id,
+        address=member.address,
+        pid=member.pid,
+        host=member.host,
+        epoch=member.epoch,
+        lease_id=member.lease_id,
+        job_id=member.job_id,
+        leader=leader,
+    )
+    out.registered_at.FromNanoseconds(int(member.registered_at * 1e9))
+    out.labels.update(member.labels)
+    return out

@@ -1,0 +1,53 @@
+"""The incident log in etcd (`<prefix>/incidents/<id>`): recorded by the monitor and the
+leader, followed by the leader's recovery executor and by `WatchIncidents`.
+
+Recording in etcd first and streaming from an etcd watch means every monitor replica, and a
+restarted monitor, serves the same incident history, resumable from a revision.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+
+import aetcd
+
+from robustrl.contracts.incidents import IncidentRecord
+from robustrl.contracts.keys import KeySpace
+from robustrl.core.watch import Put, Resync, list_prefix, watch_prefix
+
+
+class IncidentLog:
+    def __init__(self, client: aetcd.Client, keys: KeySpace) -> None:
+        self.client = client
+        self.keys = keys
+
+    async def record(self, incident: IncidentRecord) -> None:
+        await self.client.put(
+            self.keys.incident(incident.incident_id), incident.model_dump_json().encode()
+        )
+
+    async def list(self, job_id: str = "", kind: str = "") -> tuple[list[IncidentRecord], int]:
+        """The incidents recorded (of `job_id`, of `kind`: "" for all), oldest first."""
+        entries, revision = await list_prefix(self.client, self.keys.incidents())
+        records = [IncidentRecord.model_validate_json(e.value) for e in entries]
+        return [
+            r
+            for r in records
+            if (not job_id or r.job_id == job_id) and (not kind or r.kind == kind)
+        ], revision
+
+    async def follow(self, job_id: str, after_revision: int) -> AsyncIterator[IncidentRecord]:
+        """Incidents recorded after after_revision (0: from now on), as they are recorded."""
+        if after_revision <= 0:
+            _, after_revision = await list_prefix(self.client, self.keys.incidents())
+        seen: set[str] = set()
+        async for event in watch_prefix(self.client, self.keys.incidents(), after_revision + 1):
+            entries = [event.entry] if isinstance(event, Put) else []
+            if isinstance(event, Resync):
+                entries = event.entries
+            for entry in entries:
+                record = IncidentRecord.model_validate_json(entry.value)
+                if record.incident_id in seen or (job_id and record.job_id != job_id):
+                    continue
+                seen.add(record.incident_id)
+                yield record

@@ -1,0 +1,333 @@
+"""Status and control shared by the data-plane roles (trainer, rollout).
+
+BIND carries the job's spec; the role builds a worker for it (loading the model in a thread)
+and only then accepts the binding, so a bad spec or a missing model is refused with a clear
+error instead of failing later. RELEASE and FENCE stop the worker. INJECT_NAN (chaos) asks a
+trainer's worker to make one step's loss non-finite; INJECT_ERROR, to stop with an error at one
+step.
+
+RELEASE or FENCE with args["exit"] == "true" also ends the process once it has answered, as
+SIGTERM would (the full-restart baseline restarts every role as a new process).
+
+PREPARE (sent to free warm standbys) builds the worker's job-independent part ahead, the model
+above all, and keeps it; a BIND of the same job and spec then takes it and only finishes the
+load (a trainer restores the latest checkpoint). The instance stays free meanwhile and labels
+its registry record prepared=<job>, so the leader knows whom it prepared.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from typing import Protocol, runtime_checkable
+
+import grpc
+import pydantic
+
+from robustrl.contracts.binding import Binding, apply_control
+from robustrl.contracts.errors import FailedPrecondition, InvalidArgument, describe_validation_error
+from robustrl.contracts.jobspec import JobSpec
+from robustrl.contracts.roles import ROLE_TO_PROTO
+from robustrl.core.logs import get_logger
+from robustrl.core.runtime import ServiceRuntime
+from robustrl.v1 import trainer_pb2
+
+log = get_logger(__name__)
+
+Action = trainer_pb2.ControlRequest
+
+
+class Worker(Protocol):
+    job_id: str
+    epoch: int
+    spec: JobSpec
+
+    def prepare(self) -> None:
+        """Blocking set-up that does not depend on the job's progress (model, reward
+        plug-in); raises InvalidArgument on bad input. A second call does nothing."""
+
+    def load(self) -> None:
+        """`prepare` if not done, then what depends on the job's progress (a checkpoint)."""
+
+    def start(self) -> None: ...
+
+    async def stop(self) -> None: ...
+
+
+WorkerFactory = Callable[[str, int, JobSpec], Worker]
+
+
+@runtime_checkable
+class FaultTarget(Protocol):
+    """A worker that chaos can make fail at a step: the trainer's."""
+
+    step: int
+    """Steps done so far."""
+
+    spec: JobSpec
+
+    def inject_nan(self, step: int) -> None: ...
+
+    def inject_error(self, step: int) -> None: ...
+
+
+STEP_PHASES = frozenset({"forward_backward", "optimizer", "collective"})
+"""Trainer phases inside a step: step `worker.step + 1` has its batch (and any NaN) already."""
+
+PREPARED_LABEL = "prepared"
+"""Registry label of a free standby that holds a prepared worker: the job it prepared for."""
+
+EXIT_ARG = "exit"
+"""RELEASE or FENCE with args[EXIT_ARG] == "true" also ends the process (full restart)."""
+
+LEAVING_LABEL = "leaving"
+"""Registry label of a member that is about to exit: never bound."""
+
+FAULT_STEP_KEY = "fault_step"
+"""INJECT_NAN and INJECT_ERROR ask for a step in args["step"]; the reply's
+status.metrics[FAULT_STEP_KEY] names the step taken (the caller may leave the choice to the
+trainer)."""
+
+INJECTED_FAULTS = {Action.ACTION_INJECT_NAN: "nan", Action.ACTION_INJECT_ERROR: "error"}
+"""The chaos actions and the fault each injects."""
+
+
+def fault_step(worker_step: int, phase: str, last_step: int, asked: str | None) -> int:
+    """The step a chaos fault goes into: `asked`, or the next one whose batch is not taken
+    yet."""
+    earliest = worker_step + (2 if phase in STEP_PHASES else 1)
+    if asked is None or asked == "":
+        step = earliest
+    else:
+        try:
+            step = int(asked)
+        except ValueError:
+            raise InvalidArgument(f"args['step'] must be a step number, not {asked!r}") from None
+        if step < earliest:
+            raise InvalidArgument(
+                f"step {step} has started or is done (the trainer has done {worker_step}); "
+                f"the earliest step a fault can go into is {earliest}"
+            )
+    if step > last_step:
+        raise InvalidArgument(f"step {step} is past the job's last step {last_step}")
+    return step
+
+
+def spec_from_args(args: dict[str, str]) -> JobSpec:
+    if "spec_json" not in args:
+        raise InvalidArgument("BIND needs the job spec in args['spec_json']")
+    try:
+        return JobSpec.model_validate_json(args["spec_json"])
+    except pydantic.ValidationError as exc:
+        raise InvalidArgument(
+            "the job spec does not validate: " + describe_validation_error(exc)
+        ) from exc
+
+
+@dataclass(frozen=True)
+class Prepared:
+    """A worker PREPARE is building or has built."""
+
+    job_id: str
+    spec: JobSpec
+    task: asyncio.Task[Worker]
+
+    def serves(self, job_id: str, spec: JobSpec) -> bool:
+        """For this job and spec, and not failed (a failed build is tried again)."""
+        failed = self.task.done() and (self.task.cancelled() or self.task.exception() is not None)
+        return (self.job_id, self.spec) == (job_id, spec) and not failed
+
+
+class RoleControl:
+    """GetStatus / Control handlers, mixed into the servicers of both roles."""
+
+    def __init__(self, runtime: ServiceRuntime, make_worker: WorkerFactory) -> None:
+        self.runtime = runtime
+        self.make_worker = make_worker
+        self.binding = Binding(epoch=runtime.settings.epoch)
+        self.worker: Worker | None = None
+        self.prepared: Prepared | None = None
+        self._fencing: asyncio.Task[None] | None = None
+
+    def status(self) -> trainer_pb2.RoleStatus:
+        progress = self.runtime.progress
+        status = trainer_pb2.RoleStatus(
+            role=ROLE_TO_PROTO[self.runtime.role],
+            instance_id=self.runtime.instance_id,
+            epoch=self.binding.epoch,
+            job_id=self.binding.job_id,
+            phase="fenced" if self.binding.fenced else progress.phase,
+            step=int(progress.counters.get("step", 0)),
+            weight_version=int(progress.counters.get("weight_version", 0)),
+        )
+        status.metrics.update(progress.counters)
+        return status
+
+    async def GetStatus(
+        self, request: trainer_pb2.GetStatusRequest, context: grpc.aio.ServicerContext
+    ) -> trainer_pb2.RoleStatus:
+        return self.status()
+
+    async def Control(
+        self, request: trainer_pb2.ControlRequest, context: grpc.aio.ServicerContext
+    ) -> trainer_pb2.ControlResponse:
+        before = self.binding
+        after = apply_control(before, request.action, request.job_id, request.epoch)
+        if request.action in INJECTED_FAULTS:
+            return self.inject(INJECTED_FAULTS[request.action], request.args.get("step"))
+        if request.action == Action.ACTION_PREPARE:
+            await self.prepare(request.job_id, spec_from_args(dict(request.args)))
+            return trainer_pb2.ControlResponse(status=self.status())
+        if request.action == Action.ACTION_FENCE:
+            self.fenced(after)  # apply_control refused it if fenced already: it starts here
+            assert self._fencing is not None
+            await self._fencing
+            if request.args.get(EXIT_ARG) == "true":
+                await self._exit_soon()
+            return trainer_pb2.ControlResponse(status=self.status())
+        worker: Worker | None = None
+        if request.action == Action.ACTION_BIND:
+            if self.worker is not None:
+                raise FailedPrecondition(f"already working on job {self.worker.job_id}")
+            spec = spec_from_args(dict(request.args))
+            worker = await self._take_prepared(request.job_id, spec)
+            if worker is None:
+                worker = self.make_worker(request.job_id, request.epoch, spec)
+            worker.epoch = request.epoch
+            await asyncio.to_thread(worker.load)
+        self.binding = after
+        if after != before:
+            self._report(after)
+            try:
+                await self.runtime.update_member(job_id=after.job_id, epoch=after.epoch)
+            except BaseException:
+                # Not in the registry (etcd refused it): not bound here either, or this
+                # instance would refuse every other job while the leader takes it for free.
+                if self.binding is after:  # no other control changed it meanwhile
+                    self.binding = before
+                    self._report(before)
+                raise
+            log.info(
+                f"{self.runtime.role}.control",
+                action=trainer_pb2.ControlRequest.Action.Name(request.action),
+                job=after.job_id,
+                epoch=after.epoch,
+            )
+        if worker is not None:
+            self.worker = worker
+            self.runtime.progress.phase = "working"
+            worker.start()
+        elif request.action == Action.ACTION_RELEASE:
+            await self.stop_worker()
+            if request.args.get(EXIT_ARG) == "true":
+                await self._exit_soon()
+        return trainer_pb2.ControlResponse(status=self.status())
+
+    async def prepare(self, job_id: str, spec: JobSpec) -> None:
+        """Build `job_id`'s worker ahead of a BIND (see the module doc); idempotent."""
+        if self.worker is not None:
+            raise FailedPrecondition(f"already working on job {self.worker.job_id}")
+        prepared = self.prepared
+        if prepared is None or not prepared.serves(job_id, spec):
+            task = asyncio.get_running_loop().create_task(
+                self._build(job_id, spec), name=f"prepare-{job_id}"
+            )
+            self.prepared = prepared = Prepared(job_id, spec, task)
+        await asyncio.shield(prepared.task)  # a bad spec is the caller's error
+        labelled = self._label(PREPARED_LABEL) == job_id
+        if self.prepared is prepared and self.worker is None and not labelled:
+            await self._relabel({PREPARED_LABEL: job_id})
+            log.info(f"{self.runtime.role}.prepared", job=job_id)
+
+    async def _build(self, job_id: str, spec: JobSpec) -> Worker:
+        worker = self.make_worker(job_id, self.binding.epoch, spec)
+        await asyncio.to_thread(worker.prepare)
+        return worker
+
+    async def _take_prepared(self, job_id: str, spec: JobSpec) -> Worker | None:
+        """The prepared worker, if it was prepared for this job and spec (waiting for it if it
+        is still being built); None otherwise. Either way nothing stays prepared."""
+        prepared, self.prepared = self.prepared, None
+        if prepared is None:
+            return None
+        if self._label(PREPARED_LABEL) is not None:
+            await self._relabel({PREPARED_LABEL: None})
+        if not prepared.serves(job_id, spec):
+            prepared.task.cancel()  # a thread already building finishes; its result is dropped
+            return None
+        try:
+            worker = await prepared.task
+        except Exception as exc:  # the BIND loads afresh and reports its own error
+            log.info(f"{self.runtime.role}.prepared_unusable", job=job_id, error=repr(exc))
+            return None
+        log.info(f"{self.runtime.role}.took_prepared", job=job_id)
+        return worker
+
+    async def _exit_soon(self) -> None:
+        """RELEASE/FENCE with args["exit"]: this process stops, as on SIGTERM (goodbye, then
+        deregistration), right after the reply. Labelled leaving=true first, so that nobody
+        binds it in the moment it still looks free."""
+        await self._relabel({LEAVING_LABEL: "true"})
+        log.warning(f"{self.runtime.role}.exiting", reason="asked to restart as a new process")
+        asyncio.get_running_loop().call_later(0.1, os.kill, os.getpid(), signal.SIGTERM)
+
+    def _label(self, name: str) -> str | None:
+        assert self.runtime.member is not None
+        return self.runtime.member.labels.get(name)
+
+    async def _relabel(self, labels: dict[str, str | None], **changes: object) -> None:
+        """Rewrite this member's registry record with `labels` set (None: removed), and any
+        other field in `changes` (job_id)."""
+        await self.runtime.update_member(labels=labels, **changes)
+
+    def inject(self, fault: str, asked: str | None) -> trainer_pb2.ControlResponse:
+        """INJECT_NAN or INJECT_ERROR (`fault`: nan or error) into a step of a bound trainer."""
+        worker = self.worker
+        if self.runtime.role != "trainer" or not isinstance(worker, FaultTarget):
+            raise FailedPrecondition(
+                f"{self.runtime.instance_id} is a {self.runtime.role} without a running trainer "
+                f"step loop; only a bound trainer takes INJECT_{fault.upper()}"
+            )
+        phase = self.runtime.progress.phase
+        step = fault_step(worker.step, phase, worker.spec.trainer.steps, asked)
+        (worker.inject_nan if fault == "nan" else worker.inject_error)(step)
+        log.warning(f"trainer.chaos_{fault}", job=self.binding.job_id, step=step)
+        status = self.status()
+        status.metrics[FAULT_STEP_KEY] = float(step)
+        return trainer_pb2.ControlResponse(status=status)
+
+    def _report(self, binding: Binding) -> None:
+        """Beat the binding's job and epoch: the monitor answers `fenced` only to a beat at or
+        below the epoch a fence names."""
+        self.runtime.progress.job_id = binding.job_id
+        self.runtime.progress.epoch = binding.epoch
+
+    def fenced(self, binding: Binding | None = None) -> None:
+        """This instance was fenced (it was replaced): leave the job in the registry, stop
+        working and accept nothing more. Told by the monitor's beat (while it was away), or by
+        the leader's Control FENCE, which passes the binding it makes."""
+        if self.binding.fenced:
+            return
+        log.warning(f"{self.runtime.role}.fenced", job=self.binding.job_id)
+        self.binding = binding or replace(self.binding, fenced=True)
+        self._fencing = asyncio.get_running_loop().create_task(self._stop_fenced())
+
+    async def _stop_fenced(self) -> None:
+        # Off the job in the registry first: it no longer serves it, whatever it believed, and
+        # the leader must not wait on it while its work unwinds (which a frozen peer can stall).
+        self.runtime.progress.job_id = ""
+        await self._relabel({"fenced": "true"}, job_id="")
+        log.info(f"{self.runtime.role}.left_job", job=self.binding.job_id)
+        await self.stop_worker()
+        if self.runtime.settings.exit_when_fenced:
+            log.warning(f"{self.runtime.role}.exiting_fenced", job=self.binding.job_id)
+            self.runtime.ask_to_stop()
+
+    async def stop_worker(self) -> None:
+        if self.worker is not None:
+            worker, self.worker = self.worker, None
+            await worker.stop()
+            self.runtime.progress.phase = "idle"

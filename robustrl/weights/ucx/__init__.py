@@ -1,0 +1,1 @@
+"""The UCX transport of the weight plane (ucxx)."""
