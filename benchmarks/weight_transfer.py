@@ -7,7 +7,7 @@ One run measures, per payload size, side by side:
                 ahead on each side as the transport posts (the transport's ceiling)
   + verify      the same plain ucxx, checking each bucket as it lands exactly as the
                 transport does (checksums.LandedChecks, the transport's algorithm), over an
-                endpoint of the worker the transport pulls on (ucx_progress.pull_context unless
+                endpoint of the worker the transport pulls on (ucx/progress.pull_context unless
                 ROBUSTRL_UCX_PULL_THREAD=0): the ceiling of a verified pull (ours/+verify is
                 what our bookkeeping costs)
   ours          UcxTransport.pull of a freshly published version, as a running rollout does
@@ -18,7 +18,7 @@ One run measures, per payload size, side by side:
                 at this size, into a new buffer, and at the first size over a new endpoint)
   grpc stream   GrpcStreamTransport.fetch through a real gRPC server (the fallback/baseline)
 and the sender's CPU seconds per GB it served, plain ucxx and ours (both send and wait as
-the transport's holder does, ucx_progress.send): what serving costs a trainer that trains
+the transport's holder does, ucx/progress.send): what serving costs a trainer that trains
 at the same time,
 and then fans versions out to N pullers: all from the trainer (serving them all at once, or
 one at a time), and with relays (the trainer serves one puller at a time; pullers that are
@@ -57,9 +57,9 @@ endpoint, ours and plain ucxx alike, instead of the transport's IN_FLIGHT_BUCKET
 
 Within one host, verification is what separates ours from plain ucxx: UCX copies each
 message inside the progress call of the receiving worker (CMA, one copy, see
-ucx_transport._ucx_env_defaults), and the puller hashes each bucket on its event loop's
+ucx/transport._ucx_env_defaults), and the puller hashes each bucket on its event loop's
 thread. On hosts without CUDA both ours and "+verify" pull on a worker of their own that a
-thread progresses (ucx_progress.pull_context): the copy of one bucket runs beside the hash of
+thread progresses (ucx/progress.pull_context): the copy of one bucket runs beside the hash of
 the last. With ROBUSTRL_UCX_PULL_THREAD=0 both use ucxx's worker, which the event loop's
 thread progresses: there the hash adds to the copy.
 """
@@ -151,6 +151,7 @@ class Worker:
             max_pullers=self.args.max_pullers,
             pull_timeout=300,
             checksum_algorithm=checksum_of(self.args),
+            in_flight=in_flight(self.args),
         )
         await self.ucx.start()
         return {"address": self.ucx.address}
@@ -165,9 +166,10 @@ class Worker:
 
     async def do_publish(self, cmd: dict[str, Any]) -> dict[str, Any]:
         """Hold one payload three ways: UCX transport, gRPC transport, plain ucxx."""
-        from robustrl.weights.transport import GrpcStreamTransport
+        from robustrl.weights.grpc_stream import GrpcStreamTransport
         from robustrl.weights.ucx import listeners as ucx_listeners
-        from robustrl.weights.ucx.transport import allocate_buffer, load_ucxx
+        from robustrl.weights.ucx.buffers import allocate_buffer
+        from robustrl.weights.ucx.transport import load_ucxx
 
         nbytes, version = int(cmd["bytes"]), int(cmd["version"])
         # Off the event loop: making a GiB of random bytes there kept the session's keepalive
@@ -214,7 +216,7 @@ class Worker:
     async def _start_grpc(self) -> None:
         """A gRPC server with only Trainer.PullWeights, delegated to GrpcStreamTransport.serve
         exactly as the trainer's servicer does."""
-        from robustrl.weights.transport import start_weight_server
+        from robustrl.weights.grpc_stream import start_weight_server
 
         def serve(request: Any) -> AsyncIterator[Any]:
             return self.grpc_transport.serve(request)
@@ -223,7 +225,7 @@ class Worker:
 
     async def _plain_serve(self, ep: Any) -> None:
         """Plain ucxx: on each request, send the buffer in bucket-sized tagged messages, as
-        many posted ahead as the transport's holder posts (IN_FLIGHT_BUCKETS).
+        many posted ahead as the transport's holder posts (`in_flight`).
 
         It waits for the next request, and for its sends, as the transport's holder does
         (ucx_progress.receive_message and send): ucxx's own recv_obj and send poll on every turn
@@ -231,8 +233,9 @@ class Worker:
         ucxx verified on the pulling thread (two busy threads on the puller) ran at 0.5-0.6 of
         unverified, below ours."""
         from robustrl.weights.ucx import progress as ucx_progress
-        from robustrl.weights.ucx.transport import IN_FLIGHT_BUCKETS, ucx_buffer
+        from robustrl.weights.ucx.buffers import ucx_buffer
 
+        posted_ahead = in_flight(self.args)
         with contextlib.suppress(Exception):
             while True:
                 request = json.loads(await ucx_progress.receive_message(ep, 1 << 16))
@@ -243,7 +246,7 @@ class Worker:
                     view = self.plain_buffer[start : start + bucket]
                     send = ucx_progress.send(ep, ucx_buffer(view), i)
                     sends.append(asyncio.ensure_future(send))
-                    if len(sends) >= IN_FLIGHT_BUCKETS:
+                    if len(sends) >= posted_ahead:
                         await sends.popleft()
                 await asyncio.gather(*sends)
 
@@ -269,7 +272,8 @@ class Worker:
         }
 
     async def do_grpc_fetch(self, cmd: dict[str, Any]) -> dict[str, Any]:
-        from robustrl.weights.transport import GrpcStreamTransport, latest_announcement
+        from robustrl.weights.grpc_stream import GrpcStreamTransport
+        from robustrl.weights.transport import latest_announcement
 
         transport = GrpcStreamTransport(self.client, self.keys, GRPC_JOB, address="", epoch=0)
         announcement = await latest_announcement(self.client, self.keys, GRPC_JOB)
@@ -283,12 +287,8 @@ class Worker:
     async def do_plain(self, cmd: dict[str, Any]) -> dict[str, Any]:
         from robustrl.weights.checksums import LandedChecks
         from robustrl.weights.ucx import progress as ucx_progress
-        from robustrl.weights.ucx.transport import (
-            IN_FLIGHT_BUCKETS,
-            allocate_buffer,
-            load_ucxx,
-            ucx_buffer,
-        )
+        from robustrl.weights.ucx.buffers import allocate_buffer, ucx_buffer
+        from robustrl.weights.ucx.transport import load_ucxx
 
         ucxx = load_ucxx()
         nbytes, bucket = int(cmd["bytes"]), int(cmd["bucket"])
@@ -320,17 +320,18 @@ class Worker:
             if verify:
                 checks.landed(index, view)
 
+        posted_ahead = in_flight(self.args)
         started = time.perf_counter()
         with ucx_progress.pulling():  # the worker kept hot as for our pulls
             request = json.dumps({"bytes": nbytes, "bucket": bucket}).encode()
             await ucx_progress.send_message(endpoint, request)  # one message, as ours sends
-            # As many receives posted ahead as the transport posts (IN_FLIGHT_BUCKETS).
+            # As many receives posted ahead as the transport posts (`in_flight`).
             for i, start in enumerate(range(0, nbytes, bucket)):
                 view = self.plain_recv[start : start + bucket]
                 receives.append(
                     (i, view, asyncio.ensure_future(endpoint.recv(ucx_buffer(view), tag=i)))
                 )
-                if len(receives) >= IN_FLIGHT_BUCKETS:
+                if len(receives) >= posted_ahead:
                     await land()
             while receives:
                 await land()
@@ -362,11 +363,15 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-async def worker_main(args: argparse.Namespace) -> None:
-    if args.in_flight:
-        from robustrl.weights.ucx import transport as ucx_transport
+def in_flight(args: argparse.Namespace) -> int:
+    """Buckets posted ahead on an endpoint, ours and plain ucxx alike: --in-flight, or the
+    transport's IN_FLIGHT_BUCKETS."""
+    from robustrl.weights.protocol import IN_FLIGHT_BUCKETS
 
-        ucx_transport.IN_FLIGHT_BUCKETS = args.in_flight
+    return int(args.in_flight) or IN_FLIGHT_BUCKETS
+
+
+async def worker_main(args: argparse.Namespace) -> None:
     worker = Worker(args)
     ready = await worker.start()
     print(json.dumps({"event": "ready", **ready}), flush=True)
@@ -723,11 +728,8 @@ def print_report(
     load = ", ".join(f"{x:.1f}" for x in os.getloadavg())
     stat = f"{args.stat} of {args.repeat}"
     where = "GPU to GPU" if args.device == "cuda" else "host to host"
-    from robustrl.weights.ucx.transport import IN_FLIGHT_BUCKETS
-
-    in_flight = args.in_flight or IN_FLIGHT_BUCKETS
     print(
-        f"\nweight transfer ({where}), bucket {args.bucket_mib} MiB, {in_flight} in flight,"
+        f"\nweight transfer ({where}), bucket {args.bucket_mib} MiB, {in_flight(args)} in flight,"
         f" {stat}, GB/s"
     )
     if args.device == "cuda":

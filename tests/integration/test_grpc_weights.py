@@ -15,14 +15,12 @@ import torch
 from robustrl.contracts.keys import KeySpace
 from robustrl.core.config import EtcdSettings
 from robustrl.v1 import trainer_pb2
+from robustrl.weights.grpc_stream import CHUNK_BYTES, GrpcStreamTransport, start_weight_server
 from robustrl.weights.transport import (
-    CHUNK_BYTES,
     IDLE_PULL_GAUGES,
-    GrpcStreamTransport,
     PullProgress,
     WeightIntegrityError,
     latest_announcement,
-    start_weight_server,
 )
 
 JOB = "job-grpc"

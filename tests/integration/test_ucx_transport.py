@@ -29,31 +29,30 @@ from robustrl.core.config import EtcdSettings
 from robustrl.core.fences import withdraw_holder_records
 from robustrl.core.watch import Delete, Entry, Put, Resync
 from robustrl.weights.checksums import CHECKSUM_ALGORITHMS, WSUM128
-from robustrl.weights.transport import Announcement, GrpcStreamTransport, WeightIntegrityError
-from robustrl.weights.ucx import listeners as ucx_listeners
-from robustrl.weights.ucx import progress as ucx_progress
-from robustrl.weights.ucx.transport import (
+from robustrl.weights.grpc_stream import GrpcStreamTransport
+from robustrl.weights.protocol import (
+    FRAME_BYTES,
     PROTOCOL_VERSION,
     ROLE_RELAY,
     ROLE_TRAINER,
     BucketEntry,
     BucketManifest,
-    HolderConnection,
+    FrameError,
     HolderRecord,
     HolderRefused,
-    HostBuffers,
     ManifestTooLarge,
-    UcxTransport,
-    VersionsView,
-    allocate_buffer,
     bucket_ranges,
-    choose_holder,
-    make_transport,
     manifest_for_etcd,
-    pack_into,
     plan_layout,
-    unpack_views,
 )
+from robustrl.weights.transport import Announcement, WeightIntegrityError
+from robustrl.weights.ucx import listeners as ucx_listeners
+from robustrl.weights.ucx import progress as ucx_progress
+from robustrl.weights.ucx.buffers import HostBuffers, allocate_buffer, pack_into, unpack_views
+from robustrl.weights.ucx.connections import HolderConnection
+from robustrl.weights.ucx.directory import VersionsView
+from robustrl.weights.ucx.puller import choose_holder
+from robustrl.weights.ucx.transport import UcxTransport, make_transport
 from tests.support import eventually, stop_process, stopped
 from tests.support.ucx_peer import make_tensors, tensors_digest
 
@@ -362,16 +361,14 @@ async def test_a_relay_serves_the_next_puller_instead_of_the_trainer(peers: Any)
     assert served == N_BUCKETS  # only the relay's pull touched the trainer
 
 
-def cpu_seconds(pid: int) -> float:
-    """User plus system CPU time a process has used (/proc/<pid>/stat, fields 14 and 15)."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+# What moving weights costs in CPU time (idle trainers and pullers, a holder waiting for a parked
+# puller, a trainer serving pulls) is measured by benchmarks/idle_cpu.py, with the bounds these
+# tests once asserted (docs/decisions/0114); the outcomes of the same runs are asserted here.
 
 
-async def test_processes_that_moved_weights_sleep_while_idle(peers: Any) -> None:
-    """ucxx's blocking progress mode spun once a message had come (robustrl.weights.ucx.progress):
-    every process that had moved weights once used 50-100% of a core for the rest of its life,
-    taken from the trainer and rollouts beside it."""
+async def test_a_puller_gives_its_endpoint_back_once_idle(peers: Any) -> None:
+    """After a pull, the puller's endpoint stays parked park_seconds and then goes: the holder
+    serves no endpoint while the job is idle."""
     trainer, puller = await peers(("trainer",), ("puller",))
     await trainer.call("publish", version=1, seed=4)
     assert (await puller.call("pull", version=1))["ok"]
@@ -380,23 +377,18 @@ async def test_processes_that_moved_weights_sleep_while_idle(peers: Any) -> None
         return (await trainer.call("state"))["serving"] == 0
 
     await eventually(unparked, timeout=10)
-    used = await _cpu_seconds_in(2.0, trainer, puller)
-
-    assert all(seconds < 0.3 for seconds in used.values()), f"CPU seconds used in 2 s idle: {used}"
 
 
-async def test_a_holder_waiting_for_a_parked_pullers_next_request_sleeps(peers: Any) -> None:
-    """A holder waits for the next request of every puller that kept its endpoint. ucxx's own
-    receive polled that wait on every turn of the loop: a trainer whose rollouts pulled every
-    step spun a core between pulls (ucx_progress.receive_message waits without polling)."""
+async def test_a_parked_endpoint_stays_open_and_serves_the_next_pull(peers: Any) -> None:
+    """A holder keeps serving the endpoint a puller parked, however long the puller waits
+    before its next request; that request comes over the same endpoint."""
     trainer, puller = await peers(("trainer",), ("puller", "--park-seconds", "60"))
     await trainer.call("publish", version=1, seed=4)
     assert (await puller.call("pull", version=1))["ok"]
 
     assert (await trainer.call("state"))["serving"] == 1
-    used = await _cpu_seconds_in(2.0, trainer, puller)
+    await asyncio.sleep(2.0)  # the idle spell the endpoint stays parked through, not a wait
     assert (await trainer.call("state"))["serving"] == 1  # parked all along
-    assert all(seconds < 0.3 for seconds in used.values()), f"CPU seconds used in 2 s: {used}"
 
     # And it still answers: the next pull is served over the kept endpoint.
     await trainer.call("publish", version=2, seed=5)
@@ -405,34 +397,23 @@ async def test_a_holder_waiting_for_a_parked_pullers_next_request_sleeps(peers: 
     assert result["counters"]["endpoints_opened"] == 1
 
 
-async def test_a_holder_sleeps_while_a_puller_copies_what_it_serves(peers: Any) -> None:
-    """Within one host the puller copies the bytes (CMA) and the holder only hears that each
-    bucket is done. A holder that kept its worker hot (ucx_progress.pulling) or polled its
-    sends spun a core for as long as it served: a trainer's CPU seconds were about the pulls'
-    seconds (0.11-0.14 s per GB served, measured by benchmarks/weight_transfer.py)."""
+async def test_a_warm_puller_pulls_a_large_version_whole_from_the_trainer_again_and_again(
+    peers: Any,
+) -> None:
+    """Nine pulls of 256 MiB in 32 MiB buckets over one kept endpoint and buffer: every one
+    verified, every byte of them served by the trainer."""
     big = ("--bucket-bytes", str(32 << 20))
     trainer, puller = await peers(("trainer", *big), ("puller", *big, "--no-relay"))
     await trainer.call("publish", version=1, seed=4, bulk_mib=256)
     assert (await puller.call("pull", version=1))["ok"]  # endpoint and buffer warm
 
     published = tensors_digest(make_tensors(4, 256))
-    before, pulling_s = cpu_seconds(trainer.proc.pid), 0.0
     for _ in range(8):
         pulled = await puller.call("pull", version=1)
         assert pulled["ok"] and pulled["digest"] == published
-        pulling_s += pulled["seconds"]
-    trainer_s = cpu_seconds(trainer.proc.pid) - before  # while pulls ran, and in between
 
     counters = (await trainer.call("state"))["counters"]
     assert counters["bytes_served"] >= 9 * (256 << 20)  # every pull came from the trainer
-    # Measured: 0.08-0.11 s against 0.41-0.47 s of pulls; 0.56 against 0.49 when it spun.
-    assert trainer_s < 0.5 * pulling_s, f"trainer used {trainer_s:.2f} s in {pulling_s:.2f} s"
-
-
-async def _cpu_seconds_in(window: float, *peers: Any) -> dict[str, float]:
-    before = {peer.name: cpu_seconds(peer.proc.pid) for peer in peers}
-    await asyncio.sleep(window)  # the window measured, not a wait for a condition
-    return {peer.name: cpu_seconds(peer.proc.pid) - before[peer.name] for peer in peers}
 
 
 async def test_a_puller_that_pulls_every_second_keeps_its_endpoint(peers: Any) -> None:
@@ -564,7 +545,8 @@ async def test_an_announcement_ahead_of_the_watch_gets_a_held_copy_only_if_the_b
     try:
         await old.publish(3, make_tensors(5))
         await relay.hold(3, make_tensors(5))
-        watch = relay._tasks[1]  # the watch: stopped, it stays behind every write from now on
+        # The watch: stopped, it stays behind every write from now on.
+        (watch,) = [t for t in relay.lifetime.tasks if t.get_name().startswith("ucx-weights-gc-")]
         watch.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await watch
@@ -605,7 +587,7 @@ async def test_a_pull_that_ends_after_its_manifest_was_written_again_keeps_the_s
         await old.publish(3, make_tensors(5))
         await eventually(lambda: _listed(relay, 3, "t-old"), timeout=10)
         # The relay's watch stopped: the pull below reads the old manifest from its view.
-        (watch,) = [t for t in relay._tasks if t.get_name().startswith("ucx-weights-gc-")]
+        (watch,) = [t for t in relay.lifetime.tasks if t.get_name().startswith("ucx-weights-gc-")]
         watch.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await watch
@@ -700,7 +682,9 @@ async def test_a_request_that_is_not_one_gets_a_clear_error_and_changes_nothing(
         await transport.start()
     try:
         await holder.publish(1, make_tensors(5))
-        digest = holder._held[1].manifest.digest
+        held = holder.held.get(1)
+        assert held is not None
+        digest = held.manifest.digest
         conn = await HolderConnection.open(puller.endpoints_for_pulls(), holder.address, 5.0)
         base = {"op": "pull", "protocol": PROTOCOL_VERSION, "seq": 1, "job_id": JOB}
         bad = [
@@ -729,7 +713,7 @@ async def test_a_request_that_is_not_one_gets_a_clear_error_and_changes_nothing(
             await legacy._ep.send_obj(json.dumps({**base, "version": 1}).encode())
 
         async def refused_and_closed() -> bool:
-            return holder.counters.requests_refused == len(bad) + 1 and not holder._endpoints
+            return holder.counters.requests_refused == len(bad) + 1 and not holder.server.endpoints
 
         await eventually(refused_and_closed, timeout=10)
         await legacy.close()
@@ -775,13 +759,13 @@ async def test_control_messages_of_any_length_up_to_the_limit_arrive_whole(
         while True:
             try:
                 body = await ucx_progress.receive_message(endpoint, 1 << 16)
-            except ucx_progress.FrameError as exc:
+            except FrameError as exc:
                 too_long.append(exc)
                 endpoint.abort()  # out of step, as a holder leaves it (its rest is unread)
                 return
             await ucx_progress.send_message(endpoint, body)
 
-    room = ucx_progress.FRAME_BYTES - 8
+    room = FRAME_BYTES - 8
     async with _connection_to(etcd_settings, etcd_client, echo) as conn:
         for length in (0, 1, room - 1, room, room + 1, 3 * room, 1 << 16):
             body = random.Random(length).randbytes(length)
@@ -817,7 +801,7 @@ async def test_a_reply_of_another_protocol_refuses_that_holder_and_nothing_else(
 async def test_a_call_on_an_endpoint_aborted_under_it_fails_as_a_reset_connection(
     etcd_client: Any, etcd_settings: EtcdSettings, pull_thread: bool
 ) -> None:
-    """A _SourceGuard may abort a puller's endpoint while a request is under way; ucxx then
+    """A SourceGuard may abort a puller's endpoint while a request is under way; ucxx then
     raised AttributeError, which no pull handles (it crashed a rollout in the demo). It must
     fail as a reset connection, a source failure the pull recovers from."""
     keys = KeySpace(etcd_settings.prefix)
@@ -1246,8 +1230,8 @@ async def test_a_publish_whose_lease_lapsed_unnoticed_succeeds_and_registers_und
     )
     await trainer.start()
     try:
-        assert trainer._session is not None
-        lapsed = trainer._session.lease_id
+        assert trainer.records.session is not None
+        lapsed = trainer.records.session.lease_id
         await asyncio.sleep(0.5)  # past the session's first refresh; the next is 10 s away
         await etcd_client.revoke_lease(lapsed)
         await trainer.publish(1, make_tensors(0))

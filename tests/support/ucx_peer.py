@@ -1,6 +1,6 @@
 """A weight-plane peer in its own process, driven by the UCX transport tests.
 
-Run as `python -m tests.integration.ucx_peer --endpoints ... --prefix ... --instance ...`.
+Run as `python -m tests.support.ucx_peer --endpoints ... --prefix ... --instance ...`.
 It starts a UcxTransport, prints {"event": "ready", "address": ...} on stdout, then answers
 one JSON command per stdin line with one JSON reply line carrying the command's "id".
 Stdout carries only those lines; logs go to stderr. Commands:
@@ -47,21 +47,17 @@ from robustrl.core.config import EtcdSettings
 from robustrl.core.etcd_client import connect_etcd
 from robustrl.core.logs import configure_logging
 from robustrl.core.watch import Delete
+from robustrl.weights.protocol import HolderRefused
 from robustrl.weights.transport import (
     PULL_PROGRESS_EVERY_S,
     NamedTensors,
     WeightIntegrityError,
     latest_announcement,
 )
-from robustrl.weights.ucx.transport import (
-    PARK_SECONDS,
-    PULLERS_RECORD_DELAY_S,
-    HolderFaults,
-    HolderRefused,
-    UcxTransport,
-    ask_holder,
-    make_transport,
-)
+from robustrl.weights.ucx.connections import PARK_SECONDS, ask_holder
+from robustrl.weights.ucx.holder import HolderFaults
+from robustrl.weights.ucx.records import PULLERS_RECORD_DELAY_S
+from robustrl.weights.ucx.transport import UcxTransport, load_ucxx, make_transport
 from tests.support import eventually
 
 
@@ -186,7 +182,11 @@ async def _handle(
     if op == "ask":
         try:
             sizes = await ask_holder(
-                cmd["address"], job, int(cmd["version"]), buckets=cmd.get("buckets", [0])
+                load_ucxx(),
+                cmd["address"],
+                job,
+                int(cmd["version"]),
+                buckets=cmd.get("buckets", [0]),
             )
         except HolderRefused as exc:
             return {"ok": False, "code": exc.code, "message": exc.message, "held": exc.held}
@@ -211,11 +211,11 @@ async def _handle(
             "counters": transport.counters.as_dict(),
             "held": transport.held_versions(),
             "listed": transport.listed_versions(),
-            "serving": len(transport._endpoints),  # pullers' endpoints open on this holder
+            "serving": len(transport.server.endpoints),  # pullers' endpoints open on this holder
         }
     if op == "lag":
         # The view is the transport's own; no production path edits it from outside.
-        view = transport._view
+        view = transport.directory.view
         view.apply(Delete(WeightKeys(keys).holder(job, int(cmd["version"]), cmd["holder"]), 0))
         return {"ok": True, "listed": transport.listed_versions()}
     if op == "gate_txns":

@@ -16,10 +16,11 @@ from robustrl.weights.checksums import (
     WSUM128,
     XXH3_128,
     LandedChecks,
-    _as_rows,
     algorithm_for,
     bucket_checksum,
+    wsum128,
 )
+from robustrl.weights.checksums.imm128 import as_rows
 
 
 def _bytes(n: int, seed: int = 0) -> torch.Tensor:
@@ -73,9 +74,9 @@ def test_the_device_checksums_catch_pieces_that_trade_places(
 
 def test_imm128_reads_the_bucket_in_place_when_it_is_whole_rows() -> None:
     data = _bytes(32 << 12, seed=8)
-    rows = _as_rows(data)
+    rows = as_rows(data)
     assert rows.data_ptr() == data.data_ptr() and rows.shape == (32, 4096)
-    short = _as_rows(data[: 3 << 12])  # too few rows for the kernel: padded with zero rows
+    short = as_rows(data[: 3 << 12])  # too few rows for the kernel: padded with zero rows
     assert short.shape == (17, 4096) and not short[3:].any()
     assert bucket_checksum(data[:100], IMM128) != bucket_checksum(data[:101], IMM128)
 
@@ -137,22 +138,22 @@ def test_a_gpu_copy_has_the_digest_of_the_host_copy(algorithm: str, length: int)
     assert bucket_checksum(on_gpu, algorithm) == expected
     if algorithm == WSUM128:
         # Computed by wsum_triton's one kernel, not torch's (slower) ones.
-        assert checksums._wsum128_kernel(on_gpu.device) is not None
+        assert wsum128.kernel(on_gpu.device) is not None
 
 
 @pytest.mark.gpu
 def test_a_wsum128_kernel_that_disagrees_on_the_probe_is_never_used(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    from robustrl.weights import wsum_triton
+    from robustrl.weights.checksums import wsum_triton
 
     real = wsum_triton.wsum128_sums
     monkeypatch.setattr(wsum_triton, "wsum128_sums", lambda words, size: real(words, size) + 1)
-    monkeypatch.setattr(checksums, "_wsum128_kernels", {})
+    monkeypatch.setattr(wsum128, "_kernels", {})
     data = _bytes((1 << 20) + 3, seed=7)
 
     assert bucket_checksum(data.cuda(), WSUM128) == bucket_checksum(data, WSUM128)
-    assert checksums._wsum128_kernel(torch.device("cuda", 0)) is None
+    assert wsum128.kernel(torch.device("cuda", 0)) is None
 
 
 @pytest.mark.gpu

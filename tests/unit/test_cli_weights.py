@@ -10,7 +10,7 @@ from rich.console import Console
 
 from robustrl.cli.weights import holder_summary, manifest_summary, mark_fenced, render
 from robustrl.core.fences import FenceRecord
-from robustrl.weights.ucx.transport import (
+from robustrl.weights.protocol import (
     ROLE_RELAY,
     ROLE_TRAINER,
     BucketEntry,

@@ -8,8 +8,9 @@ import torch
 
 from robustrl.core.watch import Delete, Entry, Put
 from robustrl.weights import transport as weights
-from robustrl.weights.transport import PullProgress, WeightIntegrityError, pack, unpack
-from robustrl.weights.ucx.transport import changes_held_manifest
+from robustrl.weights.grpc_stream import pack, unpack
+from robustrl.weights.transport import PullProgress, WeightIntegrityError
+from robustrl.weights.ucx.directory import changes_held_manifest
 
 
 def tensors() -> list[tuple[str, torch.Tensor]]:

@@ -5,11 +5,7 @@ ucxx 0.52 keeps a listener's callback data (a dict) in its Python listener objec
 only a raw pointer to it. `Listener.close()` frees that object, but the C++ listener lives on
 while any endpoint it accepted lives (each keeps it as its parent, and ucxx keeps endpoints
 referenced after they are aborted), and UCX still takes connections on its port. The next
-connection request then reads the freed dict. Reproduced here every time: a holder that had
-served one puller closed its listener, the puller connected again, and the holder logged
-ucxx's "KeyError when calling listener callback: 'cb_func'" (the pointer no longer led to the
-dict). A trainer process in a clean-clone CI run died just after logging that line, as a
-replacement rollout connected to it while it closed its transport at the end of a job.
+connection request would then read the freed dict (docs/decisions/0113).
 
 So a transport takes a `ListeningPort` with `borrow` and returns it with `give_back`. A port
 given back answers connections by aborting them (the puller sees a source that left and tries
@@ -27,7 +23,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 Serve = Callable[[Any], Awaitable[None]]
-"""What handles one accepted endpoint: a transport's `_serve`."""
+"""What handles one accepted endpoint: a transport's `HolderServer.serve`."""
 
 ABORT_NS = 500_000_000
 """Nanoseconds aborting an endpoint may wait for its operations in flight (the transport's

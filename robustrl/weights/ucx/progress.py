@@ -1,64 +1,48 @@
 """How the event loop drives a ucxx worker: ucxx's blocking progress mode, mended so that a
-process with nothing to move sleeps.
+process with nothing to move sleeps, and the waits, sends and control messages that go with it.
 
 UCX's contract for waiting on a worker is progress, then arm, then wait on its epoll fd; an
 arm that finds events pending answers busy and the caller progresses again. ucxx 0.52's
 blocking mode (`BlockingMode`) adds a reader on that fd and arms the worker once, at the
 start. Its reader callback progresses the worker but never arms it again, so after the first
-message the fd stays readable and the event loop runs the callback on every turn. Every
-process that had moved weights once spun like that for the rest of its life. A minimal
-two-endpoint ucxx program used 1.45 s of CPU in 3 s idle; 0.00 s with `install`.
+message the fd stays readable and the event loop runs the callback on every turn: every
+process that had moved weights once would spin for the rest of its life (docs/decisions/0108).
 
 `install` replaces two methods of the mode:
 - **The reader callback** progresses the worker, then keeps progressing it on every turn of
   the loop while UCX makes progress. Only then does it arm the worker and leave the loop to
   sleep until the fd wakes it. While the process pulls (`pulling`), it stays hot for `HOT_S`
   after the last progress: a transfer that pauses between events (a rendezvous waiting for
-  its peer) finds the worker still being progressed. The simplest mend, arming as soon as
-  the loop was idle, halved 256 MiB pulls here: 5.7 GB/s against 10.8. A holder does not
-  need the window: within one host the puller moves the bytes (CMA), and the holder only
-  hears that a bucket is done. Kept hot, a trainer spun a core for as long as it served;
-  arming at once (and sending with `send`), it used 0.007-0.017 s of CPU per GB served
-  instead of 0.11-0.14, and the pulls it served were as fast (measured side by side on 2
-  cores, 64 MiB to 1 GiB).
+  its peer) finds the worker still being progressed. A holder does not need the window:
+  within one host the puller moves the bytes (CMA), and the holder only hears that a bucket
+  is done, so it arms at once and uses little CPU per GB it serves.
 - **The watchdog.** Some completions raise no event; a receive failed by aborting its
-  endpoint is one. ucxx's watchdog progressed an idle worker once a second. Ours does so
-  every `PROGRESS_INTERVAL`, then arms it again. Before, a puller took 1.9 s to leave a
-  holder whose record was withdrawn, against 0.03 s while the loop spun.
+  endpoint is one. ucxx's watchdog progressed an idle worker once a second; ours does so
+  every `PROGRESS_INTERVAL`, then arms it again, so a puller leaves a holder whose record
+  was withdrawn within that interval.
 
 In this mode a coroutine that awaits a UCX request polls it on every turn of the loop (ucxx's
 `wait_yield`), so a receive left posted keeps the loop busy. A holder waits for a puller's
 next request, which may come seconds later or never, so it waits with `receive_message`
 instead: each progress of a mended worker wakes it to check its receive, and it sleeps in
-between.
-When every rollout kept its endpoints between pulls, the trainer's main thread polled a
-fifth of the time and the local stack's 150-step job took twice as long (56 s against 28 s).
-It sends buckets with `send` for the same reason: a polled send would keep its loop busy
-for the whole transfer, which the puller's copy paces.
+between; a parked puller's endpoint costs its holder nothing. It sends buckets with `send` for
+the same reason: a polled send would keep its loop busy for the whole transfer, which the
+puller's copy paces. Control messages are framed as protocol.py describes (`send_message`,
+`receive_message`).
 
 Nothing here runs unless `install` finds the mode as described: a ucxx that changed it is
 left alone. `install` also replaces ucxx's connection handshake, which let UCX write into freed
 memory after a connect timed out (`exchange_peer_info` says how).
 
-On hosts without CUDA (unless ROBUSTRL_UCX_PULL_THREAD=0; ucx_transport._pull_thread_default), a
-puller's endpoints live on a second worker, progressed by a thread of its own (ucxx's 'thread'
-mode; `pull_context`). Within one host UCX copies a bucket inside the progress call of the
-receiving worker: on the event loop's thread, the copy and the checksum of the bucket before it
-took turns, and a verified pull reached 0.66-0.70 of plain ucxx on 2 cores. On the progress
-thread the copy of the next bucket runs beside the checksum of the last one, on the other core.
-Measured side by side on 2 cores (256 MiB, median of 7): verified pulls at 12.7-15.1 GB/s on the
-pulling thread against 10.6 on the loop, plain ucxx 15.3. Pulls of the transport
-(benchmarks/weight_transfer.py, 2 cores, median of 7, one run each way, one after the other):
-10.8 / 13.8 / 13.9 GB/s at 64 / 256 / 1024 MiB, 0.70 / 0.87 / 1.21 of plain ucxx, against 9.4 /
-10.5 / 9.2 GB/s and 0.62 / 0.64 / 0.90 on the loop's worker. What it costs: a first endpoint
-takes 33-55 ms against 6-29. Pullers wait for their requests by polling them on every turn of
-their loop (ucxx's wait_yield), so each pulling process keeps two threads busy: four pullers
-just started, pulling one 256 MiB version at once on 2 cores, took 0.4-2.2 s (four runs) against
-0.2-0.8 (three) on the loop's worker (warm, 0.09-0.12 s against 0.08-0.09). The thread waits on
-the worker's epoll fd and wakes at least every `PULL_THREAD_EPOLL_MS`: 0.02 s of CPU in 2 s idle
-(ucxx's own 1 ms: 0.06). Holders stay on the process's worker in the mended blocking mode: with
-the holder's worker in thread mode too, pulls ran at half the speed (7.8-8.1 GB/s against
-15-16).
+On hosts without CUDA (unless ROBUSTRL_UCX_PULL_THREAD=0), a puller's endpoints live on a
+second worker, progressed by a thread of its own (ucxx's 'thread' mode; `pull_context`). Within
+one host UCX copies a bucket inside the progress call of the receiving worker: on the event
+loop's thread the copy and the checksum of the bucket before it would take turns; on the
+progress thread the copy of the next bucket runs beside the checksum of the last one, on
+another core (docs/decisions/0104). Pullers wait for their requests by polling them on every
+turn of their loop (ucxx's wait_yield), so a pulling process keeps two threads busy while it
+pulls. The thread waits on the worker's epoll fd and wakes at least every
+`PULL_THREAD_EPOLL_MS`. Holders stay on the process's worker in the mended blocking mode.
 """
 
 from __future__ import annotations
@@ -75,6 +59,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from robustrl.core.logs import get_logger
+from robustrl.weights.protocol import FRAME_BYTES, FRAME_HEADER, frame_header, read_frame_header
 
 log = get_logger(__name__)
 
@@ -93,8 +78,7 @@ PROGRESS_INTERVAL = 0.02
 
 HOT_S = 0.005
 """Seconds a worker is still progressed on every turn of the loop after its last progress,
-while the process pulls. Measured: 5 ms and 20 ms pull 64-256 MiB as fast as the spinning
-mode."""
+while the process pulls (docs/decisions/0108)."""
 
 _pulls = 0
 """Pulls in flight in this process (`pulling`)."""
@@ -281,10 +265,8 @@ async def exchange_peer_info(
     ucxx 0.52 posts a stream receive of the peer's 16 bytes and waits for it with a timeout.
     When the peer is frozen (SIGSTOP, a hung rollout) the wait times out, the buffer is freed
     and the receive stays posted: once the peer resumes, UCX writes its 16 bytes into memory
-    Python has handed out again. Reproduced every time, on either worker; a rollout of a demo
-    run died of a fault in pure Python code the moment a hung holder it had tried to connect
-    to was resumed. Here each buffer is kept until UCX is done with its request
-    (`pending_handshakes` counts those it is not).
+    Python has handed out again (docs/decisions/0113). Here each buffer is kept until UCX is
+    done with its request (`pending_handshakes` counts those it is not).
     """
     from ucxx._lib.arr import Array
     from ucxx._lib_async.utils import hash64bits
@@ -317,45 +299,30 @@ def _wake() -> None:
         _posted = [posted for posted in _posted if not posted[0].completed]
 
 
-FRAME_BYTES = 4096
-"""Bytes of a control message's first UCX message (`send_message`): its header and as much of
-its body as fits. A longer body follows in a second message."""
-_FRAME_HEADER = struct.Struct("<4sI")
-_FRAME_MAGIC = b"rrl\x02"
-
-
-class FrameError(ValueError):
-    """A control message that is not one of ours, or longer than its receiver takes."""
-
-
 async def send_message(endpoint: Any, body: bytes) -> None:
-    """Send a control message (a request or a reply) that `receive_message` takes: one UCX
-    message while the body fits in FRAME_BYTES with its header, where ucxx's `send_obj` sends
-    two (the length, then the body), and the receiver waits for each.
+    """Send a control message (a request or a reply, framed as protocol.py says) that
+    `receive_message` takes: one UCX message while the body fits in FRAME_BYTES with its
+    header, two beyond.
 
     Where a mended worker progresses the endpoint, its sends and receives wait without
     polling: a worker's messages and errors land only when it is progressed, so each is posted
     and then checked after every progress of the worker, sleeping in between (the watchdog
     progresses at least every PROGRESS_INTERVAL). Elsewhere (a puller's thread-progressed
     worker, a ucxx this module does not know) they are ucxx's own `send` and `recv`."""
-    room = FRAME_BYTES - _FRAME_HEADER.size
-    await send(endpoint, _FRAME_HEADER.pack(_FRAME_MAGIC, len(body)) + body[:room])
+    room = FRAME_BYTES - FRAME_HEADER.size
+    await send(endpoint, frame_header(len(body)) + body[:room])
     if len(body) > room:
         await send(endpoint, body[room:])
 
 
 async def receive_message(endpoint: Any, limit: int) -> bytes:
-    """The body of the next control message a peer sent with `send_message`. FrameError for
+    """The body of the next control message a peer sent with `send_message`. protocol.FrameError for
     anything else (ucxx's `send_obj` from a peer of another protocol, say) or a body over
     `limit` bytes; the endpoint is then out of step and should be closed."""
     frame = bytearray(FRAME_BYTES)
     await _receive(endpoint, frame)
-    magic, length = _FRAME_HEADER.unpack_from(frame)
-    if magic != _FRAME_MAGIC:
-        raise FrameError(f"not a control message of this protocol (starts {bytes(frame[:8])!r})")
-    if length > limit:
-        raise FrameError(f"control message of {length} bytes; at most {limit} are taken")
-    start = _FRAME_HEADER.size
+    length = read_frame_header(frame, limit)
+    start = FRAME_HEADER.size
     if start + length <= FRAME_BYTES:
         return bytes(frame[start : start + length])
     rest = bytearray(start + length - FRAME_BYTES)

@@ -1,14 +1,13 @@
 """wsum128's two sums in one Triton kernel, for buckets in GPU memory.
 
-torch's kernels for wsum128 (checksums._wsum128_sums) read the words and a coefficient table
+torch's kernels for wsum128 (wsum128._torch_sums) read the words and a coefficient table
 twice their size, then write and read back the products: about 16 bytes of memory traffic per
 byte checksummed. This kernel reads each word once and makes its coefficients in registers,
-the same splitmix64 of the word's position that checksums._make_coefficients makes on the
-host, so the digest is the same bit for bit (integer sums do not depend on their order).
+the same splitmix64 of the word's position that wsum128._make_coefficients makes on the host,
+so the digest is the same bit for bit (integer sums do not depend on their order).
 
-Imported only where triton is (GPU hosts: it comes with CUDA builds of torch); checksums uses
-it on a device only after it has given torch's sums on a probe there (checksums.
-_wsum128_kernel_checked).
+Imported only where triton is (GPU hosts: it comes with CUDA builds of torch); wsum128 uses it
+on a device only after it has given torch's sums on a probe there (wsum128.kernel).
 """
 
 from __future__ import annotations
