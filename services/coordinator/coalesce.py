@@ -1,13 +1,11 @@
 """One record that many requests change, written by one writer: changes made while a write is
-in flight share the next one (group commit).
+in flight share the next one (group commit; docs/decisions/0008).
 
-The leader rewrites a job's work ledger after every lease and every completion. One at a time,
-under the job's lock, each request waited for a write of its own: with many rollouts asking at
-once, the ledger was written once per request and every request queued behind the writes of
-all before it. Now a request changes the ledger under the lock, lets go of the lock, and waits
-for a write that began after its change (`changed`). Only one write per record is in flight;
-whatever changed while it was, the next write carries, so the writes a job makes follow etcd's
-latency rather than the number of requests.
+The leader rewrites a job's work ledger after every lease and every completion. A request
+changes the ledger under the job's lock, lets go of the lock, and waits for a write that began
+after its change (`changed`). Only one write per record is in flight; whatever changed while
+it was, the next write carries, so the writes a job makes follow etcd's latency rather than
+the number of requests.
 
 A caller must not answer before its change is stored (a new leader trusts only etcd): it
 awaits the future `changed` returns, which fails with the write's error if the write does.

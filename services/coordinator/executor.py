@@ -1,17 +1,19 @@
-"""The recovery executor: the leader turns incidents into the policy's actions, and records
-each one in etcd (`<prefix>/recovery/<job>/<incident id>`), where `robustrl status` reads it.
+"""The recovery executor: the leader turns incidents into the policy's actions
+(`policy.decide`), carries them out, and records each recovery in etcd
+(`<prefix>/recovery/<job>/<incident id>`), where `robustrl status` reads it.
 
-It follows the incident log the monitor writes. A new leader lists the log again, and an
-incident that already has a recovery record is never acted on twice. Replacements are bound
-by the driver's supervision round (a free member, else one the provisioner starts); the
-record is closed when the replacement serves the job.
+It follows the incident log the monitor (and the leader itself) writes. A new leader lists the
+log again, and an incident that already has a recovery record is never acted on twice.
+Replacements are bound by the supervision round (binding.py: a free member, else one the
+provisioner starts); the record is closed when the replacement serves the job (`bound`).
+What the executor needs from the rest of the coordinator is `Coordinator`.
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import aetcd
 import grpc
@@ -20,20 +22,21 @@ from pydantic import BaseModel, Field
 from robustrl.contracts.errors import NotFound
 from robustrl.contracts.ettr import IncidentTiming
 from robustrl.contracts.incidents import IncidentRecord
+from robustrl.contracts.jobspec import JobSpec
 from robustrl.contracts.keys import KeySpace
+from robustrl.contracts.ledger import WorkLedger
 from robustrl.contracts.members import MemberRecord
 from robustrl.core.aio import cancel_and_wait
 from robustrl.core.fences import FenceRecord, withdraw_holder_records, write_fence
 from robustrl.core.incident_log import IncidentLog
 from robustrl.core.logs import get_logger
+from robustrl.core.registry import Registry
 from robustrl.core.role_server import EXIT_ARG
-from robustrl.v1 import trainer_pb2
-from services.coordinator import recovery, work
+from robustrl.core.runtime import ServiceRuntime
+from services.coordinator import policy, work
+from services.coordinator.control import FENCE, RELEASE, control, control_quietly
 from services.coordinator.jobs import TERMINAL, JobRecord, Phase
-from services.coordinator.recovery import Do
-
-if TYPE_CHECKING:
-    from services.coordinator.driver import JobDriver
+from services.coordinator.policy import Do
 
 log = get_logger(__name__)
 
@@ -61,37 +64,62 @@ class RecoveryRecord(BaseModel):
         return None if self.done_at is None else self.done_at - self.detected_at
 
 
-def facts(record: JobRecord, spec_mode: str, nan_history: list[int]) -> recovery.JobFacts:
-    return recovery.JobFacts(
-        job_id=record.job_id,
-        running=record.phase in (Phase.RUNNING, Phase.RECOVERING),
-        mode=spec_mode,
-        members={i: (role, record.epoch) for i, role in record.member_roles.items()},
-        nan_history=tuple(nan_history),
-    )
+class Coordinator(Protocol):
+    """What recovery needs from the rest of the coordinator (the JobDriver provides it)."""
 
+    @property
+    def is_leader(self) -> bool: ...
 
-def serving_instance(record: JobRecord, incident: IncidentRecord) -> str:
-    """The job member an incident is about: a trainer's follower rank maps to its rank 0."""
-    if incident.instance_id in record.member_roles or incident.role != "trainer":
-        return incident.instance_id
-    for member, role in record.member_roles.items():
-        if role == "trainer" and incident.instance_id.startswith(f"{member}-rank"):
-            return member
-    return incident.instance_id
+    def lock(self, job_id: str) -> asyncio.Lock:
+        """The job's lock: every change to a job's state is made under it."""
+        ...
+
+    async def job(self, job_id: str) -> JobRecord:
+        """The job's record as stored; NotFound if there is none."""
+        ...
+
+    def spec(self, record: JobRecord) -> JobSpec: ...
+
+    def ledger_of(self, job_id: str) -> WorkLedger | None:
+        """The job's work ledger on this leader, None if it has none."""
+        ...
+
+    async def save_ledger(self, ledger: WorkLedger) -> None: ...
+
+    async def update_job(
+        self,
+        job_id: str,
+        change: dict[str, object],
+        phase: Phase | None = None,
+        message: str = "",
+    ) -> JobRecord:
+        """Apply a change (and a phase, with its message) to the job record."""
+        ...
+
+    async def fail(
+        self, job_id: str, message: str, changes: dict[str, object] | None = None
+    ) -> None: ...
+
+    async def account_incident(self, job_id: str, timing: IncidentTiming) -> None:
+        """The incident's timeline in the job's ETTR account."""
+        ...
+
+    def wake(self) -> None:
+        """Supervise now: a recovery left a role to fill."""
+        ...
 
 
 class RecoveryExecutor:
-    def __init__(self, driver: JobDriver) -> None:
-        self.driver = driver
+    def __init__(self, runtime: ServiceRuntime, coordinator: Coordinator) -> None:
+        self.runtime = runtime
+        self.coordinator = coordinator
         self._task: asyncio.Task[None] | None = None
         self._background: set[asyncio.Task[None]] = set()
 
     @property
     def incident_log(self) -> IncidentLog:
-        runtime = self.driver.runtime
-        assert runtime.client is not None
-        return IncidentLog(runtime.client, runtime.keys)
+        assert self.runtime.client is not None
+        return IncidentLog(self.runtime.client, self.runtime.keys)
 
     def start(self) -> None:
         """Called on election: (re)read the incident log from the start and follow it."""
@@ -110,7 +138,7 @@ class RecoveryExecutor:
             await self._handle_quietly(incident)
 
     async def _handle_quietly(self, incident: IncidentRecord) -> None:
-        if not self.driver.leadership.is_leader or not incident.job_id:
+        if not self.coordinator.is_leader or not incident.job_id:
             return
         try:
             await self.handle(incident)
@@ -118,37 +146,25 @@ class RecoveryExecutor:
             log.error("recovery.failed", incident=incident.incident_id, exc_info=exc)
 
     async def handle(self, incident: IncidentRecord) -> None:
-        driver = self.driver
-        client = driver.runtime.client
-        keys = driver.runtime.keys
+        coordinator = self.coordinator
+        client, keys = self.runtime.client, self.runtime.keys
         assert client is not None
-        async with driver.lock(incident.job_id):
+        async with coordinator.lock(incident.job_id):
             if await client.get(keys.recovery(incident.job_id, incident.incident_id)):
                 return  # acted on already (by this leader or an earlier one)
             try:
-                record, _ = await driver.store.get(incident.job_id)
+                record = await coordinator.job(incident.job_id)
             except NotFound:
                 return
             if record.phase in TERMINAL:
                 return
-            spec = driver.spec(record)
+            spec = coordinator.spec(record)
             # Only the NaN policy looks at earlier NaN incidents: no log read for the others.
             nan_history = await self._nan_history(incident) if incident.kind == "NON_FINITE" else []
-            member = serving_instance(record, incident)
-            decided = recovery.decide(
-                recovery.IncidentFacts(
-                    incident_id=incident.incident_id,
-                    job_id=incident.job_id,
-                    role=incident.role,
-                    instance_id=member,
-                    # Membership is the staleness test: a fenced instance left the members
-                    # (the monitor knows process epochs, not binding epochs).
-                    epoch=record.epoch,
-                    kind=incident.kind,
-                    rank=incident.rank,
-                    step=record.step,
-                ),
-                facts(record, spec.recovery.mode, nan_history),
+            registered, _ = await self._registry().list()
+            decided = policy.decide(
+                policy.incident_facts(record, incident),
+                policy.facts(record, spec.recovery.mode, nan_history, registered),
             )
             if not decided:
                 return
@@ -172,16 +188,20 @@ class RecoveryExecutor:
                 actions=entry.actions,
             )
             await self._save(entry)
-            await self._execute(record, decided, entry)
+            await self._execute(record, spec, decided, entry)
             await self._save(entry)
             await self._account(entry)
         if entry.waiting_for:
-            self.driver.wake()  # bind the replacement now, not at the next tick
+            coordinator.wake()  # bind the replacement now, not at the next tick
 
     async def _execute(
-        self, record: JobRecord, actions: list[recovery.Action], entry: RecoveryRecord
+        self,
+        record: JobRecord,
+        spec: JobSpec,
+        actions: list[policy.Action],
+        entry: RecoveryRecord,
     ) -> None:
-        driver = self.driver
+        coordinator = self.coordinator
         roles = dict(record.member_roles)
         fenced: list[str] = []
         phase: Phase | None = None
@@ -191,14 +211,12 @@ class RecoveryExecutor:
                 await self._fence(record, action.instance_id, action.reason)
                 fenced.append(action.instance_id)
             elif action.do is Do.REQUEUE:
-                ledger = driver.ledgers.get(record.job_id)
+                ledger = coordinator.ledger_of(record.job_id)
                 if ledger is not None:
-                    taken = driver.release_lost_holder(
-                        record, ledger, action.instance_id, action.reason
-                    )
-                    await driver.save_ledger(ledger)
+                    taken = self._release_lost_holder(record, spec, ledger, action)
+                    await coordinator.save_ledger(ledger)
                     log.info("recovery.requeued", job=record.job_id, groups=len(taken))
-                    failure = driver.poison_verdict(record, ledger)
+                    failure = policy.poison_verdict(record.job_id, spec.recovery, ledger.poisoned)
                     if failure:
                         break  # the job fails: nothing is replaced
             elif action.do is Do.REPLACE_ROLLOUT:
@@ -206,10 +224,10 @@ class RecoveryExecutor:
             elif action.do is Do.RESTORE_TRAINER:
                 entry.waiting_for.append("trainer")
                 phase = Phase.RECOVERING
-                ledger = driver.ledgers.get(record.job_id)
+                ledger = coordinator.ledger_of(record.job_id)
                 if ledger is not None:
                     work.trainer_replaced(ledger)
-                    await driver.save_ledger(ledger)
+                    await coordinator.save_ledger(ledger)
             elif action.do is Do.ROLLBACK:
                 # The trainer skipped the poisoned step (no optimizer update, weights and
                 # optimizer state untouched): the rollback to the last good state is done.
@@ -221,15 +239,37 @@ class RecoveryExecutor:
         for gone in fenced:
             roles.pop(gone, None)
         if failure:
-            await driver.fail(record.job_id, failure, {"members": members, "member_roles": roles})
+            await coordinator.fail(
+                record.job_id, failure, {"members": members, "member_roles": roles}
+            )
             return
         message = f"recovering from {entry.kind} of {entry.instance_id}"
-        await driver.update_job(
+        await coordinator.update_job(
             record.job_id,
             {"members": members, "member_roles": roles},
             phase,
             message if phase else record.message,
         )
+
+    @staticmethod
+    def _release_lost_holder(
+        record: JobRecord, spec: JobSpec, ledger: WorkLedger, action: policy.Action
+    ) -> list[str]:
+        """Take back what a lost rollout held (work.release_lost_holder): the groups requeued
+        or, a poison group, dropped (logged). Mutates the ledger; the caller saves it."""
+        limit = spec.recovery.group_losses
+        holder = action.instance_id
+        requeued, dropped = work.release_lost_holder(ledger, holder, action.reason, limit)
+        for group in dropped:
+            log.error(
+                "coordinator.group_poisoned",
+                job=record.job_id,
+                group=group,
+                holder=holder,
+                losses=limit,
+                then="dropped, not leased again",
+            )
+        return requeued + dropped
 
     async def _full_restart(self, record: JobRecord, reason: str, entry: RecoveryRecord) -> None:
         """The baseline: every role restarts as a new process and the job resumes from the last
@@ -237,22 +277,18 @@ class RecoveryExecutor:
         exits, so its replacement pays a process start-up and a model load, as a restart does.
         Replacements are bound as after any failure: a prepared warm standby trainer if there
         is one, else members the provisioner starts."""
-        driver = self.driver
+        coordinator = self.coordinator
         await self._fence(record, entry.instance_id, reason)
-        members, _ = await driver.registry.list()
+        members, _ = await self._registry().list()
         for member in members:
             if (
                 member.instance_id in record.member_roles
                 and member.instance_id != entry.instance_id
             ):
-                await driver.control_quietly(
-                    member,
-                    trainer_pb2.ControlRequest.ACTION_RELEASE,
-                    record.job_id,
-                    record.epoch,
-                    {EXIT_ARG: "true"},
+                await control_quietly(
+                    member, RELEASE, record.job_id, record.epoch, {EXIT_ARG: "true"}
                 )
-        ledger = driver.ledgers.get(record.job_id)
+        ledger = coordinator.ledger_of(record.job_id)
         if ledger is not None:
             # Open leases and delivered-but-untrained groups alike lived in roles that are
             # thrown away (the rollouts' memory, the trainer's intake): generate them again.
@@ -261,9 +297,9 @@ class RecoveryExecutor:
             # So are the rollouts that held the groups of steps after the last checkpoint: the
             # new trainer's first report hands them back (work.release_lost).
             work.trainer_replaced(ledger)
-            await driver.save_ledger(ledger)
+            await coordinator.save_ledger(ledger)
         entry.waiting_for = list(record.member_roles.values())
-        await driver.update_job(
+        await coordinator.update_job(
             record.job_id,
             {"members": [], "member_roles": {}},
             Phase.RECOVERING,
@@ -271,18 +307,16 @@ class RecoveryExecutor:
         )
 
     async def _fence(self, record: JobRecord, instance_id: str, reason: str) -> None:
-        runtime = self.driver.runtime
-        assert runtime.client is not None
+        client, keys = self.runtime.client, self.runtime.keys
+        assert client is not None
         await write_fence(
-            runtime.client,
-            runtime.keys,
+            client,
+            keys,
             FenceRecord(
                 instance_id=instance_id, job_id=record.job_id, epoch=record.epoch, reason=reason
             ),
         )
-        withdrawn = await withdraw_holder_records(
-            runtime.client, runtime.keys, record.job_id, instance_id
-        )
+        withdrawn = await withdraw_holder_records(client, keys, record.job_id, instance_id)
         log.warning(
             "recovery.fenced",
             job=record.job_id,
@@ -291,7 +325,7 @@ class RecoveryExecutor:
             holder_records=withdrawn,
         )
         role = record.member_roles.get(instance_id, "trainer")  # follower ranks are trainers
-        member = await self.driver.registry.get(role, instance_id)
+        member = await self._registry().get(role, instance_id)
         if member is not None:
             # Tell it too, without waiting on a process that may be stopped or dead.
             task = asyncio.create_task(self._tell_fenced(member, record))
@@ -301,10 +335,7 @@ class RecoveryExecutor:
     async def _tell_fenced(self, member: MemberRecord, record: JobRecord) -> None:
         try:
             await asyncio.wait_for(
-                self.driver.control(
-                    member, trainer_pb2.ControlRequest.ACTION_FENCE, record.job_id, record.epoch
-                ),
-                FENCE_DEADLINE,
+                control(member, FENCE, record.job_id, record.epoch), FENCE_DEADLINE
             )
         except (grpc.aio.AioRpcError, TimeoutError) as exc:
             log.info("recovery.fence_unheard", member=member.instance_id, error=repr(exc)[:200])
@@ -316,10 +347,8 @@ class RecoveryExecutor:
 
     async def _account(self, entry: RecoveryRecord) -> None:
         """The incident's timeline in the job's ETTR account."""
-        account = self.driver.accounts.get(entry.job_id)
-        if account is None:
-            return
-        account.add_incident(
+        await self.coordinator.account_incident(
+            entry.job_id,
             IncidentTiming(
                 incident_id=entry.incident_id,
                 kind=entry.kind,
@@ -327,23 +356,24 @@ class RecoveryExecutor:
                 instance_id=entry.instance_id,
                 detected_at=entry.detected_at,
                 recovered_at=entry.done_at,
-            )
+            ),
         )
-        await self.driver.save_account(entry.job_id)
 
     async def _save(self, entry: RecoveryRecord) -> None:
-        runtime = self.driver.runtime
-        assert runtime.client is not None
-        await runtime.client.put(
-            runtime.keys.recovery(entry.job_id, entry.incident_id),
+        assert self.runtime.client is not None
+        await self.runtime.client.put(
+            self.runtime.keys.recovery(entry.job_id, entry.incident_id),
             entry.model_dump_json().encode(),
         )
 
+    def _registry(self) -> Registry:
+        assert self.runtime.registry is not None
+        return self.runtime.registry
+
     async def bound(self, job_id: str, role: str, instance_id: str) -> None:
-        """The driver bound `instance_id` as `role` to the job: close what waited for it."""
-        runtime = self.driver.runtime
-        assert runtime.client is not None
-        for entry in await list_recoveries(runtime.client, runtime.keys, job_id):
+        """`instance_id` was bound as `role` to the job: close the recovery that waited for it."""
+        assert self.runtime.client is not None
+        for entry in await list_recoveries(self.runtime.client, self.runtime.keys, job_id):
             if entry.done_at is None and role in entry.waiting_for:
                 entry.waiting_for.remove(role)
                 entry.replacements.append(instance_id)

@@ -152,14 +152,14 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
     ) -> coordinator_pb2.LeaseWorkResponse:
         validate_job_id(request.job_id)
         await self.leadership.require_leader()
-        return await self.driver.lease_work(request)
+        return await self.driver.work.lease_work(request)
 
     async def CompleteWork(
         self, request: coordinator_pb2.CompleteWorkRequest, context: grpc.aio.ServicerContext
     ) -> coordinator_pb2.CompleteWorkResponse:
         validate_job_id(request.job_id)
         await self.leadership.require_leader()
-        await self.driver.complete_work(request)
+        await self.driver.work.complete_work(request)
         return coordinator_pb2.CompleteWorkResponse()
 
     async def ReportProgress(
@@ -167,7 +167,7 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
     ) -> coordinator_pb2.ReportProgressResponse:
         validate_job_id(request.job_id)
         await self.leadership.require_leader()
-        keep_going = await self.driver.report_progress(request)
+        keep_going = await self.driver.work.report_progress(request)
         return coordinator_pb2.ReportProgressResponse(keep_going=keep_going)
 
 

@@ -32,6 +32,7 @@ from collections.abc import Container, Iterable
 
 from robustrl.contracts.ids import group_id, parse_group_id
 from robustrl.contracts.ledger import PAGE_SIZE, Ask, DroppedPage, Holding, Lease, WorkLedger
+from services.coordinator.policy.verdicts import leased_alone, poison_group
 
 
 def page_out(
@@ -99,7 +100,7 @@ def lease(
     while len(granted) < min(max_groups, room):
         alone = False
         if ledger.requeued:
-            alone = ledger.requeued[0] in ledger.losses
+            alone = leased_alone(ledger.requeued[0], ledger.losses)
             if alone and granted:
                 break
             group = ledger.requeued.pop(0)
@@ -205,7 +206,7 @@ def release_lost_holder(
     requeued, dropped = [], []
     for group in _leased_to(ledger, instance_id):
         losses = ledger.losses[group] = ledger.losses.get(group, 0) + 1
-        if max_losses and losses >= max_losses:
+        if poison_group(losses, max_losses):
             del ledger.open[group]
             _drop(
                 ledger,

@@ -28,7 +28,7 @@ from robustrl.contracts.members import MemberRecord
 from robustrl.core.config import EtcdSettings
 from robustrl.core.runtime import ServiceRuntime
 from robustrl.v1 import coordinator_pb2 as pb
-from services.coordinator import work
+from services.coordinator import policy, work
 from services.coordinator.jobs import JobRecord, Phase, new_job, transition
 from services.coordinator.store import JobStore
 from tests.support import eventually
@@ -240,18 +240,18 @@ async def test_a_new_leader_reloads_records_stored_as_plain_json_and_writes_them
 
             await driver.on_elected()
 
-            assert driver.ledger("pl") == ledger
+            assert driver.accounting.ledger("pl") == ledger
             assert driver.accounts["pl"] == account
             summary = await client.work_summary("pl")
             assert summary is not None and summary["delivered"] == 30 and summary["open"] == 10
 
-            work.complete(driver.ledger("pl"), "r", groups[30:])
-            await driver.save_ledger(driver.ledger("pl"))
+            work.complete(driver.accounting.ledger("pl"), "r", groups[30:])
+            await driver.save_ledger(driver.accounting.ledger("pl"))
             stored = await runtime.client.get(keys.work("pl"))
             assert stored is not None
-            assert len(stored.value) * 4 < len(driver.ledger("pl").model_dump_json())
+            assert len(stored.value) * 4 < len(driver.accounting.ledger("pl").model_dump_json())
             await driver.on_elected()
-            assert driver.ledger("pl").delivered == groups
+            assert driver.accounting.ledger("pl").delivered == groups
         finally:
             await client.close()
 
@@ -289,7 +289,7 @@ async def test_an_unreadable_record_costs_its_own_job_and_never_the_election(
 
     async with lone_leader(etcd_settings, "reader") as (runtime, leadership, driver):
         assert leadership.is_leader and runtime.client is not None
-        assert driver.ledger("ok") == healthy and "ok" not in driver.accounts
+        assert driver.accounting.ledger("ok") == healthy and "ok" not in driver.accounts
         await driver.tick()
 
         bad, _ = await driver.store.get("bad")
@@ -325,19 +325,19 @@ async def test_a_job_whose_supervision_fails_does_not_hold_up_the_jobs_after_it(
                 ledger, instance_id="r", epoch=1, max_groups=2, budget=2, now=0, lease_seconds=1
             )
             await driver.save_ledger(ledger)
-        supervise = driver._supervise
+        supervise = driver.supervisor.supervise
 
         async def raising_for_bbb(record: JobRecord, members: list[MemberRecord]) -> None:
             if record.job_id == "bbb":
                 raise RuntimeError("supervision of bbb broke")
             await supervise(record, members)
 
-        monkeypatch.setattr(driver, "_supervise", raising_for_bbb)
+        monkeypatch.setattr(driver.supervisor, "supervise", raising_for_bbb)
 
         await driver.tick()
 
-        assert driver.ledger("zzz").open == {}
-        assert len(driver.ledger("bbb").open) == 2
+        assert driver.accounting.ledger("zzz").open == {}
+        assert len(driver.accounting.ledger("bbb").open) == 2
         failed, _ = await driver.store.get("aaa")
         assert failed.phase is Phase.FAILED
         assert "spec no longer validates" in failed.message and "unknown" in failed.message
@@ -357,7 +357,7 @@ async def test_a_new_leader_does_not_ask_again_for_replacements_already_asked_fo
     (the replacements still starting) does not ask again either: when they were asked for is in
     etcd. Once that is older than ASKED_FOR_S, a leader asks again; once the job ends, the
     stored asks are deleted."""
-    from services.coordinator.driver import ASKED_FOR_S
+    from services.coordinator.policy import ASKED_FOR_S
     from services.coordinator.provisioner import ExternalProvisioner
 
     wanted = ["rollout", "rollout", "trainer"]
@@ -437,7 +437,7 @@ async def test_a_free_member_under_an_id_fenced_from_the_job_is_not_bound_to_it(
             await driver.save_ledger(driver.ledgers.setdefault("fj", work.WorkLedger(job_id="fj")))
             await driver.tick()
             assert sorted(p.role for p in asks.pending.values()) == ["rollout", "trainer"]
-            assert driver._barred == {"fj": {"r-again"}}
+            assert driver.binder.barred == {"fj": {"r-again"}}
 
             # A job id used again (after a delete; fences stay) does not start on a member
             # under an id fenced from its earlier run either: its one free trainer is such.
@@ -448,7 +448,7 @@ async def test_a_free_member_under_an_id_fenced_from_the_job_is_not_bound_to_it(
             record, _ = await driver.store.get("again")
             assert record.phase is Phase.PENDING
             assert record.message.endswith("(free now: 0 trainers, 2 rollouts)"), record.message
-            assert driver._barred["again"] == {"t-again"}
+            assert driver.binder.barred["again"] == {"t-again"}
         finally:
             for member in members:
                 await member.shutdown()
@@ -484,7 +484,9 @@ async def test_the_leader_pages_dropped_groups_out_of_the_ledger_in_the_same_wri
             [page] = await dropped_pages(runtime.client, runtime.keys, "pj")
             assert page.discarded == {g: f"stale {g}" for g in groups[:3]}
             assert await client.dropped_groups("pj") == page.discarded
-            assert await driver.paged_out_drops(ledger, [groups[0], groups[4]]) == {groups[0]}
+            assert await driver.accounting.paged_out_drops(ledger, [groups[0], groups[4]]) == {
+                groups[0]
+            }
 
             work.record_progress(ledger, [], {})  # nothing new: no page
             ledger.discarded["pj-g000099"] = "made up, to fill a page"
@@ -508,18 +510,18 @@ async def test_a_member_out_of_the_registry_is_told_to_retry_and_a_fenced_one_is
         record = new_job("bj", {}, now=0.0)
         record.member_roles = {"trainer-b": "trainer"}
         with pytest.raises(Unavailable, match="not in the registry now"):
-            await driver._bound_member(record, "trainer", "trainer-b")
+            await driver.work.bound_member(record, "trainer", "trainer-b")
         with pytest.raises(FailedPrecondition, match="no longer serves job bj"):
-            await driver._bound_member(record, "trainer", "trainer-fenced")
+            await driver.work.bound_member(record, "trainer", "trainer-fenced")
         member = MemberRecord(
             role="trainer", instance_id="trainer-b", address="x:1", pid=1, host="h"
         )
         assert runtime.session is not None
         await driver.registry.register(runtime.session, member)
         with pytest.raises(FailedPrecondition, match="not bound to job bj"):
-            await driver._bound_member(record, "trainer", "trainer-b")  # released: job_id ""
+            await driver.work.bound_member(record, "trainer", "trainer-b")  # released: job_id ""
         await driver.registry.register(runtime.session, member.model_copy(update={"job_id": "bj"}))
-        assert (await driver._bound_member(record, "trainer", "trainer-b")).job_id == "bj"
+        assert (await driver.work.bound_member(record, "trainer", "trainer-b")).job_id == "bj"
 
 
 async def test_the_job_fails_once_poison_groups_reach_the_limit_and_not_before(
@@ -587,7 +589,7 @@ async def test_the_job_fails_once_poison_groups_reach_the_limit_and_not_before(
         assert after_one.phase is Phase.RUNNING
         assert "rollout-a" not in after_one.member_roles
         assert ledger.poisoned == 1 and set(ledger.discarded) == set(leased["rollout-a"])
-        assert driver.poison_verdict(after_one, ledger) == ""
+        assert policy.poison_verdict("pg", driver.spec(after_one).recovery, ledger.poisoned) == ""
 
         await driver.executor.handle(lost("rollout-b", 2.0))
         failed, _ = await driver.store.get("pg")
@@ -607,17 +609,19 @@ async def test_the_job_fails_once_poison_groups_reach_the_limit_and_not_before(
         unbounded = failed.model_copy(
             update={"spec": {**spec, "recovery": {"group_losses": 1, "poison_groups": 0}}}
         )
-        driver.specs.pop("pg")
-        assert driver.poison_verdict(unbounded, ledger) == ""  # 0: no limit
+        driver.jobs.specs.pop("pg")
+        assert (
+            policy.poison_verdict("pg", driver.spec(unbounded).recovery, ledger.poisoned) == ""
+        )  # 0: no limit
 
         # Once released, the leader keeps nothing of the ended job in memory.
-        driver._missing[("pg", "rollout-b")] = 2.0
-        driver._provisioning[("pg", "rollout")] = [2.0]
-        driver._missing[("other", "rollout-c")] = 2.0
-        await driver._release("pg", [])
+        driver.supervisor.missing[("pg", "rollout-b")] = 2.0
+        driver.asks.asked[("pg", "rollout")] = [2.0]
+        driver.supervisor.missing[("other", "rollout-c")] = 2.0
+        await driver.supervisor.release("pg", [])
         assert "pg" not in driver.ledgers and "pg" not in driver.accounts
-        assert [k for k in (*driver._missing, *driver._provisioning) if k[0] == "pg"] == []
-        assert ("other", "rollout-c") in driver._missing
+        assert [k for k in (*driver.supervisor.missing, *driver.asks.asked) if k[0] == "pg"] == []
+        assert ("other", "rollout-c") in driver.supervisor.missing
 
 
 async def test_watch_waits_for_a_coordinator_then_gives_up_with_why(
@@ -812,27 +816,27 @@ async def test_a_lease_retried_with_a_new_leader_gets_the_groups_the_old_one_sto
             record = transition(new_job("rl", {"name": "arith"}, 0.0), Phase.RUNNING, "x", now=0)
             await driver.store.create(record, leadership.guard())
             driver.ledgers["rl"] = work.WorkLedger(job_id="rl")
-            first = [g.group_id for g in (await driver.lease_work(ask)).groups]  # answer lost
+            first = [g.group_id for g in (await driver.work.lease_work(ask)).groups]  # answer lost
             assert first == [work.group_id("rl", i) for i in range(4)]
         async with lone_leader(etcd_settings, "second") as (_, _, driver):
-            again = await driver.lease_work(ask)
+            again = await driver.work.lease_work(ask)
             assert [g.group_id for g in again.groups] == first
-            ledger = driver.ledger("rl")
+            ledger = driver.accounting.ledger("rl")
             assert ledger.next_index == 4 and set(ledger.open) == set(first)
             assert all(g.prompt for g in again.groups)
             # A new ask is new work.
-            fresh = await driver.lease_work(
+            fresh = await driver.work.lease_work(
                 pb.LeaseWorkRequest(
                     job_id="rl", instance_id="r1", epoch=1, max_groups=2, request_id="ask-2"
                 )
             )
             assert [g.group_id for g in fresh.groups] == [work.group_id("rl", i) for i in (4, 5)]
             with pytest.raises(InvalidArgument, match="request_id is longer"):
-                await driver.lease_work(
+                await driver.work.lease_work(
                     pb.LeaseWorkRequest(
                         job_id="rl", instance_id="r1", epoch=1, max_groups=2, request_id="x" * 129
                     )
                 )
-            assert driver.ledger("rl").next_index == 6
+            assert driver.accounting.ledger("rl").next_index == 6
     finally:
         await rollout.shutdown()

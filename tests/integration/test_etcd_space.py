@@ -47,7 +47,7 @@ async def test_the_leader_frees_an_etcd_whose_history_filled_its_quota(small_etc
     async with lone_leader(settings, "space") as (runtime, leadership, driver):
         assert runtime.client is not None
         client = runtime.client
-        driver.space = SpaceKeeper(lambda: runtime.client, settings, check_every=0)
+        driver.supervisor.space = SpaceKeeper(lambda: runtime.client, settings, check_every=0)
         record = transition(new_job("sp", {"name": "sp"}, 0.0), Phase.RUNNING, "x", now=0.0)
         await driver.store.create(record, leadership.guard())
         ledger = driver.ledgers["sp"] = work.WorkLedger(job_id="sp")
@@ -58,7 +58,7 @@ async def test_the_leader_frees_an_etcd_whose_history_filled_its_quota(small_etc
 
         await driver.tick()
 
-        assert not await nospace_members(client) and driver.space.recoveries == 1
+        assert not await nospace_members(client) and driver.supervisor.space.recoveries == 1
         await driver.save_ledger(ledger)
         await driver.update_job("sp", {"step": 3}, Phase.RUNNING, "running")
         assert (await driver.store.get("sp"))[0].step == 3
@@ -187,7 +187,7 @@ async def test_every_member_of_a_cluster_is_defragmented_and_disarmed(
 
 
 async def test_services_started_under_nospace_wait_and_a_coordinator_frees_it(
-    small_etcd: str,
+    small_etcd: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """No coordinator runs while etcd is out of space (all restarted at once, say), and etcd
     grants no lease then, so no replica could register or campaign: each used to exit at
@@ -201,8 +201,21 @@ async def test_services_started_under_nospace_wait_and_a_coordinator_frees_it(
     try:
         await fill_etcd(client, PREFIX, one_key=True)
         assert await nospace_members(client)
+        tries = 0
+        open_session = ServiceRuntime._open_session
+
+        async def counted(runtime: ServiceRuntime) -> None:
+            nonlocal tries
+            tries += 1
+            await open_session(runtime)
+
+        monkeypatch.setattr(ServiceRuntime, "_open_session", counted)
         member = asyncio.create_task(started_member("rollout", "rollout-waits", settings))
-        await asyncio.sleep(3)
+
+        async def refused_and_trying_again() -> bool:  # four refusals: some 3 s of backing off
+            return tries >= 5 or member.done()
+
+        await eventually(refused_and_trying_again, timeout=20)
         assert not member.done()  # waiting, not failed
         assert await nospace_members(client)  # members do not free etcd themselves
 
@@ -270,13 +283,13 @@ async def test_a_lease_that_could_not_be_stored_goes_back_to_the_front_of_the_qu
             await fill_etcd(client, PREFIX, one_key=True)
             for _ in range(3):
                 with pytest.raises(aetcd.exceptions.ClientError, match="space exceeded"):
-                    await driver.lease_work(request)
-                ledger = driver.ledger("ul")
+                    await driver.work.lease_work(request)
+                ledger = driver.accounting.ledger("ul")
                 assert ledger.open == {} and ledger.requeued == first
                 assert ledger.taken_back == 0
 
             await SpaceKeeper(lambda: runtime.client, settings, check_every=0).keep()
-            reply = await driver.lease_work(request)
+            reply = await driver.work.lease_work(request)
 
             assert [g.group_id for g in reply.groups] == first
             stored = await client.get(runtime.keys.work("ul"))

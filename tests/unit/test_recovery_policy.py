@@ -1,13 +1,21 @@
-"""The recovery policy recovers only the failed role, and nothing for stale incidents."""
+"""The recovery policy recovers only the failed role, and nothing for stale incidents: an
+incident about a member no longer serving the job, or about an earlier binding of a member
+that serves it again at a higher epoch."""
 
 from __future__ import annotations
 
-from services.coordinator.recovery import (
+from robustrl.contracts.incidents import IncidentRecord
+from robustrl.contracts.members import MemberRecord
+from services.coordinator.jobs import JobRecord, Phase
+from services.coordinator.policy import (
     Do,
     IncidentFacts,
     JobFacts,
     decide,
-    trainer_error_recovered,
+    facts,
+    incident_facts,
+    leader_subject,
+    serving_epochs,
 )
 
 MEMBERS = {
@@ -57,16 +65,6 @@ def test_nan_rolls_back_and_a_rank_that_repeats_it_alone_is_replaced() -> None:
     assert [a.do for a in mixed] == [Do.ROLLBACK]
 
 
-def test_a_trainer_error_is_recovered_until_a_replacement_stops_no_further() -> None:
-    assert trainer_error_recovered(5, [])  # the first error: the machine is suspect
-    assert trainer_error_recovered(9, [5])  # the replacement got past step 5: again a machine
-    assert trainer_error_recovered(12, [5, 9])
-    # Stopped at or before a step where an earlier trainer stopped: the job's own error.
-    assert not trainer_error_recovered(5, [5])
-    assert not trainer_error_recovered(4, [5])
-    assert not trainer_error_recovered(9, [5, 9])
-
-
 def test_stale_unrelated_and_warning_incidents_change_nothing() -> None:
     assert decide(incident("MEMBER_LOST", "rollout-1", "rollout", epoch=0), job()) == []
     assert decide(incident("MEMBER_LOST", "rollout-9", "rollout"), job()) == []
@@ -86,8 +84,8 @@ def test_full_restart_mode_restarts_everything_for_any_failure() -> None:
 
 def test_an_incident_about_a_trainer_rank_is_about_the_trainer_that_runs_it() -> None:
     from robustrl.contracts.incidents import IncidentRecord
-    from services.coordinator.executor import serving_instance
     from services.coordinator.jobs import JobRecord
+    from services.coordinator.policy import serving_instance
 
     record = JobRecord(
         job_id="j",
@@ -115,3 +113,121 @@ def test_an_incident_about_a_trainer_rank_is_about_the_trainer_that_runs_it() ->
     assert about("trainer-0-rank1", "trainer") == "trainer-0"
     assert about("rollout-0", "rollout") == "rollout-0"
     assert about("trainer-9-rank1", "trainer") == "trainer-9-rank1"  # not this job's: no action
+
+
+def running_job(epoch: int, member_roles: dict[str, str]) -> JobRecord:
+    return JobRecord(
+        job_id="j",
+        phase=Phase.RUNNING,
+        spec={},
+        created_at=0.0,
+        updated_at=0.0,
+        epoch=epoch,
+        member_roles=member_roles,
+    )
+
+
+def registered(name: str, role: str, *, job: str = "j", epoch: int) -> MemberRecord:
+    return MemberRecord(
+        role=role, instance_id=name, address="h:1", pid=1, host="h", job_id=job, epoch=epoch
+    )
+
+
+def reported(name: str, role: str, kind: str, *, epoch: int) -> IncidentRecord:
+    """An incident as the monitor records it: the epoch is the one the member beat with."""
+    return IncidentRecord(
+        incident_id="i",
+        job_id="j",
+        role=role,
+        instance_id=name,
+        rank=0,
+        kind=kind,
+        evidence="",
+        confidence=0.9,
+        detected_at=0.0,
+        epoch=epoch,
+    )
+
+
+def decided(
+    record: JobRecord,
+    incident: IncidentRecord,
+    members: list[MemberRecord],
+    mode: str = "role_based",
+) -> list[Do]:
+    actions = decide(incident_facts(record, incident), facts(record, mode, [], members))
+    return [a.do for a in actions]
+
+
+def test_an_incident_about_an_earlier_binding_of_a_member_bound_again_changes_nothing() -> None:
+    """A full restart lets every member but the failed one go without a fence; a process that
+    took rollout-1's name was bound again at epoch 3. An incident about the rollout-1 that
+    served at epoch 2 (handled late: by a leader elected after the rebind, say) is not about
+    the one serving now, which must not be fenced for it."""
+    record = running_job(3, {"trainer-0": "trainer", "rollout-1": "rollout"})
+    members = [
+        registered("trainer-0", "trainer", epoch=3),
+        registered("rollout-1", "rollout", epoch=3),
+    ]
+    for mode in ("role_based", "full_restart"):
+        earlier = reported("rollout-1", "rollout", "MEMBER_LOST", epoch=2)
+        assert decided(record, earlier, members, mode) == []
+        now = reported("rollout-1", "rollout", "MEMBER_LOST", epoch=3)
+        assert decided(record, now, members, mode) != []
+
+
+def test_a_rollout_bound_before_the_trainer_was_replaced_is_judged_at_its_own_epoch() -> None:
+    """The job is at epoch 2 since its trainer was replaced; rollout-1 still serves at the
+    epoch 1 it was bound at, and its loss is recovered."""
+    record = running_job(2, {"trainer-1": "trainer", "rollout-1": "rollout"})
+    members = [
+        registered("trainer-1", "trainer", epoch=2),
+        registered("rollout-1", "rollout", epoch=1),
+    ]
+    assert serving_epochs(record, members) == {"trainer-1": 2, "rollout-1": 1}
+    lost = reported("rollout-1", "rollout", "ROLLOUT_HANG", epoch=1)
+    assert decided(record, lost, members) == [Do.FENCE, Do.REQUEUE, Do.REPLACE_ROLLOUT]
+
+
+def test_a_member_gone_from_the_registry_or_its_name_in_another_job_is_judged_by_membership() -> (
+    None
+):
+    record = running_job(2, {"trainer-1": "trainer", "rollout-1": "rollout"})
+    lost = reported("rollout-1", "rollout", "MEMBER_LOST", epoch=1)
+    assert decided(record, lost, []) == [Do.FENCE, Do.REQUEUE, Do.REPLACE_ROLLOUT]
+    # Epochs count per job: a higher one in another job says nothing of this one.
+    elsewhere = [registered("rollout-1", "rollout", job="other", epoch=7)]
+    assert serving_epochs(record, elsewhere) == {}
+    assert decided(record, lost, elsewhere) == [Do.FENCE, Do.REQUEUE, Do.REPLACE_ROLLOUT]
+
+
+def test_a_follower_ranks_incident_is_not_compared_with_its_rank_0s_binding() -> None:
+    """A follower rank beats its process's epoch (0), not the binding of its rank 0, which
+    serves at epoch 2: the hang is recovered all the same."""
+    record = running_job(2, {"trainer-0": "trainer", "rollout-0": "rollout"})
+    members = [registered("trainer-0", "trainer", epoch=2)]
+    hang = reported("trainer-0-rank1", "trainer", "COLLECTIVE_HANG", epoch=0)
+    assert incident_facts(record, hang).epoch is None
+    assert incident_facts(record, hang).instance_id == "trainer-0"
+    assert decided(record, hang, members) == [Do.FENCE, Do.RESTORE_TRAINER]
+
+
+def test_an_incident_the_leader_records_is_never_taken_for_an_earlier_bindings() -> None:
+    """The leader records a loss no monitor reported, or a trainer's reported error, at the
+    job's epoch: no member serves at a higher one."""
+    record = running_job(2, {"trainer-1": "trainer", "rollout-1": "rollout"})
+    subject = leader_subject(record, "rollout-1")
+    assert (subject.role, subject.epoch, subject.job_id) == ("rollout", 2, "j")
+    assert leader_subject(record, "trainer-1-rank1").role == "trainer"
+    members = [
+        registered("trainer-1", "trainer", epoch=2),
+        registered("rollout-1", "rollout", epoch=1),
+    ]
+    found = reported("rollout-1", "rollout", "MEMBER_LOST", epoch=subject.epoch)
+    assert decided(record, found, members) == [Do.FENCE, Do.REQUEUE, Do.REPLACE_ROLLOUT]
+
+
+def test_the_facts_of_a_job_that_is_not_running_lead_to_nothing() -> None:
+    record = running_job(1, {"rollout-1": "rollout"}).model_copy(update={"phase": Phase.PENDING})
+    assert not facts(record, "role_based", []).running
+    assert decided(record, reported("rollout-1", "rollout", "MEMBER_LOST", epoch=1), []) == []

@@ -1,11 +1,12 @@
 """Which free standby trainers the leader asks to PREPARE, and for which running job; which
-bound members are missing from the registry, and since when."""
+bound members are missing from the registry, since when, and when the leader records their
+loss itself."""
 
 from __future__ import annotations
 
 from robustrl.contracts.members import MemberRecord
-from services.coordinator.driver import missing_members, standbys_to_prepare
 from services.coordinator.jobs import JobRecord
+from services.coordinator.policy import missing_members, standbys_to_prepare, unreported_losses
 
 
 def trainer(name: str, *, job: str = "", **labels: str) -> MemberRecord:
@@ -71,6 +72,24 @@ def test_a_new_process_under_a_bound_members_name_is_not_that_member() -> None:
     again = [trainer("t0"), rollout("r0", job="b"), rollout("r1", job="a")]
     since: dict[tuple[str, str], float] = {}
     assert missing_members(record, again, since, now=5.0) == [("r0", 5.0), ("t0", 5.0)]
+
+
+def test_a_member_missing_past_the_grace_is_reported_lost_with_where_it_went() -> None:
+    record = job_a_with_t0_r0_r1()
+    # r0's name was taken by a process of job b; r1 is gone.
+    registered = [trainer("t0", job="a"), rollout("r0", job="b")]
+    since: dict[tuple[str, str], float] = {}
+    assert unreported_losses(record, registered, since, now=10.0, after=15.0) == []
+    losses = unreported_losses(record, registered, since, now=25.0, after=15.0)
+    assert [(loss.instance_id, loss.role) for loss in losses] == [
+        ("r0", "rollout"),
+        ("r1", "rollout"),
+    ]
+    assert losses[0].evidence == (
+        "bound to job a but registered again as a member of b (a new process) for 15s, "
+        "and no monitor reported it"
+    )
+    assert losses[1].evidence.startswith("bound to job a but missing from the registry for 15s")
 
 
 def rollout(name: str, *, job: str = "") -> MemberRecord:

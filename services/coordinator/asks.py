@@ -1,0 +1,109 @@
+"""Replacements asked of the provisioner: how many (policy.asks_due), and when each was asked
+for, kept in etcd at <prefix>/provisioning/<job> until the job needs none, so that a leader
+elected while they start does not ask for them again."""
+
+from __future__ import annotations
+
+import json
+import time
+
+from robustrl.core.logs import get_logger
+from robustrl.core.runtime import ServiceRuntime
+from services.coordinator import policy
+from services.coordinator.leadership import Leadership
+from services.coordinator.provisioner import NoProvisioner, Provisioner
+
+log = get_logger(__name__)
+
+
+class ProvisioningAsks:
+    def __init__(self, runtime: ServiceRuntime, leadership: Leadership) -> None:
+        self.runtime = runtime
+        self.leadership = leadership
+        self.provisioner: Provisioner = NoProvisioner()
+        self.asked: dict[tuple[str, str], list[float]] = {}
+        """(job, role) -> when replacements were asked for and have not registered yet."""
+
+    def clear(self) -> None:
+        self.asked.clear()
+
+    async def reload(self, job_id: str) -> None:
+        """Load when the job's replacements were last asked for. An unreadable value is
+        dropped: asking again costs little."""
+        assert self.runtime.client is not None
+        raw = await self.runtime.client.get(self.runtime.keys.provisioning(job_id))
+        if raw is None:
+            return
+        try:
+            asks = json.loads(raw.value)
+            for role, times in asks.items():
+                self.asked[(job_id, str(role))] = [float(t) for t in times]
+        except (ValueError, TypeError, AttributeError) as exc:
+            log.warning("coordinator.asks_unreadable", job=job_id, error=repr(exc))
+
+    async def ask(self, job_id: str, role: str, count: int) -> None:
+        """Have `count` members of `role` coming: ask for those not asked for recently."""
+        now = time.time()
+        earlier = self.asked.get((job_id, role), [])
+        coming, due = policy.asks_due(earlier, count, now)
+        asked = self.asked[(job_id, role)] = coming
+        try:
+            for _ in range(due):
+                try:
+                    await self.provisioner.request(role, job_id, f"replacement for job {job_id}")
+                except Exception as exc:
+                    log.error(
+                        "coordinator.provision_failed", role=role, job=job_id, error=repr(exc)
+                    )
+                    return
+                asked.append(now)
+        finally:
+            if asked != earlier:
+                await self.save(job_id)
+
+    async def satisfied(self, job_id: str, role: str) -> None:
+        """The job needs no more of `role`: what was asked for is no longer awaited."""
+        if self.asked.pop((job_id, role), None):
+            await self.save(job_id)
+
+    def failed(self, job_id: str, role: str) -> None:
+        """The provisioner will not deliver a member it was asked for: the next supervision
+        round asks again instead of waiting out the de-duplication window."""
+        asked = self.asked.get((job_id, role))
+        if asked:
+            asked.pop(0)
+
+    async def replace_standby(self, job_id: str, standby_id: str) -> None:
+        """A warm standby was bound: ask for another, so that the next trainer failure does not
+        wait for a cold start."""
+        try:
+            await self.provisioner.request(
+                "trainer", job_id, f"replacing standby {standby_id}", True
+            )
+        except Exception as exc:
+            log.error("coordinator.provision_failed", role="standby", error=repr(exc))
+
+    def awaiting(self, job_id: str) -> bool:
+        return any(job == job_id for job, _ in self.asked)
+
+    def forget(self, job_id: str) -> None:
+        for key in [k for k in self.asked if k[0] == job_id]:
+            del self.asked[key]
+
+    async def save(self, job_id: str) -> None:
+        """Store when this job's replacements were asked for (deleted once none is awaited).
+        A write that fails costs only a second ask after a failover: logged, not raised."""
+        client = self.runtime.client
+        assert client is not None
+        key, tx = self.runtime.keys.provisioning(job_id), client.transactions
+        asks = {role: times for (job, role), times in self.asked.items() if job == job_id}
+        write = tx.put(key, json.dumps(asks).encode()) if any(asks.values()) else tx.delete(key)
+        try:
+            ok, _ = await client.transaction(
+                compare=self.leadership.guard(), success=[write], failure=[]
+            )
+        except Exception as exc:
+            log.warning("coordinator.asks_not_stored", job=job_id, error=repr(exc))
+            return
+        if not ok:
+            log.warning("coordinator.asks_not_stored", job=job_id, error="lost leadership")

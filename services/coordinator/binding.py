@@ -1,0 +1,252 @@
+"""Member binding: the leader binds a pending job to free members (Control BIND with the job's
+spec and an epoch), binds replacements for the roles a running job lost, has free warm
+standby trainers build a running job's model ahead (PREPARE), and releases the members of a
+job that ended. Which members it picks is policy.replacement's choice; this module carries it
+out over gRPC and records it in the job record."""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import json
+from collections import Counter
+from collections.abc import Awaitable, Callable
+
+import grpc
+
+from robustrl.contracts.binding import FIRST_EPOCH
+from robustrl.contracts.errors import InvalidArgument
+from robustrl.contracts.members import MemberRecord
+from robustrl.core.aio import cancel_and_wait
+from robustrl.core.fences import FenceSet
+from robustrl.core.logs import get_logger
+from robustrl.core.runtime import ServiceRuntime
+from services.coordinator import policy
+from services.coordinator.asks import ProvisioningAsks
+from services.coordinator.control import BIND, PREPARE, RELEASE, control, control_quietly
+from services.coordinator.datasets import Datasets, dataset_for
+from services.coordinator.job_records import JobRecords
+from services.coordinator.jobs import JobRecord, Phase
+from services.coordinator.ledgers import Ledgers
+
+log = get_logger(__name__)
+
+PREPARE_DEADLINE = 600.0
+"""Seconds a standby gets to build a job's model ahead of need (PREPARE)."""
+
+Bound = Callable[[str, str, str], Awaitable[None]]
+"""Called with (job, role, instance) once a replacement is bound (the executor closes the
+recovery that waited for it)."""
+
+
+class Binder:
+    def __init__(
+        self,
+        runtime: ServiceRuntime,
+        jobs: JobRecords,
+        ledgers: Ledgers,
+        datasets: Datasets,
+        asks: ProvisioningAsks,
+        *,
+        on_bound: Bound,
+        wake: Callable[[], None],
+    ) -> None:
+        self.runtime = runtime
+        self.jobs = jobs
+        self.ledgers = ledgers
+        self.datasets = datasets
+        self.asks = asks
+        self.on_bound = on_bound
+        self.wake = wake
+        self.fences: FenceSet | None = None
+        """Every fence, followed by a watch from the first election on (`free_for`)."""
+        self.barred: dict[str, set[str]] = {}
+        """Job -> free members not bound to it because their id was fenced from it (logged once)."""
+        self._preparing: dict[str, tuple[str, asyncio.Task[None]]] = {}
+        """Standby trainer -> the job a PREPARE sent to it is building (until it answers)."""
+
+    async def follow_fences(self) -> None:
+        """From the first election on, follow every fence; wait until they are loaded."""
+        if self.fences is None:
+            assert self.runtime.client is not None
+            self.fences = FenceSet(self.runtime.client, self.runtime.keys)
+            self.fences.start()
+        await asyncio.wait_for(self.fences.loaded.wait(), self.runtime.etcd_settings.timeout)
+
+    async def stop(self) -> None:
+        await cancel_and_wait(*(task for _, task in self._preparing.values()))
+        if self.fences is not None:
+            await self.fences.stop()
+
+    def free_for(self, job_id: str, members: list[MemberRecord]) -> dict[str, list[MemberRecord]]:
+        """Free trainers and rollouts that may be bound to job_id (`policy.bindable`): not under
+        an id fenced from it, by the same check the monitor answers beats with."""
+        fences = self.fences
+        assert fences is not None, "fences are followed from the first election on"
+        free, barred = policy.bindable(members, lambda member: fences.fences(member, job_id))
+        for instance_id in barred - self.barred.get(job_id, set()):
+            log.warning(
+                "coordinator.fenced_member_not_bound",
+                job_id=job_id,
+                member=instance_id,
+                why="a process under this id was fenced from the job; give each process its own"
+                " INSTANCE_ID",
+            )
+        self.barred[job_id] = barred
+        return free
+
+    async def start_job(self, record: JobRecord, members: list[MemberRecord]) -> None:
+        """Bind a pending job to its first members (`policy.start_members`) and run it."""
+        spec = self.jobs.spec(record)
+        start = policy.start_members(self.free_for(record.job_id, members), spec.rollout.replicas)
+        if not start.members:
+            if record.message != start.waiting:
+                await self.jobs.update(record.job_id, {"message": start.waiting})
+            return
+        try:
+            dataset = dataset_for(spec)
+        except InvalidArgument as exc:
+            await self.jobs.update(record.job_id, {}, Phase.FAILED, exc.message)
+            return
+        bound: list[MemberRecord] = []
+        for member in start.members:
+            try:
+                await control(
+                    member, BIND, record.job_id, FIRST_EPOCH, {"spec_json": json.dumps(record.spec)}
+                )
+            except grpc.aio.AioRpcError as exc:
+                message = f"{member.role} {member.instance_id} refused the job: {exc.details()}"
+                log.warning("coordinator.bind_failed", job=record.job_id, reason=message)
+                for done in bound:
+                    await control_quietly(done, RELEASE, record.job_id, FIRST_EPOCH)
+                if exc.code() in (
+                    grpc.StatusCode.INVALID_ARGUMENT,
+                    grpc.StatusCode.FAILED_PRECONDITION,
+                ):
+                    await self.jobs.update(record.job_id, {}, Phase.FAILED, message)
+                return
+            bound.append(member)
+        await self.ledgers.open(record.job_id)
+        self.datasets.keep(record.job_id, dataset)
+        await self.jobs.update(
+            record.job_id,
+            {
+                "members": [m.instance_id for m in start.members],
+                "member_roles": {m.instance_id: m.role for m in start.members},
+                "epoch": FIRST_EPOCH,
+            },
+            Phase.RUNNING,
+            "running",
+        )
+        log.info(
+            "coordinator.job_started",
+            job=record.job_id,
+            members=[m.instance_id for m in start.members],
+        )
+
+    async def fill(self, record: JobRecord, members: list[MemberRecord]) -> None:
+        """Bind replacements for roles the job lost (recovery fenced them): a free member if
+        there is one (`policy.replacement_order`, `policy.replacement_step`: one not prepared
+        for this job is sent PREPARE and bound once it answers, the answer waking the next
+        round), else ask the provisioner. A new trainer comes with a new epoch."""
+        spec = self.jobs.spec(record)
+        missing = policy.roles_missing(record, spec.rollout.replicas)
+        if not missing:
+            return
+        epoch = policy.replacement_epoch(record.epoch, missing)
+        candidates = self.free_for(record.job_id, members)
+        free = {
+            role: policy.replacement_order(found, record.job_id)
+            for role, found in candidates.items()
+        }
+        shortfall = Counter(missing)
+        bound: list[MemberRecord] = []
+        for role in list(shortfall):
+            while shortfall[role] and free[role]:
+                member = free[role].pop(0)
+                preparing = self._preparing.get(member.instance_id)
+                step = policy.replacement_step(
+                    member, record.job_id, preparing[0] if preparing else None
+                )
+                if step is policy.Step.SKIP:
+                    continue
+                if step is policy.Step.PREPARE:
+                    self._start_prepare(member, record)
+                if step is not policy.Step.BIND:
+                    shortfall[role] -= 1  # it will be bound when prepared
+                    continue
+                try:
+                    await control(
+                        member, BIND, record.job_id, epoch, {"spec_json": json.dumps(record.spec)}
+                    )
+                except grpc.aio.AioRpcError as exc:  # fenced, busy or gone: try the next one
+                    log.info(
+                        "coordinator.bind_failed", member=member.instance_id, error=exc.details()
+                    )
+                    continue
+                bound.append(member)
+                shortfall[role] -= 1
+        for role, short in shortfall.items():
+            if short:
+                await self.asks.ask(record.job_id, role, short)
+            else:
+                await self.asks.satisfied(record.job_id, role)
+        if not bound:
+            return
+        for member in bound:
+            if policy.is_standby(member):
+                await self.asks.replace_standby(record.job_id, member.instance_id)
+        done = policy.filled(record, bound, epoch)
+        await self.jobs.update(record.job_id, done.change, done.phase, done.message)
+        for member in bound:
+            log.warning(
+                "coordinator.replacement_bound",
+                job=record.job_id,
+                member=member.instance_id,
+                role=member.role,
+                epoch=epoch,
+            )
+            await self.on_bound(record.job_id, member.role, member.instance_id)
+
+    def prepare_standbys(self, records: list[JobRecord], members: list[MemberRecord]) -> None:
+        """Have each free warm standby trainer build the model of a running job ahead (PREPARE),
+        so that taking over after a trainer failure only restores a checkpoint
+        (`policy.standbys_to_prepare`). Sent in the background: a model load takes a while."""
+        running = {r.job_id: r for r in records if r.phase in (Phase.RUNNING, Phase.RECOVERING)}
+        if not running:
+            return
+        preparing = {name: job for name, (job, _) in self._preparing.items()}
+        for member, job_id in policy.standbys_to_prepare(list(running), members, preparing):
+            self._start_prepare(member, running[job_id])
+
+    def _start_prepare(self, member: MemberRecord, record: JobRecord) -> None:
+        task = asyncio.create_task(self._prepare(member, record))
+        self._preparing[member.instance_id] = (record.job_id, task)
+        task.add_done_callback(functools.partial(self._prepared, member.instance_id))
+
+    def _prepared(self, instance_id: str, _: asyncio.Task[None]) -> None:
+        self._preparing.pop(instance_id, None)
+        self.wake()  # a replacement waiting for it is bound now, not at the next tick
+
+    async def _prepare(self, member: MemberRecord, record: JobRecord) -> None:
+        try:
+            await control(
+                member,
+                PREPARE,
+                record.job_id,
+                member.epoch,
+                {"spec_json": json.dumps(record.spec)},
+                timeout=PREPARE_DEADLINE,
+            )
+        except grpc.aio.AioRpcError as exc:  # busy, bound meanwhile or gone: the next tick sees
+            log.info("coordinator.prepare_failed", member=member.instance_id, error=exc.details())
+
+    async def release(self, job_id: str, members: list[MemberRecord]) -> None:
+        """Release the members still bound to an ended job. Follower ranks are started and
+        stopped by their rank 0, not bound by the leader."""
+        for member in members:
+            if member.job_id == job_id and member.labels.get("follower") != "true":
+                await control_quietly(member, RELEASE, job_id, member.epoch)
+
+    def forget(self, job_id: str) -> None:
+        self.barred.pop(job_id, None)

@@ -1,0 +1,48 @@
+"""The prompts a job trains on: loaded from its dataset (or generated for its task) once, and
+kept by the leader while the job runs."""
+
+from __future__ import annotations
+
+from robustrl.contracts.errors import InvalidArgument
+from robustrl.contracts.jobspec import JobSpec
+from robustrl.generation.tasks import TaskItem, UnknownTaskError, get_task, load_dataset
+
+
+def dataset_for(spec: JobSpec) -> list[TaskItem]:
+    """The job's training items; InvalidArgument naming the field when they cannot be had."""
+    if spec.task.dataset:
+        try:
+            items = load_dataset(spec.task.dataset)
+        except OSError as exc:
+            raise InvalidArgument(
+                f"task.dataset: cannot read {spec.task.dataset}: {exc.strerror}"
+            ) from exc
+        except ValueError as exc:
+            raise InvalidArgument(f"task.dataset: {exc}") from exc
+        if not items:
+            raise InvalidArgument(f"task.dataset: {spec.task.dataset} has no rows")
+        return items
+    try:
+        task = get_task(spec.task.name)
+    except UnknownTaskError as exc:
+        raise InvalidArgument(f"task.name: {exc}") from exc
+    size = max(1024, 2 * spec.trainer.steps * spec.trainer.groups_per_step)
+    return task.generate(size, spec.seed)
+
+
+class Datasets:
+    """Each running job's items, loaded at its start or, after a failover, at its first lease."""
+
+    def __init__(self) -> None:
+        self._items: dict[str, list[TaskItem]] = {}
+
+    def of(self, job_id: str, spec: JobSpec) -> list[TaskItem]:
+        items = self._items.get(job_id) or dataset_for(spec)
+        self._items[job_id] = items
+        return items
+
+    def keep(self, job_id: str, items: list[TaskItem]) -> None:
+        self._items[job_id] = items
+
+    def forget(self, job_id: str) -> None:
+        self._items.pop(job_id, None)

@@ -1,0 +1,189 @@
+"""Who is bound to a job: the members it starts on, which free member replaces a lost one and
+in which order, which warm standbys are prepared for which job, and how many replacements
+are asked of the provisioner. Pure: binding.py and asks.py carry the choices out."""
+
+from __future__ import annotations
+
+import enum
+from collections import Counter
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+
+from robustrl.contracts.members import MemberRecord
+from robustrl.core.role_server import LEAVING_LABEL, PREPARED_LABEL
+from services.coordinator.jobs import JobRecord, Phase
+
+ROLES = ("trainer", "rollout")
+
+ASKED_FOR_S = 120.0
+"""A replacement asked of the provisioner counts as coming for this long: it is not asked for
+again meanwhile, by this leader or (the time is stored in etcd) the next one."""
+
+
+def is_standby(member: MemberRecord) -> bool:
+    """A warm standby trainer: it waits for a trainer to fail instead of starting jobs."""
+    return member.labels.get("standby") == "true"
+
+
+def free_members(members: list[MemberRecord], role: str) -> list[MemberRecord]:
+    """Members of `role` that a job may bind: in no job, not a trainer's follower rank, not
+    fenced, not about to exit."""
+    return [
+        m
+        for m in members
+        if m.role == role
+        and not m.job_id
+        and m.labels.get("follower") != "true"
+        and m.labels.get("fenced") != "true"
+        and m.labels.get(LEAVING_LABEL) != "true"
+    ]
+
+
+def bindable(
+    members: list[MemberRecord], fenced: Callable[[str], bool]
+) -> tuple[dict[str, list[MemberRecord]], set[str]]:
+    """Free trainers and rollouts (`free_members`) that may be bound to a job, and the ids of
+    those passed over because `fenced` says their id is fenced from it. A fence names an
+    instance id, and one bound under a fenced id (a process restarted in place with a fixed
+    INSTANCE_ID, or a job id used again after a delete, whose fences stay) would be told it
+    is fenced at its first beat and leave."""
+    candidates = {role: free_members(members, role) for role in ROLES}
+    barred = {
+        m.instance_id for found in candidates.values() for m in found if fenced(m.instance_id)
+    }
+    free = {
+        role: [m for m in found if m.instance_id not in barred]
+        for role, found in candidates.items()
+    }
+    return free, barred
+
+
+@dataclass(frozen=True)
+class Start:
+    """The members a pending job starts on; none, and why it waits, while there are too few."""
+
+    members: list[MemberRecord]
+    waiting: str = ""
+
+
+def start_members(free: Mapping[str, list[MemberRecord]], replicas: int) -> Start:
+    """A job starts on a free trainer and `replicas` free rollouts (the first of each found);
+    standbys wait for a trainer to fail."""
+    trainers = [m for m in free["trainer"] if not is_standby(m)]
+    rollouts = free["rollout"]
+    if not trainers or len(rollouts) < replicas:
+        return Start(
+            [],
+            f"waiting for 1 free trainer and {replicas} free rollouts "
+            f"(free now: {len(trainers)} trainers, {len(rollouts)} rollouts)",
+        )
+    return Start([trainers[0], *rollouts[:replicas]])
+
+
+def roles_missing(record: JobRecord, replicas: int) -> list[str]:
+    """The roles the job lost (recovery unbound them) and needs bound again: the trainer, then
+    each rollout short of `replicas`. None for a record from before roles were kept: nothing
+    to compare with."""
+    if record.members and not record.member_roles:
+        return []
+    roles = list(record.member_roles.values())
+    return (["trainer"] if "trainer" not in roles else []) + ["rollout"] * max(
+        0, replicas - roles.count("rollout")
+    )
+
+
+def replacement_epoch(epoch: int, missing: Sequence[str]) -> int:
+    """The epoch replacements are bound at: a new trainer comes with a new epoch."""
+    return epoch + 1 if "trainer" in missing else epoch
+
+
+def replacement_order(candidates: list[MemberRecord], job_id: str) -> list[MemberRecord]:
+    """Free members in the order they replace a lost one: those prepared for this job first,
+    warm standbys before the others among both (otherwise in the order found)."""
+    return sorted(
+        candidates,
+        key=lambda m: (m.labels.get(PREPARED_LABEL) != job_id, not is_standby(m)),
+    )
+
+
+class Step(enum.Enum):
+    """What the leader does with a free member it may bind as a replacement."""
+
+    BIND = "bind"
+    """Prepared for this job: bind it now."""
+    PREPARE = "prepare"
+    """Send it PREPARE; it counts as coming, and is bound once it answers."""
+    AWAIT = "await"
+    """A PREPARE for this job is under way: it counts as coming."""
+    SKIP = "skip"
+    """Busy building another job's model: try the next one."""
+
+
+def replacement_step(member: MemberRecord, job_id: str, preparing_for: str | None) -> Step:
+    """Only a member prepared for this job (label prepared=<job>) is bound. Any other is sent
+    PREPARE first, in the background, and bound once it answers: a BIND that builds a model
+    would hold the job's lock for seconds, and with it every lease, delivery and progress
+    report of the job's living members. `preparing_for`: the job a PREPARE sent to it is
+    building, None if none is under way."""
+    if member.labels.get(PREPARED_LABEL) == job_id:
+        return Step.BIND
+    if preparing_for is None:
+        return Step.PREPARE
+    return Step.AWAIT if preparing_for == job_id else Step.SKIP
+
+
+@dataclass(frozen=True)
+class Filled:
+    """The job record's change once replacements are bound."""
+
+    change: dict[str, object]
+    phase: Phase | None
+    message: str
+
+
+def filled(record: JobRecord, bound: list[MemberRecord], epoch: int) -> Filled:
+    """The members bound join the job at `epoch`; a job recovering its trainer runs again once
+    one is bound."""
+    roles = {**record.member_roles, **{m.instance_id: m.role for m in bound}}
+    recovered = "trainer" in roles.values() and record.phase is Phase.RECOVERING
+    change: dict[str, object] = {
+        "members": [*record.members, *(m.instance_id for m in bound)],
+        "member_roles": roles,
+        "epoch": epoch,
+    }
+    if epoch > record.epoch:
+        # A restored trainer starts from its checkpoint's version, which may be lower than the
+        # last one reported: rollouts must not wait for the lost versions.
+        change["weight_version"] = 0
+    if recovered:
+        return Filled(change, Phase.RUNNING, "running (recovered)")
+    return Filled(change, None, record.message)
+
+
+def standbys_to_prepare(
+    running: list[str], members: list[MemberRecord], preparing: dict[str, str]
+) -> list[tuple[MemberRecord, str]]:
+    """(free standby trainer, running job) pairs to send PREPARE to. A standby prepared for a
+    running job (label), or with a PREPARE under way (`preparing`: instance -> job), is left
+    alone; each of the others goes to the running job with the fewest standbys so far."""
+    if not running:
+        return []
+    standbys = [m for m in free_members(members, "trainer") if is_standby(m)]
+    served = Counter({job: 0 for job in running})
+    served.update(m.labels.get(PREPARED_LABEL, "") for m in standbys)
+    served.update(preparing.values())
+    chosen = []
+    for member in standbys:
+        if member.labels.get(PREPARED_LABEL) in running or member.instance_id in preparing:
+            continue
+        job_id = min(running, key=lambda j: served[j])
+        served[job_id] += 1
+        chosen.append((member, job_id))
+    return chosen
+
+
+def asks_due(asked: Sequence[float], count: int, now: float) -> tuple[list[float], int]:
+    """Of `asked` (when replacements of a role were asked for), those still coming
+    (ASKED_FOR_S), and how many more to ask for to have `count` coming."""
+    coming = [t for t in asked if now - t < ASKED_FOR_S]
+    return coming, max(0, count - len(coming))
