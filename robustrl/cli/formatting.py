@@ -1,9 +1,15 @@
-"""How the CLI writes figures: ages, sizes, JSON."""
+"""How the CLI writes: its consoles (standard output, and standard error for errors and
+warnings), and figures: ages, sizes, JSON."""
 
 from __future__ import annotations
 
 import json
 import time
+
+from rich.console import Console
+
+console = Console(soft_wrap=True)
+err_console = Console(stderr=True, soft_wrap=True)
 
 
 def emit_json(data: object) -> None:

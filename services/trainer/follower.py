@@ -1,7 +1,8 @@
 """`python -m services.trainer.follower`: trainer rank r > 0 of a data-parallel job.
 
-Rank 0, the bound trainer, starts it (services/trainer/ranks.py `spawn_followers`) with the
-job id, its rank, the world size, the rendezvous address and the JobSpec as a JSON file.
+Rank 0, the bound trainer, starts it (`spawn_followers`, services/trainer/ranks/followers.py)
+with the job id, its rank, the world size, the rendezvous address and the JobSpec as a JSON
+file.
 etcd and service settings come as ROBUSTRL_* env. The follower registers as a trainer
 member labelled `follower=true` and bound to the job, so the coordinator never binds it to
 another job. It serves only gRPC health and streams heartbeats like every member.

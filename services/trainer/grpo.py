@@ -252,7 +252,7 @@ class GRPOTrainer:
     ) -> StepMetrics:
         """One optimizer step on ``samples``; skips the update when anything is non-finite.
 
-        Data parallelism (services/trainer/ranks.py) passes this rank's shard, the whole
+        Data parallelism (services/trainer/ranks/) passes this rank's shard, the whole
         batch's completion-token count as ``token_normaliser`` (so the shards' losses and
         gradients add up to the batch's, and the token-averaged metrics are this rank's
         share of the batch's), and ``before_optimizer``: called after backward, before

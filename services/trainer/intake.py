@@ -37,12 +37,11 @@ class Group:
 class TrainedGroups:
     """The ids of every group trained so far, in space that grows with the gaps, not the job.
 
-    It goes into every per-step checkpoint, so it must stay small: listing the ids made the
-    checkpoint's metadata 3.4 MB after 1000 steps of the tiny model (every trajectory id,
-    rewritten each step). Groups are numbered by the coordinator and trained nearly in order,
-    so numbered ids (contracts.ids.group_id) are kept as runs [start, end) per job; the runs
-    break only where a group was dropped or trained out of order. Other ids are listed as they
-    are.
+    It goes into every per-step checkpoint, so it must stay small rather than list every id
+    (docs/decisions/0301-trained-groups-as-runs.md). Groups are numbered by the coordinator and
+    trained nearly in order, so numbered ids (contracts.ids.group_id) are kept as runs
+    [start, end) per job; the runs break only where a group was dropped or trained out of
+    order. Other ids are listed as they are.
     """
 
     def __init__(self) -> None:

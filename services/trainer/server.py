@@ -78,7 +78,7 @@ class TrainerServicer(RoleControl, trainer_pb2_grpc.TrainerServicer):
                     for trajectory in batch.trajectories:
                         worker = self._worker_for(trajectory.job_id)
                         if subscribed is None:
-                            queue = worker.subscribe(trajectory.rollout_instance_id)
+                            queue = worker.acks.subscribe(trajectory.rollout_instance_id)
                             subscribed = (worker, trajectory.rollout_instance_id, queue)
                             forwarder = asyncio.create_task(_forward(queue, outbox))
                         verdict, reason = worker.offer(trajectory)
@@ -109,7 +109,7 @@ class TrainerServicer(RoleControl, trainer_pb2_grpc.TrainerServicer):
                 forwarder.cancel()
             if subscribed is not None:
                 worker, rollout, queue = subscribed
-                worker.unsubscribe(rollout, queue)
+                worker.acks.unsubscribe(rollout, queue)
 
     async def PullWeights(
         self, request: trainer_pb2.PullWeightsRequest, context: grpc.aio.ServicerContext

@@ -10,8 +10,8 @@ from pathlib import Path
 import aetcd
 import pytest
 
-from robustrl.cli import main, stack
-from robustrl.cli.main import keep_warning_about_etcd, warn_about_etcd
+from robustrl.cli import job_commands, stack
+from robustrl.cli.job_commands import keep_warning_about_etcd, warn_about_etcd
 from robustrl.cli.stack import (
     StackState,
     alarm_warning,
@@ -103,7 +103,7 @@ def test_status_and_watch_say_why_a_full_etcd_stops_every_job(
         checks.append(alarm_warning(endpoints))
         return checks[-1]
 
-    monkeypatch.setattr(main, "ETCD_CHECK_INTERVAL", 0.05)
+    monkeypatch.setattr(job_commands, "ETCD_CHECK_INTERVAL", 0.05)
     monkeypatch.setattr(stack, "alarm_warning", checked)
 
     async def watch_a_while() -> None:

@@ -33,9 +33,10 @@ from robustrl.v1 import (
     trainer_pb2,
 )
 from services.rollout.config import RolloutSettings
+from services.rollout.gauges import RATE_WINDOW_S, GenerationMeter
 from services.rollout.server import RolloutServicer
 from services.rollout.server import start as start_rollout
-from services.rollout.worker import RATE_WINDOW_S, GenerationMeter, RolloutWorker
+from services.rollout.worker import RolloutWorker
 from services.trainer.config import TrainerSettings
 from services.trainer.server import serve as serve_trainer
 from tests.support import eventually
@@ -267,7 +268,7 @@ async def test_the_probe_tells_a_streaming_generation_from_a_stuck_one(
                 return (await metrics(rollout)).get("nonfinite_logprobs", 0.0) > 0
 
             await eventually(counted, timeout=30)
-            for trajectory in worker.unsettled.values():
+            for trajectory in worker.stream.unsettled.values():
                 assert all(math.isfinite(lp) for lp in trajectory.logprobs)
 
             # ... and it is given back, to be leased again at once (not at lease expiry).
@@ -324,7 +325,7 @@ async def test_a_trajectory_stream_ended_by_its_own_error_opens_again_and_delive
 
         # The writer's next take from the outbox fails with an error that is not gRPC's
         # (a bug), while the trainer keeps the stream open and answering.
-        take = worker.outbox.get
+        take = worker.stream.outbox.get
         failed = False
 
         async def failing_take() -> list[trainer_pb2.Trajectory]:
@@ -334,7 +335,7 @@ async def test_a_trajectory_stream_ended_by_its_own_error_opens_again_and_delive
                 raise RuntimeError("injected: the trajectory writer fails")
             return await take()
 
-        monkeypatch.setattr(worker.outbox, "get", failing_take)
+        monkeypatch.setattr(worker.stream.outbox, "get", failing_take)
 
         async def counted() -> bool:
             return (await metrics(rollout)).get("stream_failures", 0.0) == 1

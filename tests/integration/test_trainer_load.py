@@ -80,7 +80,7 @@ def loads_only_its_own_jobs_run(
         replacement.load()
 
     monkeypatch.setattr(first.checkpoints, "ensure_owner", frozen_after_the_check)
-    first._append("metrics.jsonl", {"step": 4})
+    first.run_logs.append("metrics.jsonl", {"step": 4})
     monkeypatch.undo()
     assert (runs / "same" / "metrics.jsonl").read_text() == '{"step": 3}\n', "its line landed"
     assert (replacement.step, replacement.restored_step) == (3, 3)
@@ -90,7 +90,7 @@ def loads_only_its_own_jobs_run(
     assert checkpoint.owner_epoch(runs / "same" / "checkpoints") == FIRST_EPOCH + 1
     # Nor does it add to the run's logs, which the replacement kept only up to step 3.
     with pytest.raises(checkpoint.Superseded):
-        first._append("metrics.jsonl", {"step": 4})  # as its metrics and audit lines go
+        first.run_logs.append("metrics.jsonl", {"step": 4})  # as its metrics and audit lines go
     assert (runs / "same" / "metrics.jsonl").read_text() == '{"step": 3}\n'
 
 
@@ -109,9 +109,9 @@ async def test_a_replacement_of_a_trainer_that_died_before_its_first_checkpoint_
         first = worker(runtime, runs, tiny_model_dir, FIRST_EPOCH)
         first.load()
         for step in (0, 1, 2):
-            first._append("metrics.jsonl", {"step": step})
+            first.run_logs.append("metrics.jsonl", {"step": step})
         for step in (0, 1):
-            first._append("trained.jsonl", {"step": step})
+            first.run_logs.append("trained.jsonl", {"step": step})
 
         replacement = worker(runtime, runs, tiny_model_dir, FIRST_EPOCH + 1)
         replacement.load()

@@ -15,7 +15,6 @@ import numpy as np
 import pytest
 import torch
 
-from services.trainer import checkpoint
 from services.trainer.checkpoint import (
     CheckpointError,
     CheckpointWriter,
@@ -28,6 +27,7 @@ from services.trainer.checkpoint import (
     to_host,
     write_snapshot,
 )
+from services.trainer.checkpoint import folder as checkpoint_folder
 
 
 def _model() -> torch.nn.Module:
@@ -214,7 +214,7 @@ def hold_fsyncs(
     disk, or a frozen process) until the second event is set; the first is set once it is
     held."""
     held, release = threading.Event(), threading.Event()
-    real_fsync = checkpoint._fsync_file
+    real_fsync = checkpoint_folder.fsync_file
 
     def held_fsync(path: Path) -> None:
         if threading.current_thread() is writer._thread and path.name.startswith(at):
@@ -222,7 +222,7 @@ def hold_fsyncs(
             assert release.wait(10)
         real_fsync(path)
 
-    monkeypatch.setattr(checkpoint, "_fsync_file", held_fsync)
+    monkeypatch.setattr(checkpoint_folder, "fsync_file", held_fsync)
     return held, release
 
 

@@ -280,7 +280,7 @@ def test_an_empty_batch_is_an_error(tiny_model_dir: Path) -> None:
         trainer.step([])
 
 
-# --- the hooks data parallelism uses (services/trainer/ranks.py) ----------------------------
+# --- the hooks data parallelism uses (services/trainer/ranks/) ------------------------------
 
 
 def test_halves_normalised_by_the_batch_add_up_to_the_batch_step(tiny_model_dir: Path) -> None:

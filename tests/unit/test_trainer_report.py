@@ -5,7 +5,7 @@ from __future__ import annotations
 import grpc
 import pytest
 
-from services.trainer.worker import report_until_heard
+from services.trainer.reporting import report_until_heard
 
 
 def refusal(code: grpc.StatusCode, details: str) -> grpc.aio.AioRpcError:

@@ -1,0 +1,139 @@
+"""The commands that run the local stack: up (etcd and the services as local processes), down
+(exactly what up started, and the replacements its coordinators provisioned), and provider
+(replacement members for an `external` provisioner, started by a command)."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import shutil
+
+import grpc
+
+from robustrl.cli import provider, stack
+from robustrl.cli.client import StackClient
+from robustrl.cli.context import UsageError, home_dir, with_client
+from robustrl.cli.formatting import console
+from robustrl.cli.inspect_commands import print_members
+from robustrl.cli.job_commands import cmd_submit
+
+
+def cmd_up(args: argparse.Namespace) -> int:
+    home = home_dir(args)
+    home.mkdir(parents=True, exist_ok=True)
+    previous = stack.StackState.load(home)
+    if previous and any(stack.is_running(p) for p in previous.procs):
+        raise UsageError(f"a stack is already running from {home}; `robustrl down` first")
+    state = stack.StackState(home=str(home))
+    if previous:
+        state.etcd_client_port = previous.etcd_client_port
+        state.etcd_peer_port = previous.etcd_peer_port
+    state.save()
+    try:
+        etcd = stack.start_etcd(state, args.etcd_history)
+        wait_for_etcd(state, etcd)
+        services = [stack.start_service(state, "monitor", "monitor-0")]
+        for i in range(args.coordinators):
+            # Replacements a coordinator starts log next to the stack's own processes.
+            extra = {
+                "ROBUSTRL_COORDINATOR_PROVISION_LOG_DIR": str(home / "logs"),
+                "ROBUSTRL_COORDINATOR_PROVISIONER": args.provisioner,
+            }
+            services.append(stack.start_service(state, "coordinator", f"coordinator-{i}", extra))
+        for i in range(args.trainers):
+            services.append(stack.start_service(state, "trainer", f"trainer-{i}"))
+        for i in range(args.standby_trainers):
+            standby = {"ROBUSTRL_TRAINER_STANDBY": "true"}
+            services.append(stack.start_service(state, "trainer", f"standby-{i}", standby))
+        for i in range(args.rollouts):
+            services.append(stack.start_service(state, "rollout", f"rollout-{i}"))
+        wait_for_members(state, services, timeout=args.timeout)
+    except (stack.StackError, KeyboardInterrupt):
+        stack.stop_procs(state.procs)
+        raise
+    console.print(f"[green]stack up[/green]: etcd at {state.etcd_endpoints}, state in {home}")
+    rc = with_client(args, lambda c: print_members(c, as_json=False))
+    if args.job:
+        rc = cmd_submit(
+            argparse.Namespace(**{**vars(args), "file": args.job, "overrides": [], "id": ""})
+        )
+    return rc
+
+
+def wait_for_etcd(state: stack.StackState, etcd: stack.Proc) -> None:
+    stack.wait_until(
+        lambda: stack.etcd_healthy(state.etcd_endpoints), 30, "waiting for etcd to answer", [etcd]
+    )
+
+
+def wait_for_members(state: stack.StackState, procs: list[stack.Proc], timeout: float) -> None:
+    """Every started service registered in etcd and answering its health check."""
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    wanted = {p.name for p in procs}
+
+    async def all_healthy() -> bool:
+        client = await StackClient.connect(state.etcd_endpoints, state.prefix)
+        try:
+            members = {m.instance_id: m for m in await client.members()}
+            if not wanted <= members.keys():
+                return False
+            for name in wanted:
+                channel = grpc.aio.insecure_channel(members[name].address)
+                async with channel:
+                    reply = await health_pb2_grpc.HealthStub(channel).Check(
+                        health_pb2.HealthCheckRequest(), timeout=2
+                    )
+                if reply.status != health_pb2.HealthCheckResponse.SERVING:
+                    return False
+            return True
+        except grpc.aio.AioRpcError:
+            return False
+        finally:
+            await client.close()
+
+    stack.wait_until(lambda: asyncio.run(all_healthy()), timeout, "waiting for services", procs)
+
+
+def cmd_down(args: argparse.Namespace) -> int:
+    home = home_dir(args)
+    state = stack.StackState.load(home)
+    if state is None:
+        console.print(f"no stack recorded in {home}; nothing to stop")
+        return 0
+    stopped = stack.stop_stack(state)
+    if args.purge:
+        shutil.rmtree(home / "etcd", ignore_errors=True)
+        (home / stack.STATE_FILE).unlink(missing_ok=True)
+    else:
+        # Keep the ports so the next `up` reuses etcd's data: jobs survive down/up.
+        state.procs = []
+        state.save()
+    console.print(f"stopped {len(stopped)} process(es): {', '.join(stopped) or '-'}")
+    return 0
+
+
+def cmd_provider(args: argparse.Namespace) -> int:
+    """Fulfil an `external` provisioner's requests with a command (robustrl/cli/provider.py)."""
+    roles = [r.strip() for r in args.roles.split(",") if r.strip()]
+    unknown = sorted(set(roles) - {"trainer", "rollout"})
+    if unknown or not roles:
+        given = ",".join(unknown) or "nothing"
+        raise UsageError(f"--roles takes trainer and/or rollout, not {given}")
+    name = args.name or f"provider-{os.uname().nodename}-{os.getpid()}"
+
+    async def run(client: StackClient) -> int:
+        console.print(f"provider {name}: serving {', '.join(roles)} requests with: {args.exec}")
+        try:
+            await provider.serve_requests(
+                client, args.exec, name=name, roles=roles, timeout=args.timeout
+            )
+        except provider.ProviderError as exc:
+            raise UsageError(f"the coordinator refused this provider: {exc}") from exc
+        return 0
+
+    try:
+        return with_client(args, run)
+    except KeyboardInterrupt:
+        return 0

@@ -1,0 +1,52 @@
+"""The trainer's evaluation: greedy generations for the task's held-out prompts under the
+current weights, scored by the job's reward. Their mean is the run's `eval_reward`."""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+from typing import Any
+
+from robustrl.contracts.errors import InvalidArgument
+from robustrl.contracts.jobspec import JobSpec
+from robustrl.generation.engine import SamplingParams, TorchEngine
+from robustrl.generation.rewards import RewardError, RewardFn, load_reward, score
+from robustrl.generation.tasks import TaskItem, UnknownTaskError, get_task
+
+
+@dataclass(frozen=True)
+class Evaluation:
+    items: list[TaskItem]
+    reward: RewardFn
+    max_new_tokens: int
+    seed: int
+
+    @classmethod
+    def for_job(cls, spec: JobSpec) -> Evaluation:
+        """The job's held-out split and reward; InvalidArgument naming the spec field."""
+        try:
+            task = get_task(spec.task.name)
+        except UnknownTaskError as exc:
+            raise InvalidArgument(f"task.name: {exc}") from exc
+        try:
+            items = task.eval_split(spec.task.eval_size)
+        except ValueError as exc:
+            raise InvalidArgument(f"task.eval_size: {exc}") from exc
+        try:
+            reward = load_reward(spec.task.reward)
+        except RewardError as exc:
+            raise InvalidArgument(f"task.reward: {exc}") from exc
+        return cls(items, reward, spec.rollout.max_new_tokens, spec.seed)
+
+    async def run(self, model: Any, tokenizer: Any) -> float:
+        """The mean reward over the held-out items; generation runs in a worker thread."""
+        engine = TorchEngine(model, tokenizer)
+        prompts = [item.prompt for item in self.items]
+        params = SamplingParams(
+            n=1, temperature=0.0, max_new_tokens=self.max_new_tokens, seed=self.seed
+        )
+        outputs = await asyncio.to_thread(engine.generate, prompts, params)
+        total = 0.0
+        for item, completions in zip(self.items, outputs, strict=True):
+            total += score(self.reward, item.prompt, completions[0].text, item.answer)
+        return total / max(1, len(self.items))

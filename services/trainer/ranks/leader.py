@@ -1,0 +1,174 @@
+"""Rank 0's side of a data-parallel job: start the followers, run each step on every rank,
+name the rank that went away when a step breaks, and stop them."""
+
+from __future__ import annotations
+
+import subprocess
+import time
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+from robustrl.core.config import EtcdSettings, ServiceSettings
+from robustrl.core.heartbeat import Progress
+from robustrl.core.logs import get_logger
+from services.trainer.grpo import GRPOTrainer, Sample, StepMetrics
+from services.trainer.ranks.followers import spawn_followers, stop_followers
+from services.trainer.ranks.group import RankGroup
+from services.trainer.ranks.step import StepOrder, run_step
+
+log = get_logger(__name__)
+
+RANK_EXIT_GRACE = 2.0
+"""How long rank 0, its collective broken, waits for a follower to exit to name it as the
+cause (a follower that failed closes its connections, then exits)."""
+
+
+class RankExited(RuntimeError):
+    """A follower rank ended while rank 0 worked with it: the step (or start) cannot finish."""
+
+
+class RanksDiverged(RuntimeError):
+    """The ranks' parameters differ after a step: the data-parallel update is broken."""
+
+
+class LeaderRanks:
+    """Rank 0's side: start the followers, run each step on every rank, stop them."""
+
+    def __init__(
+        self,
+        progress: Progress,
+        *,
+        timeout_s: float = 300.0,
+        host: str = "127.0.0.1",
+        warn_after: float | None = None,
+    ) -> None:
+        self.progress = progress
+        self.timeout_s = timeout_s
+        self.host = host
+        self.warn_after = warn_after
+        self.group: RankGroup | None = None
+        self.procs: list[subprocess.Popen[bytes]] = []
+        self.fingerprints: list[tuple[float, float]] = []
+        """Each rank's parameter fingerprint after the last step."""
+
+    def start(
+        self,
+        trainer: GRPOTrainer,
+        *,
+        spec_path: Path,
+        job_id: str,
+        world_size: int,
+        etcd: EtcdSettings,
+        instance_id: str,
+        settings: ServiceSettings | None = None,
+        torch_threads: int = 1,
+        follower_args: Mapping[int, Sequence[str]] | None = None,
+    ) -> None:
+        """Spawn the followers, form the group, give every rank rank 0's state. Blocks.
+
+        `spec_path` holds the JobSpec as JSON (the followers load the same model).
+        """
+        group = RankGroup(
+            0,
+            world_size,
+            f"{self.host}:0",
+            self.progress,
+            self.timeout_s,
+            warn_after=self.warn_after,
+        )
+        before = self.progress.phase
+        self.progress.enter("starting_ranks")
+        try:
+            master = group.listen()
+            self.procs = spawn_followers(
+                job_id=job_id,
+                world_size=world_size,
+                master=master,
+                spec_path=spec_path,
+                etcd=etcd,
+                instance_id=instance_id,
+                settings=settings,
+                torch_threads=torch_threads,
+                timeout_s=self.timeout_s,
+                extra_args=follower_args,
+            )
+            group.init(check=self._check_followers)
+            group.broadcast_state(trainer.model, trainer.optimizer)
+        except BaseException:
+            stop_followers(self.procs, 0.0)
+            self.procs = []
+            group.close()
+            raise
+        finally:
+            self.progress.enter(before)
+        self.group = group
+
+    def _check_followers(self) -> None:
+        exited = self._exited()
+        if exited:
+            raise RankExited(f"{exited} before joining")
+
+    def _exited(self, wait_s: float = 0.0) -> str:
+        """Which followers have exited, and how ("trainer rank 1 exited with code 1"); empty if
+        none has. Waits up to `wait_s` for one to: a rank that failed exits just after its
+        connections close, and the other ranks learn of it from those."""
+        deadline = time.monotonic() + wait_s
+        while True:
+            codes = [(rank, proc.poll()) for rank, proc in enumerate(self.procs, start=1)]
+            exited = [
+                f"trainer rank {rank} exited with code {code}"
+                for rank, code in codes
+                if code is not None
+            ]
+            if exited or time.monotonic() >= deadline:
+                return ", ".join(exited)
+            time.sleep(0.05)
+
+    def step(self, trainer: GRPOTrainer, samples: Sequence[Sample], *, step: int) -> StepMetrics:
+        """`trainer.step(samples)` across every rank; the batch's metrics.
+
+        `nonfinite_where` is rank 0's own: under data parallelism `nonfinite` may come from
+        another rank, which reports its own counter. Raises `RanksDiverged` if the ranks'
+        parameters differ afterwards.
+        """
+        if self.group is None:
+            raise RuntimeError("LeaderRanks.start has not run")
+        if not samples:
+            raise ValueError("cannot train on an empty batch")
+        order = StepOrder(step, list(samples))
+        try:
+            self.group.broadcast_batch(order)
+            outcome = run_step(self.group, trainer, order)
+        except Exception as exc:
+            # gloo says only that a connection broke; name the rank that went away (its own
+            # log, trainer.follower_failed, says why) so the recovery record does too.
+            exited = self._exited(wait_s=RANK_EXIT_GRACE)
+            if exited:
+                first = str(exc).splitlines()[0] if str(exc) else repr(exc)
+                raise RankExited(f"in step {step + 1}: {exited} ({first})") from exc
+            raise
+        self.fingerprints = outcome.fingerprints
+        if any(fp != outcome.fingerprints[0] for fp in outcome.fingerprints):
+            raise RanksDiverged(
+                f"ranks' parameters differ after step {step}: {outcome.fingerprints}"
+            )
+        return outcome.metrics
+
+    def close(self, timeout_s: float = 10.0) -> list[int]:
+        """Tell the followers to exit, wait for them, stop those that do not; idempotent.
+
+        Returns the followers' exit codes.
+        """
+        group, self.group = self.group, None
+        if group is not None and not group.broken:
+            try:
+                group.broadcast_batch(None, timeout_s=timeout_s)
+            except Exception as exc:  # a follower is gone or stopped: it is stopped below
+                log.warning("trainer.ranks_stop_unheard", error=str(exc).splitlines()[0])
+        codes = stop_followers(self.procs, timeout_s)
+        if group is not None:
+            group.close()
+        if self.procs:
+            log.info("trainer.ranks_closed", exit_codes=codes)
+        self.procs = []
+        return codes

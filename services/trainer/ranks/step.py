@@ -1,0 +1,106 @@
+"""One data-parallel step, as every rank runs it: the order rank 0 broadcasts, this rank's
+shard of it, and the outcome gathered from every rank."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, TypeVar
+
+import torch
+
+from services.trainer.grpo import GRPOTrainer, Sample, StepMetrics
+
+if TYPE_CHECKING:
+    from services.trainer.ranks.group import RankGroup
+
+T = TypeVar("T")
+
+
+def shard(samples: Sequence[T], rank: int, world_size: int) -> list[T]:
+    """Rank `rank`'s part of one step's samples: every `world_size`-th from index `rank`.
+
+    Strided rather than contiguous, so each rank gets a similar mix of groups and lengths.
+    A rank may get none (fewer samples than ranks); it still joins the gradient sum.
+    """
+    if not 0 <= rank < world_size:
+        raise ValueError(f"rank {rank} is outside a world of {world_size}")
+    return list(samples[rank::world_size])
+
+
+@dataclass(frozen=True)
+class StepOrder:
+    """What rank 0 broadcasts each step: the step number and the whole batch."""
+
+    step: int
+    samples: list[Sample]
+
+
+@dataclass(frozen=True)
+class StepOutcome:
+    metrics: StepMetrics
+    """The batch's metrics (summed over ranks), except `nonfinite_where`: this rank's."""
+    fingerprints: list[tuple[float, float]]
+    """Per rank, after the step: (sum, sum of squares) of its parameters, in float64."""
+
+
+def fingerprint(model: torch.nn.Module) -> tuple[float, float]:
+    """(sum, sum of squares) of every parameter in float64: equal on ranks that agree."""
+    total, squares = 0.0, 0.0
+    with torch.no_grad():
+        for p in model.parameters():
+            flat = p.detach().double()
+            total += float(flat.sum())
+            squares += float((flat * flat).sum())
+    return total, squares
+
+
+def run_step(
+    group: RankGroup,
+    trainer: GRPOTrainer,
+    order: StepOrder,
+    *,
+    inject: Callable[[list[Sample]], list[Sample]] | None = None,
+) -> StepOutcome:
+    """This rank's part of one data-parallel step; every rank calls it with the same order.
+
+    `inject` may change this rank's shard before it trains (deterministic failure
+    injection, e.g. a NaN sample).
+    """
+    progress = group.progress
+    mine = shard(order.samples, group.rank, group.world_size)
+    if inject is not None:
+        mine = inject(mine)
+    tokens = sum(len(s.completion_ids) for s in order.samples)
+
+    def before_optimizer(nonfinite: bool) -> bool:
+        anywhere = group.sync_gradients(trainer.model, nonfinite=nonfinite)
+        progress.enter("optimizer")
+        return anywhere
+
+    progress.enter("forward_backward")
+    local = trainer.step(mine, token_normaliser=tokens, before_optimizer=before_optimizer)
+    rows = group.gather_step(
+        [
+            local.loss,
+            local.ratio_mean,
+            local.clip_frac,
+            local.kl,
+            float(local.num_tokens),
+            float(local.num_samples),
+            *fingerprint(trainer.model),
+        ]
+    )
+    summed = [math.fsum(column) for column in zip(*(row[:6] for row in rows), strict=True)]
+    metrics = dataclasses.replace(
+        local,
+        loss=summed[0],
+        ratio_mean=summed[1],
+        clip_frac=summed[2],
+        kl=summed[3],
+        num_tokens=int(summed[4]),
+        num_samples=int(summed[5]),
+    )
+    return StepOutcome(metrics, [(row[6], row[7]) for row in rows])
