@@ -563,7 +563,7 @@ def test_etcd_unreachable_for_longer_than_the_ttl_replaces_nothing_and_loses_not
         etcd_pid = next(int(p["pid"]) for p in state["procs"] if p["name"] == "etcd")
         os.kill(etcd_pid, signal.SIGSTOP)  # the etcd this test's stack started
         try:
-            time.sleep(ETCD_OUTAGE_S)
+            time.sleep(ETCD_OUTAGE_S)  # the outage under test, not a wait: it outlasts every lease
         finally:
             os.kill(etcd_pid, signal.SIGCONT)
 

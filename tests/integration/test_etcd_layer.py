@@ -52,7 +52,8 @@ async def test_a_refreshed_session_outlives_its_ttl_three_times_over(
 ) -> None:
     registry, session = await registered_r0(etcd_client, etcd_settings, ttl=2)
 
-    await asyncio.sleep(6.0)  # three TTLs: unrefreshed, the lease is gone within 3 s (below)
+    # The span under test, not a wait: three TTLs; unrefreshed, a lease goes within 3 s (below).
+    await asyncio.sleep(6.0)
 
     assert [m.instance_id for m in (await registry.list())[0]] == ["r0"]
     assert not session.done.is_set() and not session.lost
@@ -159,7 +160,12 @@ async def test_election_hands_over_when_the_leader_resigns_or_dies(
     )
     await e1.campaign(b"one")
     second = asyncio.create_task(e2.campaign(b"two"))
-    await asyncio.sleep(0.3)
+
+    async def in_line() -> bool:  # its key is written, behind the leader's
+        return e2.revision != 0
+
+    await eventually(in_line, timeout=5)
+    await asyncio.sleep(0.3)  # the span under test: in line behind a leader, it does not lead
     assert not second.done()
     leader = await current_leader(etcd_client, prefix)
     assert leader is not None and leader.value == b"one"
@@ -356,7 +362,13 @@ async def test_a_watch_creation_that_timed_out_cannot_hand_its_watch_to_the_next
             with pytest.raises(aetcd.exceptions.WatchTimeoutError):
                 await _open_watch(client, b"/a/", revision + 1)
             second = asyncio.ensure_future(_open_watch(client, b"/b/", revision + 1))
-            await asyncio.sleep(0.3)  # B's creation is on its way while etcd still sleeps
+            watcher = client._watcher
+
+            async def b_on_its_way() -> bool:  # pending, its request taken by the new stream
+                return watcher._new_callback is not None and watcher._request_queue.empty()
+
+            # While etcd still sleeps, and before B's own creation times out (1 s).
+            await eventually(b_on_its_way, timeout=0.8, interval=0.01)
         watch = await second
         try:
             await client.put(b"/a/k", b"not B's")
@@ -508,7 +520,11 @@ async def test_work_waiting_on_an_unreachable_etcd_goes_on_once_it_answers(
             waiting = asyncio.ensure_future(
                 until_etcd_answers(read, "reading", on_wait=lambda: waits.append(1.0))
             )
-            await asyncio.sleep(3.0)
+
+            async def retried_twice() -> bool:  # two tries timed out, a third is under way
+                return tries >= 3
+
+            await eventually(retried_twice, timeout=10)
             assert not waiting.done() and tries >= 2 and waits == [1.0]
         assert await asyncio.wait_for(waiting, 10) == b"kept"
         assert waits == [1.0]

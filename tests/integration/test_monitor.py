@@ -5,8 +5,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import socket
+import time
 
 import grpc
+import pytest
 
 from robustrl.contracts.members import MemberRecord
 from robustrl.core.config import EtcdSettings
@@ -17,6 +19,7 @@ from robustrl.core.registry import Registry
 from robustrl.core.runtime import ServiceRuntime
 from robustrl.core.session import Session
 from robustrl.v1 import common_pb2, monitor_pb2, monitor_pb2_grpc
+from services.monitor import detectors
 from services.monitor.config import MonitorSettings
 from services.monitor.server import serve as serve_monitor
 from tests.support import eventually
@@ -47,10 +50,44 @@ async def beating_rollout(
     return sender
 
 
+def detector_rounds(monkeypatch: pytest.MonkeyPatch) -> list[float]:
+    """The clock (`now`) of each detector round the monitor in this process runs from here on."""
+    rounds: list[float] = []
+    evaluate = detectors.evaluate
+
+    def counted(
+        views: detectors.Views, now: float, config: detectors.DetectorConfig
+    ) -> list[detectors.Finding]:
+        rounds.append(now)
+        return evaluate(views, now, config)
+
+    monkeypatch.setattr(detectors, "evaluate", counted)
+    return rounds
+
+
+async def evaluated_past(rounds: list[float], moment: float) -> None:
+    """Until the monitor has finished a detector round at `moment` or later (its reports
+    recorded): rounds run one after another, so the next one starting says that one is done."""
+
+    async def finished() -> bool:
+        return sum(now >= moment for now in rounds) >= 2
+
+    await eventually(finished, timeout=10)
+
+
+async def incidents_now(monitor: ServiceRuntime) -> int:
+    """The incident log's revision now: a watch from it misses nothing recorded later,
+    however long the watch takes to be established."""
+    assert monitor.client is not None
+    _, revision = await IncidentLog(monitor.client, monitor.keys).list()
+    return revision
+
+
 async def test_a_clean_goodbye_of_a_member_in_no_job_is_never_an_incident(
-    monitor: ServiceRuntime,
+    monitor: ServiceRuntime, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     assert monitor.client is not None
+    rounds = detector_rounds(monkeypatch)
     sender = await beating_rollout(monitor, "rollout-a", job_id="", epoch=1)
     async with grpc.aio.insecure_channel(monitor.address) as channel:
         api = monitor_pb2_grpc.MonitorStub(channel)
@@ -65,32 +102,37 @@ async def test_a_clean_goodbye_of_a_member_in_no_job_is_never_an_incident(
             return await health_state(api, "rollout-a") == "GONE"
 
         await eventually(gone, timeout=5)
-        await asyncio.sleep(1.0)  # past the reconnect grace: still no incident
+        # The grace under test (0.5 s), twice over, as the monitor judged it: still no incident.
+        await evaluated_past(rounds, time.time() + 1.0)
         reply = await api.GetHealth(monitor_pb2.GetHealthRequest(), timeout=5)
         assert reply.incidents_total == 0
     assert (await IncidentLog(monitor.client, monitor.keys).list())[0] == []
 
 
 async def test_a_clean_goodbye_of_a_member_that_serves_a_job_is_its_loss_at_once(
-    monitor: ServiceRuntime,
+    monitor: ServiceRuntime, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """SIGTERM of a bound member (a pod deleted, a node drained): its job lost it all the same,
     reported on the goodbye rather than when the leader finds it missing from the registry."""
     assert monitor.client is not None
+    rounds = detector_rounds(monkeypatch)
     sender = await beating_rollout(monitor, "rollout-b", job_id="job-g", epoch=2)
     async with grpc.aio.insecure_channel(monitor.address) as channel:
         api = monitor_pb2_grpc.MonitorStub(channel)
         incidents = api.WatchIncidents(
-            monitor_pb2.WatchIncidentsRequest(job_id="job-g"), timeout=15
+            monitor_pb2.WatchIncidentsRequest(
+                job_id="job-g", after_revision=await incidents_now(monitor)
+            ),
+            timeout=15,
         )
-        await asyncio.sleep(0.2)  # the watch is established
         await sender.stop()
         incident = await asyncio.wait_for(incidents.read(), 5)
         incidents.cancel()
     assert incident.kind == common_pb2.INCIDENT_KIND_MEMBER_LOST
     assert (incident.instance_id, incident.job_id, incident.epoch) == ("rollout-b", "job-g", 2)
     assert "stopped cleanly (a goodbye) while it still served job job-g" in incident.evidence
-    await asyncio.sleep(1.5)  # past the reconnect grace and the deregistration: no second one
+    # Three reconnect graces past the loss, as the monitor judged it: no second incident.
+    await evaluated_past(rounds, time.time() + 1.5)
     recorded, _ = await IncidentLog(monitor.client, monitor.keys).list("job-g")
     assert [r.instance_id for r in recorded] == ["rollout-b"]
 
@@ -101,9 +143,11 @@ async def test_a_stream_that_dies_without_goodbye_raises_one_incident(
     async with grpc.aio.insecure_channel(monitor.address) as channel:
         api = monitor_pb2_grpc.MonitorStub(channel)
         incidents = api.WatchIncidents(
-            monitor_pb2.WatchIncidentsRequest(job_id="job-x"), timeout=15
+            monitor_pb2.WatchIncidentsRequest(
+                job_id="job-x", after_revision=await incidents_now(monitor)
+            ),
+            timeout=15,
         )
-        await asyncio.sleep(0.2)  # the watch is established
 
         doomed = grpc.aio.insecure_channel(monitor.address)
         call = monitor_pb2_grpc.MonitorStub(doomed).Heartbeat()
@@ -171,9 +215,17 @@ async def test_a_broken_stream_whose_address_refuses_is_lost_before_the_grace(
         async with grpc.aio.insecure_channel(monitor.address) as channel:
             api = monitor_pb2_grpc.MonitorStub(channel)
             incidents = api.WatchIncidents(
-                monitor_pb2.WatchIncidentsRequest(job_id="job-r"), timeout=15
+                monitor_pb2.WatchIncidentsRequest(
+                    job_id="job-r", after_revision=await incidents_now(monitor)
+                ),
+                timeout=15,
             )
-            await asyncio.sleep(0.2)  # the watch is established
+
+            async def both_known() -> bool:  # with the addresses of their registry records
+                names = ("trainer-dead", "trainer-away")
+                return all([await health_state(api, name) == "ALIVE" for name in names])
+
+            await eventually(both_known, timeout=5)
             started = asyncio.get_running_loop().time()
             await beat_once_and_die(monitor.address, "trainer-dead", "job-r")
             await beat_once_and_die(monitor.address, "trainer-away", "job-r")

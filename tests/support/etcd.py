@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import signal
 import subprocess
-import time
 from pathlib import Path
 
 from robustrl.cli.stack import etcd_argv, etcd_healthy, free_ports
+from tests.support.waiting import eventually_sync
 
 
 class EtcdProcess:
@@ -32,9 +32,12 @@ class EtcdProcess:
 
 def started_etcd(data_dir: Path) -> EtcdProcess:
     server = EtcdProcess(data_dir)
-    deadline = time.monotonic() + 30
-    while not etcd_healthy(server.endpoints):
+
+    def healthy() -> bool:
+        if etcd_healthy(server.endpoints):
+            return True
         assert server.proc.poll() is None, "etcd exited at start"
-        assert time.monotonic() < deadline, "etcd did not become healthy within 30s"
-        time.sleep(0.1)
+        return False
+
+    eventually_sync(healthy, 30, unmet=lambda: "etcd did not become healthy within 30s")
     return server

@@ -5,9 +5,10 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
-import time
 from collections.abc import Iterator
 from pathlib import Path
+
+from tests.support.waiting import eventually_sync
 
 
 def process_state(pid: int, thread: int | None = None) -> str:
@@ -25,19 +26,23 @@ def stop_process(pid: int, timeout: float = 10.0) -> None:
     milliseconds meanwhile (measured: etcd answered a request sent 0.1 ms after the signal),
     which a test that acts on "etcd is stopped" must not mistake for the code under test."""
     os.kill(pid, signal.SIGSTOP)
-    deadline = time.monotonic() + timeout
-    while True:
-        states = []
+    states: list[str] = []
+
+    def every_thread_stopped() -> bool:
+        states.clear()
         for task in Path(f"/proc/{pid}/task").iterdir():
             try:
                 states.append(process_state(pid, int(task.name)))
             except (OSError, IndexError):
                 continue  # the thread ended meanwhile
-        if states and all(state in ("T", "t") for state in states):
-            return
-        if time.monotonic() > deadline:
-            raise AssertionError(f"pid {pid} not stopped {timeout}s after SIGSTOP: {states}")
-        time.sleep(0.001)
+        return bool(states) and all(state in ("T", "t") for state in states)
+
+    eventually_sync(
+        every_thread_stopped,
+        timeout,
+        interval=0.001,
+        unmet=lambda: f"pid {pid} not stopped {timeout}s after SIGSTOP: {states}",
+    )
 
 
 @contextlib.contextmanager

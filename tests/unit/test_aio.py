@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 
 from robustrl.core.aio import retry_while
+from tests.support import eventually
 
 
 async def test_a_retry_loop_ends_when_its_call_swallowed_the_cancel() -> None:
@@ -17,7 +18,7 @@ async def test_a_retry_loop_ends_when_its_call_swallowed_the_cancel() -> None:
         nonlocal calls
         calls += 1
         with contextlib.suppress(asyncio.CancelledError):
-            await asyncio.sleep(30)
+            await asyncio.sleep(30)  # not a wait: a call that hangs until it is cancelled
         raise ConnectionError("etcd is unreachable")
 
     task = asyncio.create_task(
@@ -25,7 +26,11 @@ async def test_a_retry_loop_ends_when_its_call_swallowed_the_cancel() -> None:
             swallows_then_fails, lambda exc: True, waiting="test.waiting", answered="test.answered"
         )
     )
-    await asyncio.sleep(0.05)
+
+    async def calling() -> bool:  # the call is under way, hanging in its sleep
+        return calls > 0
+
+    await eventually(calling, timeout=5)
     task.cancel()
     done, _ = await asyncio.wait([task], timeout=2)
     assert task in done and task.cancelled()

@@ -21,12 +21,12 @@ def test_a_task_that_ignores_cancellation_is_named_instead_of_hanging_the_close(
     async def stubborn() -> None:
         while not release.is_set():
             try:
-                await asyncio.sleep(10)
+                await asyncio.sleep(10)  # not a wait: pending at the close, outliving the cancel
             except asyncio.CancelledError:
                 continue  # as a task stuck in a call that never returns would
 
     async def done_at_once() -> None:
-        await asyncio.sleep(10)
+        await asyncio.sleep(10)  # not a wait: pending at the close, until its cancel
 
     loop = asyncio.new_event_loop()
     try:

@@ -74,12 +74,12 @@ from robustrl.core.aio import run_process
 async def stubborn():
     while True:
         try:
-            await asyncio.sleep(10)
+            await asyncio.sleep(10)  # not a wait: pending when main returns, outliving the cancel
         except asyncio.CancelledError:
             continue  # as a task stuck in a call that never returns would
 
 async def obliging():
-    await asyncio.sleep(10)
+    await asyncio.sleep(10)  # not a wait: pending when main returns, until its cancel
 
 async def main():
     asyncio.create_task(stubborn(), name="stubborn")
