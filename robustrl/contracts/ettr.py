@@ -44,9 +44,8 @@ RECENT_STEPS = 31
 TYPICAL_QUANTILE = 0.9
 """Which of the recent intervals is the typical one: the 90th percentile, not the median. A
 pipelined job's intervals can alternate between short (the next batch was ready) and long (it
-was not): on the local stack, with 16 groups a step, 0.04-0.08 s and 0.2 s, median 0.06 s.
-Twice the median cut every long wait, and a fault-free run's ETTR read 73%. A few waits for
-restarted roles among the recent intervals (3 of 31) still leave the typical one alone."""
+was not), and twice the median would cut every long wait (decision 0013). A few waits for
+restarted roles among the recent intervals still leave the typical one alone."""
 FOLD_AFTER_S = 600.0
 """Seconds after which a job's account folds its history whatever is still out (an interval
 that arrives later still counts from the horizon on: an undercount, never an overcount)."""
@@ -267,9 +266,8 @@ def fold_horizon(
     delivered groups not trained yet and among the groups out on a lease (generated after
     they were leased, at `deadline - lease_seconds`), but never more than FOLD_AFTER_S back.
 
-    A fixed FOLD_AFTER_S alone let a fast job's account hold every step of its last ten
-    minutes: at the local stack's 4-5 steps a second that was 0.3-0.5 MB, written to etcd on
-    every step, and a job of 2500 steps filled etcd's 2 GiB quota (NOSPACE: the job stopped).
+    A fixed FOLD_AFTER_S alone would let a fast job's account hold every step of its last ten
+    minutes, rewritten to etcd on every step (decision 0006).
     """
     earliest = min([now, *pending_generation_starts, *(d - lease_seconds for d in lease_deadlines)])
     return max(now - FOLD_AFTER_S, earliest)

@@ -2,10 +2,8 @@
 
 etcd keeps every revision of a key until its history is compacted, so what a job costs etcd is
 the bytes written, not the bytes kept. The work ledger is rewritten on every lease and every
-completion (12-13 KB of JSON for a job with 128 groups out), and it dominated: the local
-stack's demo sent etcd 101 MB in 106 s. Its JSON repeats the same keys, group-id prefixes and
-member names in every entry and compresses ~12x at zlib's fastest level (13052 -> 1039 bytes
-for that ledger), in ~0.1 ms.
+completion, and its JSON repeats the same keys, group-id prefixes and member names in every
+entry, so zlib's fastest level shrinks it many times over (decision 0007 has the figures).
 
 `dump` writes compressed JSON; `load` reads that and plain JSON alike (a value starts with `{`
 only if it is plain JSON; zlib's stream never does), so values written before, or put by hand

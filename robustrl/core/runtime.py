@@ -52,11 +52,8 @@ def long_lived_objects(*, start: bool = False) -> Iterator[None]:
     objects of transformers. Elsewhere (a test process that runs a worker in-process) those
     later blocks run as they are.
 
-    Each full collection walked all of those objects: in the demo each trainer and rollout
-    process ran 1-2 full collections of 200-340 ms while it worked (its event loop, and so its
-    RPCs and heartbeats, stopped meanwhile); none over 16 ms once frozen. Importing with the
-    collector off and collecting once took a trainer's imports from 1.8-1.95 s to 1.6-1.7 s
-    here (the collector ran five times during them)."""
+    Unfrozen, every full collection walks all of those objects while the event loop (and so
+    the member's RPCs and heartbeats) waits: decision 0002 has the pauses measured."""
     global _freezing
     _freezing = _freezing or start
     if not _freezing:
@@ -254,10 +251,10 @@ class ServiceRuntime:
                     pass
                 except BaseException:
                     # Not written (etcd refused it, or the caller gave up): the record in
-                    # memory must not claim it was. It did once, when etcd was out of space:
-                    # a standby's "prepared" label stayed in memory only, so every PREPARE
-                    # after found it labelled and wrote nothing, and the leader, which binds
-                    # only a member whose record says prepared, never bound it.
+                    # memory must not claim it was. Else a standby's "prepared" label refused
+                    # by a full etcd would stay in memory only: every later PREPARE would find
+                    # it labelled and write nothing, and the leader, which binds only a
+                    # member whose stored record says prepared, would never bind it.
                     self.member = before
                     raise
             session = await self.next_session(after=session)

@@ -99,7 +99,7 @@ async def _open_watch(client: aetcd.Client, prefix: bytes, start_revision: int) 
     aetcd pairs etcd's "created" answer with whichever watch creation is pending when the
     answer arrives. A creation cancelled before its answer leaves that answer to the next
     creation on the client, which then carries the cancelled watch's id and events, and its own
-    never come (tried here: 30 of 30 such watches missed their own key). So a creation always
+    never come (decision 0005). So a creation always
     runs to its end, and the watch of a caller cancelled meanwhile is cancelled once it exists.
     """
     creating = asyncio.ensure_future(client.watch_prefix(prefix, start_revision=start_revision))
