@@ -27,8 +27,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
-import json
 import os
 import statistics
 import subprocess
@@ -41,6 +39,8 @@ from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+
+from children import Child, start_etcd, stop_etcd  # noqa: E402 (a sibling script's module)
 
 MIB = 1 << 20
 IDLE_BOUND = 0.3 / 2.0
@@ -57,49 +57,11 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-class Peer:
-    """One ucx_peer process: send a command, await its reply line."""
-
-    def __init__(self, name: str, proc: asyncio.subprocess.Process, log: Path) -> None:
-        self.name = name
-        self.proc = proc
-        self.log = log
-        self._ids = 0
-        self._replies: dict[int, dict[str, Any]] = {}
-
-    async def line(self, timeout: float) -> dict[str, Any]:
-        assert self.proc.stdout is not None
-        raw = await asyncio.wait_for(self.proc.stdout.readline(), timeout)
-        if not raw:
-            raise RuntimeError(f"peer {self.name} died:\n{self.log.read_text()[-3000:]}")
-        message: dict[str, Any] = json.loads(raw)
-        return message
-
-    async def call(self, cmd: str, timeout: float = 300, **fields: Any) -> dict[str, Any]:
-        assert self.proc.stdin is not None
-        self._ids += 1
-        request_id = self._ids
-        self.proc.stdin.write(
-            (json.dumps({"cmd": cmd, "id": request_id, **fields}) + "\n").encode()
-        )
-        while request_id not in self._replies:
-            message = await self.line(timeout)
-            self._replies[message["id"]] = message
-        return self._replies.pop(request_id)
+class Peer(Child):
+    """One ucx_peer process (tests/support/ucx_peer.py)."""
 
     def cpu(self) -> float:
         return cpu_seconds(self.proc.pid)
-
-    async def stop(self) -> None:
-        if self.proc.returncode is None:
-            with contextlib.suppress(ConnectionError, RuntimeError):
-                assert self.proc.stdin is not None
-                self.proc.stdin.write(b'{"cmd": "exit"}\n')
-            try:
-                await asyncio.wait_for(self.proc.wait(), 15)
-            except TimeoutError:
-                self.proc.kill()
-                await self.proc.wait()
 
 
 class Bench:
@@ -112,20 +74,7 @@ class Bench:
         self.peers: list[Peer] = []
 
     def start_etcd(self) -> None:
-        from robustrl.cli.stack import etcd_argv, etcd_healthy, free_port
-
-        client, peer = free_port(), free_port()
-        self.endpoints = f"127.0.0.1:{client}"
-        self.etcd = subprocess.Popen(
-            [*etcd_argv("bench", self.workdir / "etcd", client, peer), "--log-level=error"],
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-        )
-        deadline = time.monotonic() + 30
-        while not etcd_healthy(self.endpoints):
-            if time.monotonic() > deadline or self.etcd.poll() is not None:
-                raise RuntimeError("etcd did not start")
-            time.sleep(0.1)
+        self.etcd, self.endpoints = start_etcd(self.workdir)
 
     async def spawn(self, job: str, *specs: tuple[str, ...]) -> list[Peer]:
         """Peers of one job started side by side (imports dominate), ready: (name, *flags)."""
@@ -150,9 +99,7 @@ class Bench:
 
     async def close(self) -> None:
         await asyncio.gather(*(peer.stop() for peer in self.peers))
-        if self.etcd is not None:
-            self.etcd.terminate()
-            self.etcd.wait(10)
+        stop_etcd(self.etcd)
 
 
 async def until(predicate: Callable[[], Awaitable[bool]], timeout: float) -> None:

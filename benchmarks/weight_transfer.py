@@ -89,6 +89,8 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from children import Child, start_etcd, stop_etcd  # noqa: E402 (a sibling script's module)
+
 MIB = 1 << 20
 UCX_JOB = "bench-ucx"
 GRPC_JOB = "bench-grpc"
@@ -391,49 +393,12 @@ async def worker_main(args: argparse.Namespace) -> None:
 # =========================================================================== driver side
 
 
-class Proc:
-    """A worker process as the driver sees it."""
+class Proc(Child):
+    """A worker process as the driver sees it; `info` is what it said when ready."""
 
     def __init__(self, name: str, proc: asyncio.subprocess.Process, log: Path) -> None:
-        self.name = name
-        self.proc = proc
-        self.log = log
+        super().__init__(name, proc, log)
         self.info: dict[str, Any] = {}
-        self._ids = 0
-        self._replies: dict[int, dict[str, Any]] = {}
-
-    async def _line(self, timeout: float) -> dict[str, Any]:
-        assert self.proc.stdout is not None
-        line = await asyncio.wait_for(self.proc.stdout.readline(), timeout)
-        if not line:
-            raise RuntimeError(f"worker {self.name} died:\n{self.log.read_text()[-3000:]}")
-        message: dict[str, Any] = json.loads(line)
-        return message
-
-    def send(self, cmd: str, **fields: Any) -> int:
-        assert self.proc.stdin is not None
-        self._ids += 1
-        self.proc.stdin.write((json.dumps({"cmd": cmd, "id": self._ids, **fields}) + "\n").encode())
-        return self._ids
-
-    async def reply(self, request_id: int, timeout: float = 600) -> dict[str, Any]:
-        while request_id not in self._replies:
-            message = await self._line(timeout)
-            self._replies[message["id"]] = message
-        return self._replies.pop(request_id)
-
-    async def call(self, cmd: str, **fields: Any) -> dict[str, Any]:
-        return await self.reply(self.send(cmd, **fields))
-
-    async def stop(self) -> None:
-        if self.proc.returncode is None:
-            with contextlib.suppress(ConnectionError):
-                self.send("exit")
-            try:
-                await asyncio.wait_for(self.proc.wait(), 15)
-            except TimeoutError:
-                self.proc.kill()
-                await self.proc.wait()
 
 
 class Driver:
@@ -445,20 +410,7 @@ class Driver:
         self.procs: list[Proc] = []
 
     def start_etcd(self) -> None:
-        from robustrl.cli.stack import etcd_argv, etcd_healthy, free_port
-
-        client, peer = free_port(), free_port()
-        self.endpoints = f"127.0.0.1:{client}"
-        self.etcd = subprocess.Popen(
-            [*etcd_argv("bench", self.workdir / "etcd", client, peer), "--log-level=error"],
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-        )
-        deadline = time.monotonic() + 30
-        while not etcd_healthy(self.endpoints):
-            if time.monotonic() > deadline or self.etcd.poll() is not None:
-                raise RuntimeError("etcd did not start")
-            time.sleep(0.1)
+        self.etcd, self.endpoints = start_etcd(self.workdir)
 
     async def spawn(self, *specs: tuple[str, bool, int]) -> list[Proc]:
         """Start workers side by side: (instance, relay, max_pullers) each."""
@@ -492,7 +444,7 @@ class Driver:
             group.append(Proc(name, proc, log))
         self.procs.extend(group)
         for p in group:
-            message = await p._line(120)
+            message = await p.line(120)
             p.info = message
         return group
 
@@ -503,9 +455,7 @@ class Driver:
 
     async def close(self) -> None:
         await self.stop(list(self.procs))
-        if self.etcd is not None:
-            self.etcd.terminate()
-            self.etcd.wait(10)
+        stop_etcd(self.etcd)
 
 
 def memcpy_gbps(nbytes: int, repeat: int, device: torch.device) -> float:
