@@ -39,6 +39,8 @@ class Recipe:
     hidden_size: int = ModelShape.hidden_size
     intermediate_size: int = ModelShape.intermediate_size
     num_layers: int = ModelShape.num_layers
+    num_heads: int = ModelShape.num_heads
+    num_kv_heads: int = ModelShape.num_kv_heads
     sft_steps: int = SFTConfig.steps
     sft_lr: float = SFTConfig.lr
     lr: float = 1e-3
@@ -93,6 +95,8 @@ def run(recipe: Recipe, model_dir: Path) -> list[tuple[int, float]]:
         hidden_size=recipe.hidden_size,
         intermediate_size=recipe.intermediate_size,
         num_layers=recipe.num_layers,
+        num_heads=recipe.num_heads,
+        num_kv_heads=recipe.num_kv_heads,
     )
     init_model(model_dir, recipe.seed, task=recipe.task, shape=shape)
     gen_s = time.monotonic() - t0
