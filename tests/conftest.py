@@ -27,9 +27,17 @@ def pytest_configure(config: pytest.Config) -> None:
     asyncio.runners._cancel_all_tasks = cancel_all_tasks_or_name_the_stuck  # type: ignore[attr-defined]
 
 
+ON_CUDA_WHEN_THERE = ("test_vllm_engine.py",)
+"""Suites that run on whatever device the host has: on a CUDA host they are `gpu` tests too
+(`pytest -m gpu` runs them there), on a CPU host they run with the CPU tests."""
+
+
+@pytest.hookimpl(tryfirst=True)  # before `-m` selects by marker
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     has_gpu = _cuda_available()
     for item in items:
+        if has_gpu and item.path.name in ON_CUDA_WHEN_THERE:
+            item.add_marker(pytest.mark.gpu)
         if "gpu" in item.keywords and not has_gpu:
             item.add_marker(pytest.mark.skip(reason="needs a CUDA GPU"))
 

@@ -6,6 +6,8 @@
   stops with an error at one step, as a failing device would; stop: SIGTERM, a clean stop of a
   member that still serves the job (a pod deleted, a node drained). `stop` is only injected when
   named (`--fault stop`): `random` draws among the other four, so a seed plans what it always did.
+- `--engine`: kill or hang the rollout's inference engine alone (vLLM's engine core, the process
+  its `engine_pid` label names) while the rollout service lives on and keeps beating.
 - Signals go only to processes on this host: the member's host is this machine's hostname and
   its pid runs python. A NaN or an error goes over gRPC, wherever the trainer runs.
 - `--once` (the default) injects one fault now. `--every-pct P --seed S` plans one fault per
@@ -35,7 +37,7 @@ from typing import Any
 
 import grpc
 
-from robustrl.contracts.members import MemberRecord
+from robustrl.contracts.members import ENGINE_PID_LABEL, MemberRecord
 from robustrl.contracts.roles import DATA_PLANE_ROLES as ROLES
 from robustrl.core.channels import DEFAULT_DEADLINE, open_channel
 from robustrl.core.coordinator_client import CoordinatorClient
@@ -47,6 +49,8 @@ RANDOM_FAULTS = ("kill", "hang", "nan", "error")
 FAULTS = (*RANDOM_FAULTS, "stop")
 SIGNAL_FAULTS = {"kill": signal.SIGKILL, "stop": signal.SIGTERM}
 """Faults that are one signal to the member's process (a hang is SIGSTOP, then maybe SIGCONT)."""
+ENGINE_FAULTS = ("kill", "hang")
+"""Faults `--engine` can send to an engine process."""
 CONTROL_FAULTS = {
     "nan": trainer_pb2.ControlRequest.ACTION_INJECT_NAN,
     "error": trainer_pb2.ControlRequest.ACTION_INJECT_ERROR,
@@ -89,6 +93,8 @@ class Injected:
     role: str
     instance_id: str
     pid: int
+    process: str = "member"
+    """Whose process `pid` is: the member's, or its engine's (`--engine`)."""
 
 
 # ----------------------------------------------------------------------------- the plan (pure)
@@ -160,8 +166,11 @@ def lead(fault: str) -> int:
     return CONTROL_LEAD if fault in CONTROL_FAULTS else 0
 
 
-def can_take(member: MemberRecord, fault: str) -> bool:
-    """A NaN or an error goes through Control, which trainer follower ranks do not serve."""
+def can_take(member: MemberRecord, fault: str, engine: bool = False) -> bool:
+    """A NaN or an error goes through Control, which trainer follower ranks do not serve; with
+    `engine`, only a member whose engine runs in a process of its own can take it."""
+    if engine:
+        return ENGINE_PID_LABEL in member.labels
     return fault not in CONTROL_FAULTS or member.labels.get("follower") != "true"
 
 
@@ -185,6 +194,32 @@ def local_problem(member: MemberRecord, hostname: str | None = None) -> str | No
     if member.pid == os.getpid():
         return f"{member.instance_id}: pid {member.pid} is this command"
     return None
+
+
+def engine_process(member: MemberRecord) -> tuple[int, str | None]:
+    """The member's engine process (its `engine_pid` label), and why it cannot be signalled
+    from here (None if it can): it must be a child of the member's process on this host."""
+    problem = local_problem(member)
+    label = member.labels.get(ENGINE_PID_LABEL, "")
+    if problem is not None:
+        return 0, problem
+    if not label.isdigit():
+        return 0, (
+            f"{member.instance_id} runs its engine in its own process (rollout.engine: torch); "
+            "only a vLLM engine can be signalled alone"
+        )
+    pid = int(label)
+    if parent_of(pid) != member.pid:
+        return pid, f"{member.instance_id}: pid {pid} is not its engine process (anymore)"
+    return pid, None
+
+
+def parent_of(pid: int) -> int | None:
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    return int(stat.rsplit(")", 1)[-1].split()[1])
 
 
 def start_time(pid: int) -> str | None:
@@ -212,6 +247,7 @@ class ChaosOptions:
     every_pct: float | None = None
     seed: int = 0
     hang_for: float | None = None
+    engine: bool = False
 
 
 class Chaos:
@@ -287,6 +323,15 @@ class Chaos:
         """(roles, faults) after --instance and what the job has; ChaosError if none fits."""
         options = self.options
         roles, faults = options.roles, options.faults
+        if options.engine:
+            wrong = set(faults) - {*ENGINE_FAULTS, "random"}
+            if wrong or set(roles) - {"rollout", "random"}:
+                raise ChaosError(
+                    "--engine kills or hangs a rollout's engine process: "
+                    "--fault kill or hang, --role rollout"
+                )
+            roles = ["rollout"]
+            faults = [f for f in faults if f != "random"] or list(ENGINE_FAULTS)
         if options.instance:
             member = next((m for m in members if m.instance_id == options.instance), None)
             if member is None:
@@ -298,13 +343,22 @@ class Chaos:
                 raise ChaosError(f"{options.instance} is a {member.role}; chaos targets {ROLES}")
             roles = [member.role]
             signalled = set(options.faults or ["random"]) - CONTROL_FAULTS.keys()
-            if signalled and (problem := local_problem(member)):
+            if options.engine:
+                problem = engine_process(member)[1]
+            else:
+                problem = local_problem(member) if signalled else None
+            if problem:
                 raise ChaosError(problem)
         pairs = fault_choices(faults, roles)
-        served = [(f, r) for f, r in pairs if any(m.role == r and can_take(m, f) for m in members)]
+        served = [
+            (f, r)
+            for f, r in pairs
+            if any(m.role == r and can_take(m, f, options.engine) for m in members)
+        ]
         if not served:
             wanted = " or ".join(sorted({r for _, r in pairs}))
-            raise ChaosError(f"no {wanted} serves job {options.job}")
+            engine = " with its engine in a process of its own" if options.engine else ""
+            raise ChaosError(f"no {wanted}{engine} serves job {options.job}")
         return sorted({r for _, r in served}), sorted({f for f, _ in served})
 
     async def _follow(self, plan: list[Injection]) -> None:
@@ -342,6 +396,8 @@ class Chaos:
             )
         elif injection.fault in CONTROL_FAULTS:
             victim = choose(members, injection)
+        elif options.engine:
+            victim = choose([m for m in members if engine_process(m)[1] is None], injection)
         else:
             # Only processes this host can signal are candidates.
             local = [m for m in members if local_problem(m) is None]
@@ -353,21 +409,25 @@ class Chaos:
             self.say(f"step {injection.step}: no {what} to {injection.fault}; skipped")
             return
         step = int(job.step)
+        pid = victim.pid
         if injection.fault in CONTROL_FAULTS:
             step = await self._control(victim, injection, step)
         else:
-            problem = local_problem(victim)
+            if options.engine:
+                pid, problem = engine_process(victim)
+            else:
+                problem = local_problem(victim)
             if problem:
                 raise ChaosError(problem)
             if injection.fault in SIGNAL_FAULTS:
-                os.kill(victim.pid, SIGNAL_FAULTS[injection.fault])
+                os.kill(pid, SIGNAL_FAULTS[injection.fault])
             else:
-                began = start_time(victim.pid)
-                os.kill(victim.pid, signal.SIGSTOP)
-                self._stopped[victim.pid] = began
+                began = start_time(pid)
+                os.kill(pid, signal.SIGSTOP)
+                self._stopped[pid] = began
                 if options.hang_for:
                     self._resumes.append(
-                        asyncio.create_task(self._resume_later(victim, options.hang_for))
+                        asyncio.create_task(self._resume_later(victim, pid, options.hang_for))
                     )
         done = Injected(
             at=time.time(),
@@ -375,7 +435,8 @@ class Chaos:
             fault=injection.fault,
             role=victim.role,
             instance_id=victim.instance_id,
-            pid=victim.pid,
+            pid=pid,
+            process="engine" if options.engine else "member",
         )
         self.injected.append(done)
         clock = time.strftime("%H:%M:%S", time.localtime(done.at))
@@ -385,11 +446,12 @@ class Chaos:
             after = (
                 f"; SIGCONT in {options.hang_for:g}s"
                 if options.hang_for
-                else f"; it stays stopped (kill -CONT {victim.pid} resumes it)"
+                else f"; it stays stopped (kill -CONT {pid} resumes it)"
             )
+        whose = "'s engine" if options.engine else ""
         self.say(
-            f"{clock} {injection.fault} {where}: {victim.role} {victim.instance_id} "
-            f"(pid {victim.pid}){after}"
+            f"{clock} {injection.fault} {where}: {victim.role} {victim.instance_id}{whose} "
+            f"(pid {pid}){after}"
         )
 
     async def _control(self, victim: MemberRecord, injection: Injection, job_step: int) -> int:
@@ -417,11 +479,11 @@ class Chaos:
                 reply = await stub.Control(request, timeout=DEFAULT_DEADLINE)
         return int(reply.status.metrics[FAULT_STEP_KEY])
 
-    async def _resume_later(self, victim: MemberRecord, after: float) -> None:
+    async def _resume_later(self, victim: MemberRecord, pid: int, after: float) -> None:
         await asyncio.sleep(after)
-        if self._resume(victim.pid):
+        if self._resume(pid):
             clock = time.strftime("%H:%M:%S")
-            self.say(f"{clock} resumed {victim.role} {victim.instance_id} (pid {victim.pid})")
+            self.say(f"{clock} resumed {victim.role} {victim.instance_id} (pid {pid})")
 
     def _resume(self, pid: int) -> bool:
         """SIGCONT a process we stopped, unless its pid now belongs to another process."""
@@ -468,6 +530,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--seed", type=int, default=0, help="seeds the plan and the victims")
     parser.add_argument(
+        "--engine",
+        action="store_true",
+        help="kill or hang a rollout's inference engine process alone (vLLM's engine core); "
+        "the rollout service stays up and keeps beating",
+    )
+    parser.add_argument(
         "--hang-for",
         type=float,
         metavar="SECONDS",
@@ -487,6 +555,7 @@ def options_from(args: argparse.Namespace) -> ChaosOptions:
         every_pct=args.every_pct,
         seed=args.seed,
         hang_for=args.hang_for,
+        engine=args.engine,
     )
 
 

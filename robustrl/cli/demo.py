@@ -6,6 +6,8 @@ seeded schedule and recovered role by role.
 3. submit examples/arithmetic-grpo.yaml and follow it with a live progress line;
 4. inject, at steps drawn from the seed (`robustrl chaos`, and a SIGKILL for the leader):
    - a rollout hang (SIGSTOP; it comes back as a zombie after its replacement, and is fenced);
+     with `--engine vllm` only the rollout's vLLM engine core is stopped, and the rollout
+     service, still beating, is found hung by its progress;
    - the leader coordinator killed: a standby takes over, no data-plane role restarts;
    - the trainer killed: a new trainer restores the last checkpoint, rollouts keep going;
    - the trainer (now the former standby) stopped by an error at one step, as a failing device
@@ -15,11 +17,13 @@ seeded schedule and recovered role by role.
 6. print the eval curve, ETTR, each incident's recovery time, where the metrics and the plot
    are; stop the stack.
 
-Every step is a `robustrl` command, printed before it runs.
+Every step is a `robustrl` command, printed before it runs. `--engine vllm` (`make demo
+ENGINE=vllm`) runs the rollouts on vLLM instead of the torch engine.
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import random
@@ -93,7 +97,7 @@ def inject(job_id: str, fault: str) -> None:
 
 
 def run_schedule(
-    job_id: str, plan: list[tuple[int, str]], watcher: subprocess.Popen[bytes]
+    job_id: str, plan: list[tuple[int, str]], watcher: subprocess.Popen[bytes], engine: str
 ) -> None:
     hangs: list[subprocess.Popen[bytes]] = []
     for step, fault in plan:
@@ -105,29 +109,12 @@ def run_schedule(
         if fault == "rollout-hang":
             # Comes back 20 s later, after its replacement: a zombie that must change nothing.
             # `--hang-for` keeps the command running until it has resumed the process.
-            console.print(
-                f"[bold cyan]$ robustrl chaos {job_id} --role rollout --fault hang "
-                f"--hang-for 20 --seed {SEED}[/bold cyan]"
-            )
+            # On vLLM, only the engine core stops: the service keeps beating.
+            args = ["chaos", job_id, "--role", "rollout", "--fault", "hang", "--hang-for", "20"]
+            args += ["--seed", str(SEED), *(["--engine"] if engine == "vllm" else [])]
+            console.print(f"[bold cyan]$ robustrl {' '.join(args)}[/bold cyan]")
             hangs.append(
-                subprocess.Popen(
-                    [
-                        sys.executable,
-                        "-m",
-                        "robustrl.cli.main",
-                        "chaos",
-                        job_id,
-                        "--role",
-                        "rollout",
-                        "--fault",
-                        "hang",
-                        "--hang-for",
-                        "20",
-                        "--seed",
-                        str(SEED),
-                    ],
-                    cwd=REPO,
-                )
+                subprocess.Popen([sys.executable, "-m", "robustrl.cli.main", *args], cwd=REPO)
             )
         else:
             inject(job_id, fault)
@@ -166,13 +153,18 @@ def summary(job_id: str, took: float) -> None:
     console.print(f"reward curve: {RUNS / job_id / 'reward.png'}")
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m robustrl.cli.demo")
+    parser.add_argument(
+        "--engine", choices=["torch", "vllm"], default="torch", help="the rollouts' engine"
+    )
+    engine = parser.parse_args(argv).engine
     robustrl("model", "init")
     robustrl("down")  # whatever an earlier run left behind
     robustrl("up", "--trainers", "1", "--standby-trainers", "1", "--rollouts", "2")
     job_id = f"demo-{int(time.time())}"
     try:
-        robustrl("submit", EXAMPLE, "--id", job_id)
+        robustrl("submit", EXAMPLE, "--id", job_id, f"rollout.engine={engine}")
         spec_steps = int(json.loads(json.dumps(job_status(job_id)["spec"]))["trainer"]["steps"])
         console.print(f"[bold cyan]$ robustrl watch {job_id}[/bold cyan]")
         started = time.monotonic()
@@ -182,7 +174,7 @@ def main() -> int:
         plan = schedule(spec_steps)
         faults = ", ".join(f"{fault} at step {step}" for step, fault in plan)
         console.print(f"chaos schedule (seed {SEED}): {faults}")
-        run_schedule(job_id, plan, watcher)
+        run_schedule(job_id, plan, watcher, engine)
         if recovered(job_id, watcher):
             # The weight plane after the faults, while the job still runs: the versions with
             # their holders (trainer and relays), each member's pulls, the replacements' too.

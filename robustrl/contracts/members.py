@@ -9,6 +9,10 @@ from pydantic import BaseModel, Field
 from robustrl.contracts.roles import ROLE_TO_PROTO
 from robustrl.v1 import common_pb2
 
+ENGINE_PID_LABEL = "engine_pid"
+"""Registry label of a rollout whose inference engine runs in a process of its own (vLLM's
+engine core): that process's id, for tools that act on the engine alone (`robustrl chaos`)."""
+
 
 class MemberRecord(BaseModel):
     """A member as stored in etcd (JSON)."""

@@ -151,6 +151,7 @@ class RoleControl:
         self.worker: Worker | None = None
         self.prepared: Prepared | None = None
         self._fencing: asyncio.Task[None] | None = None
+        self._discarding: set[asyncio.Task[None]] = set()
 
     def status(self) -> trainer_pb2.RoleStatus:
         progress = self.runtime.progress
@@ -197,7 +198,11 @@ class RoleControl:
             if worker is None:
                 worker = self.make_worker(request.job_id, request.epoch, spec)
             worker.epoch = request.epoch
-            await asyncio.to_thread(worker.load)
+            try:
+                await asyncio.to_thread(worker.load)
+            except BaseException:
+                await worker.stop()  # what it started (an engine's processes) goes with it
+                raise
         self.binding = after
         if after != before:
             self._report(after)
@@ -232,6 +237,8 @@ class RoleControl:
             raise FailedPrecondition(f"already working on job {self.worker.job_id}")
         prepared = self.prepared
         if prepared is None or not prepared.serves(job_id, spec):
+            if prepared is not None:
+                self._discard(prepared)
             task = asyncio.get_running_loop().create_task(
                 self._build(job_id, spec), name=f"prepare-{job_id}"
             )
@@ -256,7 +263,7 @@ class RoleControl:
         if self._label(PREPARED_LABEL) is not None:
             await self._relabel({PREPARED_LABEL: None})
         if not prepared.serves(job_id, spec):
-            prepared.task.cancel()  # a thread already building finishes; its result is dropped
+            self._discard(prepared)
             return None
         try:
             worker = await prepared.task
@@ -327,7 +334,30 @@ class RoleControl:
             self.runtime.ask_to_stop()
 
     async def stop_worker(self) -> None:
+        """Stop the bound worker, and any prepared one: both may hold processes (an engine's)."""
         if self.worker is not None:
             worker, self.worker = self.worker, None
             await worker.stop()
             self.runtime.progress.phase = "idle"
+        if self.prepared is not None:
+            prepared, self.prepared = self.prepared, None
+            self._discard(prepared)
+        if self._discarding:
+            await asyncio.gather(*self._discarding, return_exceptions=True)
+
+    def _discard(self, prepared: Prepared) -> None:
+        """A prepared worker nobody will take: stopped once it is built (a thread that builds
+        cannot be cancelled, and what it builds may own processes)."""
+        task = asyncio.get_running_loop().create_task(
+            _stop_when_built(prepared.task), name=f"discard-{prepared.job_id}"
+        )
+        self._discarding.add(task)
+        task.add_done_callback(self._discarding.discard)
+
+
+async def _stop_when_built(build: asyncio.Task[Worker]) -> None:
+    try:
+        worker = await build
+    except (Exception, asyncio.CancelledError):
+        return  # nothing was built
+    await worker.stop()

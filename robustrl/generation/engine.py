@@ -38,6 +38,8 @@ from typing import Literal
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerBase
 
+from robustrl.weights.transport import LocalSource
+
 FinishReason = Literal["stop", "length"]
 
 TokenCallback = Callable[[int], None]
@@ -117,11 +119,29 @@ class Engine(ABC):
 
     @abstractmethod
     def load_weights(
-        self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int | None = None
+        self,
+        named_tensors: Iterable[tuple[str, torch.Tensor]],
+        version: int | None = None,
+        source: LocalSource | None = None,
     ) -> None:
         """Replace every weight at once. Raises ValueError, changing nothing, when the set of
         names, a shape or a dtype does not match the model. ``version`` becomes
-        ``weight_version`` (default: the current one plus one)."""
+        ``weight_version`` (default: the current one plus one). ``source``, where this host's
+        weight transport holds the same version, lets an engine whose model lives in another
+        process copy it from there instead of being handed the tensors."""
+
+    def close(self) -> None:  # noqa: B027 - an in-process engine has nothing to stop
+        """Stop what the engine started (processes, threads). Idempotent."""
+
+    def failure(self) -> str | None:
+        """Why the engine can no longer serve (a process of its own died); None while it can.
+        An in-process engine fails with its process."""
+        return None
+
+    def engine_pids(self) -> list[int]:
+        """Processes the engine runs in besides the caller's, its main one first (none for an
+        in-process engine)."""
+        return []
 
     def weight_specs(self) -> dict[str, TensorSpec]:
         """Name -> shape and dtype of every weight load_weights expects."""
@@ -342,7 +362,10 @@ class TorchEngine(Engine):
         return tokens, logprobs, done.cpu().tolist()
 
     def load_weights(
-        self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int | None = None
+        self,
+        named_tensors: Iterable[tuple[str, torch.Tensor]],
+        version: int | None = None,
+        source: LocalSource | None = None,
     ) -> None:
         incoming = validate_weights(self._specs, named_tensors)
         with self._lock, torch.no_grad():

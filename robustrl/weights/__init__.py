@@ -12,11 +12,17 @@ What the services use is exported here; the modules behind it are the plane's ow
 """
 
 from robustrl.weights.grpc_stream import GrpcStreamTransport
-from robustrl.weights.transport import WeightIntegrityError, WeightTransport, latest_announcement
+from robustrl.weights.transport import (
+    LocalSource,
+    WeightIntegrityError,
+    WeightTransport,
+    latest_announcement,
+)
 from robustrl.weights.ucx.transport import make_transport, warm_up_ucxx
 
 __all__ = [
     "GrpcStreamTransport",
+    "LocalSource",
     "WeightIntegrityError",
     "WeightTransport",
     "latest_announcement",

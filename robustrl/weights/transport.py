@@ -116,6 +116,16 @@ IDLE_PULL_GAUGES = _pull_gauges(0, 0, 0)
 """The pull gauges of a transport pulling nothing."""
 
 
+@dataclass(frozen=True)
+class LocalSource:
+    """Where another process on this host can copy a version this transport holds from: its
+    UCX holder's address and the version's manifest (JSON)."""
+
+    version: int
+    address: str
+    manifest: bytes
+
+
 class WeightTransport(ABC):
     """Trainer side: publish versions. Rollout side: fetch an announced version."""
 
@@ -135,6 +145,11 @@ class WeightTransport(ABC):
 
     async def close(self) -> None:  # noqa: B027 - a transport may hold nothing to release
         """Stop serving and release what the transport holds. Idempotent."""
+
+    def local_source(self, version: int) -> LocalSource | None:
+        """Where a process on this host can copy `version` from, if this transport serves it
+        (None: it does not; the caller hands the tensors over itself)."""
+        return None
 
     def gauges(self) -> dict[str, float]:
         """Weight-plane figures for the role's status (`weights_*`): the pull under way, if

@@ -34,6 +34,14 @@ log = get_logger(__name__)
 PREPARE_DEADLINE = 600.0
 """Seconds a standby gets to build a job's model ahead of need (PREPARE)."""
 
+START_BIND_DEADLINE = PREPARE_DEADLINE
+"""Seconds a member gets to accept a pending job's BIND: it builds the job's model first, as for
+a PREPARE (a vLLM rollout starts its engine)."""
+
+JOB_INPUT_CODES = frozenset({grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.FAILED_PRECONDITION})
+"""A BIND refused with one of these is refused for the job's input: the job fails. Any other
+refusal (a member slow or gone) leaves it pending for the next round."""
+
 Bound = Callable[[str, str, str], Awaitable[None]]
 """Called with (job, role, instance) once a replacement is bound (the executor closes the
 recovery that waited for it)."""
@@ -108,24 +116,40 @@ class Binder:
         except InvalidArgument as exc:
             await self.jobs.update(record.job_id, {}, Phase.FAILED, exc.message)
             return
-        bound: list[MemberRecord] = []
-        for member in start.members:
-            try:
-                await control(
-                    member, BIND, record.job_id, FIRST_EPOCH, {"spec_json": json.dumps(record.spec)}
+        # Bound all at once: each loads the model (a vLLM rollout starts its engine) before it
+        # answers, and the job starts when the slowest has, not after the sum of them all.
+        spec_json = json.dumps(record.spec)
+        answers = await asyncio.gather(
+            *(
+                control(
+                    member,
+                    BIND,
+                    record.job_id,
+                    FIRST_EPOCH,
+                    {"spec_json": spec_json},
+                    timeout=START_BIND_DEADLINE,
                 )
-            except grpc.aio.AioRpcError as exc:
-                message = f"{member.role} {member.instance_id} refused the job: {exc.details()}"
-                log.warning("coordinator.bind_failed", job=record.job_id, reason=message)
-                for done in bound:
-                    await control_quietly(done, RELEASE, record.job_id, FIRST_EPOCH)
-                if exc.code() in (
-                    grpc.StatusCode.INVALID_ARGUMENT,
-                    grpc.StatusCode.FAILED_PRECONDITION,
-                ):
-                    await self.jobs.update(record.job_id, {}, Phase.FAILED, message)
-                return
-            bound.append(member)
+                for member in start.members
+            ),
+            return_exceptions=True,
+        )
+        refused: list[tuple[MemberRecord, grpc.aio.AioRpcError]] = []
+        for member, answer in zip(start.members, answers, strict=True):
+            if isinstance(answer, grpc.aio.AioRpcError):
+                refused.append((member, answer))
+            elif answer is not None:
+                raise answer
+        if refused:
+            for member, answer in zip(start.members, answers, strict=True):
+                if answer is None:
+                    await control_quietly(member, RELEASE, record.job_id, FIRST_EPOCH)
+            # The job's own input first: a member that was merely slow or gone says less.
+            member, error = min(refused, key=lambda r: r[1].code() not in JOB_INPUT_CODES)
+            message = f"{member.role} {member.instance_id} refused the job: {error.details()}"
+            log.warning("coordinator.bind_failed", job=record.job_id, reason=message)
+            if error.code() in JOB_INPUT_CODES:
+                await self.jobs.update(record.job_id, {}, Phase.FAILED, message)
+            return
         await self.ledgers.open(record.job_id)
         self.datasets.keep(record.job_id, dataset)
         await self.jobs.update(

@@ -95,6 +95,12 @@ class ProgressFinding:
         return self.kind in PROBED_KINDS
 
 
+def engine_work(counters: dict[str, float]) -> float:
+    """What a rollout's engine is asked to do now: its requests in flight, and a weight update
+    it is loading (both must end or make tokens, or the engine is hung)."""
+    return counters.get("requests_in_flight", 0.0) + counters.get("weight_updates_in_flight", 0.0)
+
+
 def observe(
     signals: Signals,
     *,
@@ -105,7 +111,7 @@ def observe(
 ) -> None:
     """Fold one beat into the member's signals."""
     before = signals.counters.get("tokens_generated", 0.0)
-    in_flight = counters.get("requests_in_flight", 0.0)
+    in_flight = engine_work(counters)
     if (
         counters.get("tokens_generated", 0.0) > before
         or in_flight == 0
@@ -123,20 +129,23 @@ def rollout_hang_suspects(
 ) -> list[ProgressFinding]:
     out = []
     for m in members:
-        if m.role != "rollout" or m.counters.get("requests_in_flight", 0.0) <= 0:
+        if m.role != "rollout" or engine_work(m.counters) <= 0:
             continue
         if m.tokens_changed_at is None:
             continue
         silent = now - m.tokens_changed_at
         if silent >= cfg.rollout_hang_window:
+            requests = m.counters.get("requests_in_flight", 0.0)
+            asked = (
+                f"{requests:.0f} requests in flight" if requests else "a weight update in flight"
+            )
             out.append(
                 ProgressFinding(
                     "ROLLOUT_HANG_SUSPECT",
                     m.instance_id,
                     m.job_id,
                     m.rank,
-                    f"no new tokens for {silent:.1f}s with "
-                    f"{m.counters['requests_in_flight']:.0f} requests in flight",
+                    f"no new tokens for {silent:.1f}s with {asked}",
                     0.6,
                     key=f"hang@{m.tokens_changed_at}",
                 )

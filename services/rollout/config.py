@@ -16,3 +16,12 @@ class RolloutSettings(ServiceSettings):
 
     groups_per_lease: int = Field(default=16, ge=1)
     """Prompt groups asked for (and generated as one batch) per lease."""
+
+    vllm_kv_cache_mib: int = Field(default=0, ge=0)
+    """KV cache of a vLLM engine (rollout.engine: vllm), MiB. 0: 256 MiB on a host without
+    CUDA (vLLM's CPU backend otherwise reserves a share of the host's memory), and
+    `vllm_gpu_memory_utilization` of the GPU on a GPU host."""
+
+    vllm_gpu_memory_utilization: float = Field(default=0.5, gt=0, le=1)
+    """Share of the GPU's memory a vLLM engine may take on a GPU host (weights, activations
+    and KV cache), when `vllm_kv_cache_mib` is 0."""

@@ -4,6 +4,8 @@ rollout looks hung. `GenerationMeter` keeps them:
   the generation thread, so a long generation keeps it growing;
 - `requests_in_flight`: prompts inside the engine now; 0 while leasing, waiting for weights,
   scoring or delivering (none of that is generation, so none of it can be a generation hang);
+- `weight_updates_in_flight`: 1 while a weight version is being loaded into the engine (an engine
+  in a process of its own can hang there as in a generation), else 0;
 - `oldest_request_age_s`: seconds the oldest of them has been in the engine (0 when none);
 - `tokens_per_s`: tokens over the last `RATE_WINDOW_S` seconds;
 - `nonfinite_logprobs`: NaN/Inf logprobs of sampled tokens seen by this process. A group with
@@ -53,12 +55,14 @@ class GenerationMeter:
         self.counters = counters
         for name in ("tokens_generated", "nonfinite_logprobs"):
             counters.setdefault(name, 0.0)
-        for name in ("requests_in_flight", "oldest_request_age_s", "tokens_per_s"):
+        gauges = ("requests_in_flight", "weight_updates_in_flight", "oldest_request_age_s")
+        for name in (*gauges, "tokens_per_s"):
             counters[name] = 0.0
         self.tokens = counters["tokens_generated"]
         self.nonfinite = counters["nonfinite_logprobs"]
         self.in_flight = 0
         self.in_flight_since = 0.0
+        self.updating_since: float | None = None
         self._samples: deque[tuple[float, float]] = deque()
         self._wakers: list[Callable[[], None]] = []
 
@@ -89,6 +93,19 @@ class GenerationMeter:
             self.counters["oldest_request_age_s"] = 0.0
             self._wake()
 
+    @contextlib.contextmanager
+    def updating(self) -> Iterator[None]:
+        """A weight version is being loaded into the engine for the duration: work that must
+        finish, as a generation must make tokens (the probe waits for its end)."""
+        self.updating_since = time.monotonic()
+        self.counters["weight_updates_in_flight"] = 1.0
+        try:
+            yield
+        finally:
+            self.updating_since = None
+            self.counters["weight_updates_in_flight"] = 0.0
+            self._wake()
+
     def count_nonfinite(self, count: int) -> None:
         self.nonfinite += count
         self.counters["nonfinite_logprobs"] = self.nonfinite
@@ -108,8 +125,9 @@ class GenerationMeter:
         )
 
     async def probe(self, wait_s: float) -> ProbeResult:
-        """Progressing unless requests are in flight and no token comes within `wait_s`."""
-        if self.in_flight == 0:
+        """Progressing unless the engine has work (requests in flight, or a weight update) and
+        neither a token comes nor the work ends within `wait_s`."""
+        if self.in_flight == 0 and self.updating_since is None:
             return ProbeResult(True, 0, self.tokens, "idle: no requests in flight")
         loop = asyncio.get_running_loop()
         woken = asyncio.Event()
@@ -119,13 +137,18 @@ class GenerationMeter:
                 loop.call_soon_threadsafe(woken.set)
 
         before, in_flight, started = self.tokens, self.in_flight, time.monotonic()
+        update = self.updating_since
+
+        def ended() -> bool:
+            return self.in_flight == 0 if in_flight else self.updating_since != update
+
         self._wakers.append(wake)
         try:
             while True:
                 # Cleared before the check: a token counted after the check sets it again.
                 woken.clear()
                 remaining = started + wait_s - time.monotonic()
-                if self.tokens > before or self.in_flight == 0 or remaining <= 0:
+                if self.tokens > before or ended() or remaining <= 0:
                     break
                 with contextlib.suppress(asyncio.TimeoutError):
                     await asyncio.wait_for(woken.wait(), remaining)
@@ -140,8 +163,17 @@ class GenerationMeter:
                 f"{self.tokens - before:.0f} new tokens in {took:.2f}s "
                 f"with {in_flight} requests in flight",
             )
-        if self.in_flight == 0:
-            return ProbeResult(True, 0, self.tokens, "the generation in flight finished")
+        if ended():
+            what = "generation" if in_flight else "weight update"
+            return ProbeResult(True, self.in_flight, self.tokens, f"the {what} in flight finished")
+        if not in_flight and update is not None:
+            return ProbeResult(
+                False,
+                0,
+                self.tokens,
+                f"a weight update in the engine unfinished after "
+                f"{time.monotonic() - update:.1f}s ({self.tokens:.0f} tokens generated before)",
+            )
         return ProbeResult(
             False,
             self.in_flight,

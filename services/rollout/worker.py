@@ -14,6 +14,7 @@ tokens, to show that a long generation is not taken for a hang.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import math
 import time
 import uuid
@@ -27,13 +28,14 @@ import torch
 from robustrl.contracts.errors import InvalidArgument, Unavailable
 from robustrl.contracts.ids import group_index
 from robustrl.contracts.jobspec import JobSpec
+from robustrl.contracts.members import ENGINE_PID_LABEL
 from robustrl.core.aio import cancel_and_wait
 from robustrl.core.coordinator_client import NO_LEADER_ANSWER, CoordinatorClient
 from robustrl.core.etcd_client import etcd_unavailable, until_etcd_answers
 from robustrl.core.interceptors import REPEAT_WINDOW_S, Repeats
 from robustrl.core.logs import get_logger
 from robustrl.core.runtime import ServiceRuntime, long_lived_objects
-from robustrl.generation.engine import ContextExceeded, SamplingParams, TorchEngine
+from robustrl.generation.engine import ContextExceeded, Engine, SamplingParams
 from robustrl.generation.rewards import RewardError, RewardFn, load_reward, score
 from robustrl.v1 import coordinator_pb2, trainer_pb2
 from robustrl.weights import (
@@ -43,12 +45,16 @@ from robustrl.weights import (
     make_transport,
 )
 from services.rollout.config import RolloutSettings
+from services.rollout.engines import build_engine, model_context
 from services.rollout.gauges import GenerationMeter, keep_gauges_fresh
 from services.rollout.stream import TrajectoryStream
 
 log = get_logger(__name__)
 
 RPC_DEADLINE = 10.0
+
+ENGINE_WATCH_S = 0.5
+"""How often a rollout checks that its engine's own process (vLLM's engine core) still lives."""
 
 RETRIED_CODES = NO_LEADER_ANSWER | {grpc.StatusCode.ABORTED}
 """Coordinator answers a completion is sent again after: no leader, none in time, or the job
@@ -85,7 +91,7 @@ class RolloutWorker:
         self.job_id = job_id
         self.epoch = epoch
         self.spec = spec
-        self.engine: TorchEngine | None = None
+        self.engine: Engine | None = None
         self.reward: RewardFn | None = None
         self.transport: WeightTransport | None = None
         self.stream = TrajectoryStream(runtime, job_id)
@@ -113,16 +119,32 @@ class RolloutWorker:
             self.reward = load_reward(self.spec.task.reward)
         except RewardError as exc:
             raise InvalidArgument(f"task.reward: {exc}") from exc
-        with long_lived_objects():
-            self.engine = TorchEngine.from_pretrained(str(path))
+        # The lengths are checked against the model's context before an engine starts: a
+        # vLLM engine takes seconds to start and would only be stopped again.
+        try:
+            context = model_context(path)
+        except ValueError as exc:
+            raise InvalidArgument(f"model.path: {exc}") from exc
         rollout = self.spec.rollout
+        if rollout.max_new_tokens >= context:
+            raise InvalidArgument(
+                f"rollout.max_new_tokens: {rollout.max_new_tokens} tokens leave no room for a "
+                f"prompt in the model's context of {context} positions"
+            )
         longest = rollout.max_new_tokens * rollout.long_tail_factor
-        if rollout.long_tail_every and longest >= self.engine.max_positions:
+        if rollout.long_tail_every and longest >= context:
             raise InvalidArgument(
                 f"rollout.long_tail_factor: a long-tail group generates max_new_tokens * "
                 f"long_tail_factor = {longest} tokens, more than the model's context of "
-                f"{self.engine.max_positions} positions leaves room for after a prompt"
+                f"{context} positions leaves room for after a prompt"
             )
+        try:
+            with long_lived_objects():
+                self.engine = build_engine(self.spec, self.settings)
+        except Exception as exc:  # the model, or an engine that cannot start here
+            raise InvalidArgument(
+                f"rollout.engine: {self.spec.rollout.engine} cannot run model.path {path}: {exc}"
+            ) from exc
 
     def start(self) -> None:
         self._tasks = [
@@ -132,6 +154,7 @@ class RolloutWorker:
                 keep_gauges_fresh(self.meter, self.runtime.progress, lambda: self.transport),
                 name=f"gauges-{self.job_id}",
             ),
+            asyncio.create_task(self._watch_engine(), name=f"engine-{self.job_id}"),
         ]
         for task in self._tasks:
             task.add_done_callback(self._ended)
@@ -145,11 +168,38 @@ class RolloutWorker:
         log.error("rollout.worker_failed", task=task.get_name(), exc_info=task.exception())
         self.runtime.crash(f"{task.get_name()} failed: {task.exception()!r}")
 
+    async def _watch_engine(self) -> None:
+        """Name the engine's own process in this member's record, then watch it: an engine
+        process that dies ends this rollout as a crash at once, idle or not, rather than leave
+        it beating with nothing behind it."""
+        assert self.engine is not None
+        pids = self.engine.engine_pids()
+        if not pids:
+            return  # the engine runs in this process: it dies with it
+        try:
+            await self.runtime.update_member(labels={ENGINE_PID_LABEL: str(pids[0])})
+        except Exception as exc:  # etcd away: the label is for tools, the watch goes on
+            log.info("rollout.engine_label_failed", error=repr(exc))
+        while True:
+            failure = self.engine.failure()
+            if failure is not None:
+                break
+            await asyncio.sleep(ENGINE_WATCH_S)
+        log.error("rollout.engine_failed", job=self.job_id, error=failure)
+        self.runtime.crash(failure)
+
     async def stop(self) -> None:
         await cancel_and_wait(*self._tasks)
         if self.transport is not None:
             await self.transport.close()
         await self.coordinator.close_channels()
+        if self.engine is not None:
+            if self.engine.engine_pids() and self.runtime.member is not None:
+                with contextlib.suppress(Exception):  # the label only names what was running
+                    await asyncio.wait_for(
+                        self.runtime.update_member(labels={ENGINE_PID_LABEL: None}), RPC_DEADLINE
+                    )
+            await asyncio.to_thread(self.engine.close)
 
     # ------------------------------------------------------------------ generation
 
@@ -349,10 +399,24 @@ class RolloutWorker:
                     )
                     await asyncio.sleep(0.2)
                     continue
-                # Swapped between generation batches: no batch ever mixes two versions.
-                self.engine.load_weights(tensors, version=latest.version)
+                # Swapped between generation batches: no batch ever mixes two versions. In a
+                # thread: an engine in other processes copies the version from this process's
+                # UCX holder, which the event loop serves meanwhile.
+                started = time.perf_counter()
+                with self.meter.updating():
+                    await asyncio.to_thread(
+                        self.engine.load_weights,
+                        tensors,
+                        latest.version,
+                        self.transport.local_source(latest.version),
+                    )
                 self.loaded_epoch = latest.trainer_epoch
-                log.info("rollout.weights_loaded", job=self.job_id, version=latest.version)
+                log.info(
+                    "rollout.weights_loaded",
+                    job=self.job_id,
+                    version=latest.version,
+                    load_s=round(time.perf_counter() - started, 4),
+                )
             if self.engine.weight_version >= min_version:
                 return
             if self.runtime.progress.phase != "waiting_weights":

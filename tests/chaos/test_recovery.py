@@ -24,9 +24,9 @@ from robustrl.contracts.binding import FIRST_EPOCH
 from robustrl.core.config import member_argv, member_env
 from services.trainer import checkpoint
 from tests.support import eventually_sync, process_state
-from tests.support.cli import Cli, chaos, etcd_json
+from tests.support.accounting import assert_nothing_lost_or_trained_twice
+from tests.support.cli import Cli, chaos
 from tests.support.detection import (
-    LEDGER_PAGE_SIZE,
     detection_stack,
     incidents,
     member,
@@ -92,38 +92,6 @@ def finish(cli: Cli, job: str) -> dict[str, Any]:
     status = cli.json("status", job)
     assert isinstance(status, dict) and status["phase"] == "SUCCEEDED", status
     return status
-
-
-def assert_nothing_lost_or_trained_twice(
-    cli: Cli, job: str, run: Path, steps_run: int = STEPS
-) -> None:
-    trained_ids: list[str] = []
-    trained_groups: list[str] = []
-    steps: list[int] = []
-    for line in (run / "trained.jsonl").read_text().splitlines():
-        entry = json.loads(line)
-        steps.append(entry["step"])
-        for group, detail in entry["groups"].items():
-            trained_groups.append(group)
-            trained_ids += detail["ids"]
-    assert steps == list(range(steps_run)), "every step trained exactly once, in order"
-    assert len(trained_ids) == len(set(trained_ids)), "a trajectory id was trained twice"
-    assert len(trained_groups) == len(set(trained_groups)) == steps_run * 8
-
-    def settled() -> bool:
-        work = cli.json("status", job)["work"]  # type: ignore[index]
-        return bool(work) and work["open"] == work["delivered"] == work["requeued"] == 0
-
-    eventually_sync(settled, timeout=20)
-    ledger = etcd_json(cli, f"/robustrl/work/{job}")
-    leased = {f"{job}-g{i:06d}" for i in range(int(str(ledger["next_index"])))}
-    discarded = cli.json("dropped", job)  # the ledger's pages and what it still lists
-    assert isinstance(discarded, dict) and all(discarded.values())
-    assert leased == set(trained_groups) | discarded.keys()
-    assert ledger["dropped"] == len(discarded)
-    # The ledger itself lists fewer than a page (LEDGER_PAGE_SIZE in DETECTION_ENV).
-    assert isinstance(ledger["discarded"], dict) and isinstance(ledger["released"], dict)
-    assert len(ledger["discarded"]) + len(ledger["released"]) < LEDGER_PAGE_SIZE
 
 
 def recoveries(cli: Cli, job: str) -> list[dict[str, Any]]:
@@ -323,7 +291,7 @@ def test_a_hung_trainer_is_replaced_and_its_zombie_changes_nothing(
         owner = checkpoint.owner_epoch(run / "checkpoints")
         assert owner is not None and owner > FIRST_EPOCH, "the replacement's epoch owns them"
         assert "Traceback" not in zombie_log.read_text()
-        assert_nothing_lost_or_trained_twice(cli, "th", run)
+        assert_nothing_lost_or_trained_twice(cli, "th", run, STEPS)
 
 
 def test_a_full_restart_replaces_every_role_with_a_new_process(
@@ -349,7 +317,7 @@ def test_a_full_restart_replaces_every_role_with_a_new_process(
         eventually_sync(functools.partial(exited, pid), timeout=15)
         assert name not in [m["instance_id"] for m in stack.members()]
         assert "exiting" in (stack.home / "logs" / f"{name}.log").read_text()
-    assert_nothing_lost_or_trained_twice(stack, "fr", tmp_path / "runs" / "fr")
+    assert_nothing_lost_or_trained_twice(stack, "fr", tmp_path / "runs" / "fr", STEPS)
 
 
 def exited(pid: int) -> bool:
@@ -369,7 +337,7 @@ def test_a_nan_loss_is_rolled_back_without_replacing_anything(
     assert rec["kind"] == "NON_FINITE" and rec["actions"] == ["ROLLBACK trainer-0"]
     assert not rec["replacements"]
     assert [i["kind"] for i in incidents(stack, "tn")] == ["NON_FINITE"]
-    assert_nothing_lost_or_trained_twice(stack, "tn", tmp_path / "runs" / "tn")
+    assert_nothing_lost_or_trained_twice(stack, "tn", tmp_path / "runs" / "tn", STEPS)
 
 
 def test_a_group_that_crashes_every_rollout_is_dropped_and_the_job_goes_on(
@@ -410,7 +378,7 @@ def test_a_killed_leader_coordinator_restarts_no_data_plane_role(
     after = data_plane_pids(stack)
     assert after == data_plane
     assert recoveries(stack, "lc") == []
-    assert_nothing_lost_or_trained_twice(stack, "lc", tmp_path / "runs" / "lc")
+    assert_nothing_lost_or_trained_twice(stack, "lc", tmp_path / "runs" / "lc", STEPS)
 
 
 def kill_rollout_1_with_nobody_to_replace_it(

@@ -100,13 +100,6 @@ async def test_bad_requests_get_the_right_code_and_change_nothing(
                 "trainer.lr",
             ),
             (
-                api.SubmitJob(
-                    pb.SubmitJobRequest(spec=SPEC, overrides=["rollout.engine=vllm"]), timeout=5
-                ),
-                grpc.StatusCode.INVALID_ARGUMENT,
-                "rollout.engine",
-            ),
-            (
                 api.SubmitJob(pb.SubmitJobRequest(spec="::: not yaml :::\n - ["), timeout=5),
                 grpc.StatusCode.INVALID_ARGUMENT,
                 "YAML",

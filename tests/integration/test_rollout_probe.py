@@ -24,6 +24,7 @@ from robustrl.contracts import packed
 from robustrl.contracts.ledger import WorkLedger
 from robustrl.core.config import EtcdSettings
 from robustrl.core.runtime import ServiceRuntime
+from robustrl.generation.engine import TorchEngine
 from robustrl.generation.modelgen import ModelShape, init_model
 from robustrl.v1 import (
     coordinator_pb2,
@@ -180,6 +181,26 @@ def test_the_counters_of_a_generation_and_of_its_absence() -> None:
     assert counters["nonfinite_logprobs"] == 3
 
 
+async def test_the_probe_waits_on_a_weight_update_as_on_a_generation() -> None:
+    meter = GenerationMeter({})
+    assert (await meter.probe(0.1)).progressing  # nothing asked of the engine
+
+    with meter.updating():
+        assert meter.counters["weight_updates_in_flight"] == 1
+        stuck = await meter.probe(0.2)
+        assert not stuck.progressing and "weight update in the engine unfinished" in stuck.detail
+
+        waiting = asyncio.create_task(meter.probe(30))
+
+        async def probe_waits() -> bool:
+            return meter.probes_waiting > 0
+
+        await eventually(probe_waits, timeout=5)
+    finished = await asyncio.wait_for(waiting, 5)  # the update's end answers the probe
+    assert finished.progressing and "weight update in flight finished" in finished.detail
+    assert meter.counters["weight_updates_in_flight"] == 0
+
+
 async def test_an_unbound_rollout_is_never_hung_and_wait_s_is_bounded(
     rollout: RolloutServicer,
 ) -> None:
@@ -216,7 +237,7 @@ async def test_the_probe_tells_a_streaming_generation_from_a_stuck_one(
 
             await eventually(bound, timeout=30)
             worker = rollout.worker
-            assert isinstance(worker, RolloutWorker) and worker.engine is not None
+            assert isinstance(worker, RolloutWorker) and isinstance(worker.engine, TorchEngine)
             model = worker.engine.model
             forward = Forward(model.forward)
             forward.pace = 0.01  # 40 decode steps: about half a second per generation

@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
+import signal
 import socket
+import subprocess
+import sys
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -14,6 +18,7 @@ from robustrl.cli.chaos import (
     ChaosError,
     Injection,
     choose,
+    engine_process,
     fault_choices,
     local_problem,
     plan_once,
@@ -22,7 +27,7 @@ from robustrl.cli.chaos import (
 from robustrl.contracts.binding import Action, Binding, apply_control
 from robustrl.contracts.errors import FailedPrecondition, Fenced, InvalidArgument
 from robustrl.contracts.jobspec import JobSpec
-from robustrl.contracts.members import MemberRecord
+from robustrl.contracts.members import ENGINE_PID_LABEL, MemberRecord
 from robustrl.core.heartbeat import Progress
 from robustrl.core.role_server import FAULT_STEP_KEY, RoleControl, fault_step
 from robustrl.v1 import trainer_pb2
@@ -122,6 +127,42 @@ def test_only_python_processes_on_this_host_are_signalled() -> None:
     cmdline = Path(f"/proc/{os.getppid()}/cmdline").read_bytes()
     assert (local_problem(parent) is None) == (b"python" in cmdline.split(b"\0")[0])
     assert "no process" in str(local_problem(me.model_copy(update={"pid": 2**22 + 1})))
+
+
+def test_an_engine_is_signalled_alone_only_when_its_label_names_a_child_of_the_member() -> None:
+    # A stand-in rollout (python) with a child of its own, as vLLM's engine core is.
+    script = (
+        "import subprocess, sys, time\n"
+        "child = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)'])\n"
+        "print(child.pid, flush=True)\n"
+        "time.sleep(60)\n"
+    )
+    rollout = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    engine = 0
+    try:
+        assert rollout.stdout is not None
+        engine = int(rollout.stdout.readline())
+        me = MemberRecord(
+            role="rollout",
+            instance_id="r",
+            address="x:1",
+            pid=rollout.pid,
+            host=socket.gethostname(),
+            job_id="j",
+        )
+        labelled = me.changed({ENGINE_PID_LABEL: str(engine)})
+        assert engine_process(labelled) == (engine, None)
+        assert "rollout.engine: torch" in str(engine_process(me)[1])  # no label: in-process
+        mislabelled = me.changed({ENGINE_PID_LABEL: str(rollout.pid)})  # its own pid
+        assert "not its engine process" in str(engine_process(mislabelled)[1])
+        elsewhere = labelled.model_copy(update={"host": "elsewhere"})
+        assert "not on this host" in str(engine_process(elsewhere)[1])
+    finally:
+        if engine:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(engine, signal.SIGKILL)
+        rollout.kill()
+        rollout.wait()
 
 
 # ----------------------------------------------------------------------------- INJECT_NAN

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 import inspect
 import math
 import threading
@@ -302,14 +301,6 @@ def test_a_weight_swap_waits_for_the_generation_in_progress(
 
 
 # --- vLLM engine ------------------------------------------------------------------------
-
-
-def test_vllm_engine_module_needs_no_vllm_to_import() -> None:
-    from robustrl.generation import vllm_engine
-
-    if importlib.util.find_spec("vllm") is None:
-        with pytest.raises(ImportError, match=r"robustrl\[gpu\]"):
-            vllm_engine.VLLMEngine("unused")
 
 
 def test_vllm_weight_specs_come_from_the_checkpoint_header(

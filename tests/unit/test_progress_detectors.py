@@ -36,6 +36,23 @@ def test_a_rollout_with_requests_and_no_tokens_is_a_hang_suspect() -> None:
     assert finding.kind == "ROLLOUT_HANG_SUSPECT" and "4 requests in flight" in finding.evidence
 
 
+def test_a_weight_update_that_never_ends_is_a_hang_suspect_and_one_that_ends_is_not() -> None:
+    stuck, done = rollout("stuck"), rollout("done")
+    for r in (stuck, done):
+        beat(r, 0.0, tokens=100, in_flight=0)  # between generations
+    for t in (1.0, 6.0):
+        pd.observe(
+            stuck,
+            phase="pulling_weights",
+            phase_started_at=1.0,
+            now=t,
+            counters={"tokens_generated": 100, "weight_updates_in_flight": 1},
+        )
+    beat(done, 6.0, tokens=100, in_flight=0)  # its update ended: nothing asked of it
+    [finding] = pd.rollout_hang_suspects([stuck, done], 11.5, CFG)
+    assert finding.instance_id == "stuck" and "a weight update in flight" in finding.evidence
+
+
 def test_long_tail_generation_and_idleness_are_never_hangs() -> None:
     long_tail, idle = rollout("tail"), rollout("idle")
     for t in range(0, 200, 5):

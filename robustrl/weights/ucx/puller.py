@@ -259,8 +259,17 @@ class Puller:
                 expected = [(i, manifest.buckets[i].nbytes) for i in wanted]
                 if sizes != expected:
                     raise HolderRefused(BAD_REPLY, f"offered {sizes[:4]}..., asked {wanted[:4]}...")
-                await self._receive(
-                    conn, guard, manifest, buffer, seq, sizes, checks, timings, progress
+                await receive_buckets(
+                    conn,
+                    guard,
+                    manifest,
+                    buffer,
+                    seq,
+                    sizes,
+                    checks,
+                    timings,
+                    progress,
+                    self.in_flight,
                 )
                 completed = True
         finally:
@@ -288,52 +297,51 @@ class Puller:
                     )
             timings.verify_wait_s += time.perf_counter() - started
 
-    async def _receive(
-        self,
-        conn: HolderConnection,
-        guard: SourceGuard,
-        manifest: BucketManifest,
-        buffer: torch.Tensor,
-        seq: int,
-        sizes: list[tuple[int, int]],
-        checks: LandedChecks,
-        timings: PullTimings,
-        progress: PullProgress,
-    ) -> None:
-        """Receive the buckets of one request, in_flight posted ahead, handing each to
-        `checks` as it lands and counting it in `progress`."""
-        receives: collections.deque[tuple[int, torch.Tensor, asyncio.Future[None]]] = (
-            collections.deque()
-        )
-        began = time.perf_counter()
-        first = True
 
-        async def verify_next() -> None:
-            nonlocal first
-            index, view, received = receives.popleft()
-            await received
-            guard.progressed()
-            started = time.perf_counter()
-            if first:
-                timings.first_s += started - began
-                first = False
-            checks.landed(index, view)
-            timings.check_s += time.perf_counter() - started
-            progress.received(view.numel(), guard.holder)
+async def receive_buckets(
+    conn: HolderConnection,
+    guard: SourceGuard,
+    manifest: BucketManifest,
+    buffer: torch.Tensor,
+    seq: int,
+    sizes: list[tuple[int, int]],
+    checks: LandedChecks,
+    timings: PullTimings,
+    progress: PullProgress,
+    in_flight: int = IN_FLIGHT_BUCKETS,
+) -> None:
+    """Receive the buckets of one request, in_flight posted ahead, handing each to
+    `checks` as it lands and counting it in `progress`."""
+    receives: collections.deque[tuple[int, torch.Tensor, asyncio.Future[None]]] = (
+        collections.deque()
+    )
+    began = time.perf_counter()
+    first = True
 
-        try:
-            for index, _ in sizes:
-                view = bucket_view(manifest, buffer, index)
-                receives.append(
-                    (index, view, asyncio.ensure_future(conn.receive(view, seq, index)))
-                )
-                if len(receives) >= self.in_flight:
-                    await verify_next()
-            while receives:
+    async def verify_next() -> None:
+        nonlocal first
+        index, view, received = receives.popleft()
+        await received
+        guard.progressed()
+        started = time.perf_counter()
+        if first:
+            timings.first_s += started - began
+            first = False
+        checks.landed(index, view)
+        timings.check_s += time.perf_counter() - started
+        progress.received(view.numel(), guard.holder)
+
+    try:
+        for index, _ in sizes:
+            view = bucket_view(manifest, buffer, index)
+            receives.append((index, view, asyncio.ensure_future(conn.receive(view, seq, index))))
+            if len(receives) >= in_flight:
                 await verify_next()
-        finally:
-            if receives:
-                # Receives still posted into our buffer end with the endpoint (UCX fails them),
-                # so waiting for them cannot outlast a frozen or dead source.
-                await conn.close()
-                await asyncio.gather(*(r for _, _, r in receives), return_exceptions=True)
+        while receives:
+            await verify_next()
+    finally:
+        if receives:
+            # Receives still posted into our buffer end with the endpoint (UCX fails them),
+            # so waiting for them cannot outlast a frozen or dead source.
+            await conn.close()
+            await asyncio.gather(*(r for _, _, r in receives), return_exceptions=True)

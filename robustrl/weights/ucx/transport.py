@@ -53,6 +53,7 @@ from robustrl.weights.protocol import (
 from robustrl.weights.transport import (
     PULL_PROGRESS_EVERY_S,
     Announcement,
+    LocalSource,
     NamedTensors,
     PullProgress,
     WeightTransport,
@@ -327,6 +328,12 @@ class UcxTransport(WeightTransport):
 
     def held_versions(self) -> list[int]:
         return self.held.versions()
+
+    def local_source(self, version: int) -> LocalSource | None:
+        held = self.held.get(version)
+        if held is None:
+            return None
+        return LocalSource(version, self.address, held.manifest.to_json())
 
     def listed_versions(self) -> dict[int, list[str]]:
         """Versions whose manifest this transport's watch has delivered, with their holders: a

@@ -1,0 +1,221 @@
+"""Jobs whose rollouts run vLLM (its CPU build) through real service processes: one learns
+through a rollout killed -9 and another rollout's engine core stopped while the service beats
+on, a fault-free one with long tails raises nothing, and input vLLM cannot serve fails the job
+and nothing else."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from robustrl.contracts.members import ENGINE_PID_LABEL
+from robustrl.generation.modelgen import ModelShape, init_model
+from tests.support import eventually_sync, process_state
+from tests.support.accounting import assert_nothing_lost_or_trained_twice
+from tests.support.cli import Cli, chaos
+from tests.support.detection import (
+    PROBE_DEADLINE,
+    PROBE_WAIT,
+    SLACK,
+    TTL,
+    detection_stack,
+    incidents,
+    member,
+    step_of,
+    wait_for_incident,
+)
+from tests.support.paths import EXAMPLE
+
+pytestmark = [pytest.mark.slow]
+
+HANG_WINDOW = 6.0
+"""The monitor's rollout hang window in these tests (10 s by default)."""
+
+LEARN_STEPS = 200
+GROUPS_PER_STEP = 64
+EVAL_GAIN = 0.3
+"""The least rise of the held-out eval reward over LEARN_STEPS (measured without faults: +0.30
+at step 150)."""
+
+
+@pytest.fixture
+def stack(tmp_path: Path) -> Iterator[Cli]:
+    env = {"ROBUSTRL_MONITOR_ROLLOUT_HANG_WINDOW": str(HANG_WINDOW)}
+    with detection_stack(tmp_path, env=env) as cli:
+        yield cli
+
+
+def submit_vllm(cli: Cli, model_dir: Path, job: str, *overrides: str) -> None:
+    cli.run(
+        "submit",
+        str(EXAMPLE),
+        "--id",
+        job,
+        f"model.path={model_dir}",
+        "rollout.engine=vllm",
+        *overrides,
+    )
+
+
+def engine_pid(cli: Cli, instance_id: str) -> int:
+    labels = member(cli, instance_id)["labels"]
+    assert isinstance(labels, dict) and ENGINE_PID_LABEL in labels, labels
+    return int(labels[ENGINE_PID_LABEL])
+
+
+def ended(pid: int) -> bool:
+    """Gone, or a zombie: nothing of it runs."""
+    try:
+        return process_state(pid) == "Z"
+    except OSError:
+        return True
+
+
+def vllm_processes_under(pid: int) -> list[int]:
+    """vLLM's processes (VLLM::EngineCore, VLLM::Worker) among pid's descendants."""
+    found, frontier = [], [pid]
+    while frontier:
+        parent = frontier.pop()
+        for task in os.listdir(f"/proc/{parent}/task"):
+            try:
+                children = Path(f"/proc/{parent}/task/{task}/children").read_text().split()
+            except OSError:
+                continue
+            for child in map(int, children):
+                frontier.append(child)
+                try:
+                    name = Path(f"/proc/{child}/comm").read_text()
+                except OSError:
+                    continue
+                if name.startswith("VLLM::") and not ended(child):
+                    found.append(child)
+    return found
+
+
+def recovery_done(cli: Cli, job: str, count: int) -> bool:
+    recoveries: list[dict[str, Any]] = cli.status(job)["recoveries"]
+    return len(recoveries) >= count and all(r["done_at"] for r in recoveries)
+
+
+@pytest.mark.chaos
+@pytest.mark.timeout(900)  # about 5 min here: three vLLM engine starts on two cores
+def test_a_vllm_job_learns_through_a_killed_rollout_and_a_hung_engine_and_loses_nothing(
+    stack: Cli, model_dir: Path, tmp_path: Path
+) -> None:
+    submit_vllm(
+        stack,
+        model_dir,
+        "vl",
+        f"trainer.steps={LEARN_STEPS}",
+        f"trainer.groups_per_step={GROUPS_PER_STEP}",
+        "trainer.eval_every=25",
+    )
+    eventually_sync(lambda: step_of(stack, "vl") >= 5, timeout=240)
+    rollout_0 = int(member(stack, "rollout-0")["pid"])
+    engine_0 = engine_pid(stack, "rollout-0")
+
+    # The engine core alone stops: the rollout service lives and beats, its tokens stop.
+    [hang] = chaos(stack, "vl", "--fault", "hang", "--engine", "--instance", "rollout-0")
+    assert (hang["pid"], hang["process"]) == (engine_0, "engine")
+    incident = wait_for_incident(stack, "ROLLOUT_HANG", "rollout-0", timeout=30)
+    took = incident["detected_at"] - hang["at"]
+    bound = HANG_WINDOW + PROBE_WAIT + PROBE_DEADLINE + SLACK
+    assert took <= bound, f"reported {took:.1f}s after the engine stopped (bound {bound:.1f}s)"
+    assert "probe" in incident["evidence"]
+    # Never lost: the service answered all along. Fenced, it closed its engine and stays up.
+    assert [i["kind"] for i in incidents(stack, "vl")] == ["ROLLOUT_HANG"]
+    eventually_sync(lambda: ended(engine_0), timeout=30)
+    assert not ended(rollout_0)
+    eventually_sync(lambda: recovery_done(stack, "vl", 1), timeout=240)
+
+    # kill -9 of a vLLM rollout: lost, replaced, and its engine's processes die with it.
+    victim = next(
+        m["instance_id"]
+        for m in stack.members()
+        if m["role"] == "rollout" and m["job_id"] == "vl" and m["instance_id"] != "rollout-0"
+    )
+    assert isinstance(victim, str)
+    pid, engine = int(member(stack, victim)["pid"]), engine_pid(stack, victim)
+    os.kill(pid, signal.SIGKILL)
+    killed_at = time.time()
+    lost = wait_for_incident(stack, "MEMBER_LOST", victim, timeout=TTL + 5)
+    assert lost["detected_at"] - killed_at <= TTL + 1.0
+    eventually_sync(lambda: ended(engine), timeout=15)
+    eventually_sync(lambda: recovery_done(stack, "vl", 2), timeout=300)
+
+    watch = stack.run("watch", "vl", check=False, timeout=600)
+    assert watch.returncode == 0, watch.stdout + watch.stderr
+    run = tmp_path / "runs" / "vl"
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    evals = [r["eval_reward"] for r in rows if "eval_reward" in r]
+    assert evals[-1] >= evals[0] + EVAL_GAIN, f"eval reward did not rise enough: {evals}"
+    assert_nothing_lost_or_trained_twice(stack, "vl", run, LEARN_STEPS, GROUPS_PER_STEP)
+    # Every trajectory names the version it was made with, each within the staleness bound.
+    for line in (run / "trained.jsonl").read_text().splitlines():
+        entry = json.loads(line)
+        for detail in entry["groups"].values():
+            assert all(0 <= entry["step"] - v <= 1 for v in detail["versions"]), entry
+    logs = stack.home / "logs"
+    assert "rollout.weights_loaded" in (logs / "rollout-0.log").read_text()
+
+
+@pytest.mark.timeout(400)
+def test_a_fault_free_vllm_job_with_long_tails_and_idle_rollouts_raises_no_incident(
+    stack: Cli, model_dir: Path, tmp_path: Path
+) -> None:
+    # max_staleness 0: rollouts wait idle for each version; every 5th group generates 20x
+    # as many tokens as the others (one or two of each step's 8 groups).
+    submit_vllm(
+        stack,
+        model_dir,
+        "calm",
+        "trainer.steps=6",
+        "trainer.groups_per_step=8",
+        "trainer.eval_every=1000",
+        "trainer.max_staleness=0",
+        "rollout.long_tail_every=5",
+        "rollout.long_tail_factor=20",
+    )
+    watch = stack.run("watch", "calm", check=False, timeout=360)
+    assert watch.returncode == 0, watch.stdout + watch.stderr
+    assert incidents(stack) == []
+    rows = (tmp_path / "runs" / "calm" / "metrics.jsonl").read_text().splitlines()
+    assert json.loads(rows[-1])["step"] == 6
+
+
+@pytest.mark.timeout(400)
+def test_input_vllm_cannot_serve_fails_the_job_and_the_rollouts_stay_up_and_free(
+    stack: Cli, model_dir: Path, tmp_path: Path
+) -> None:
+    rollouts = {m["instance_id"]: m["pid"] for m in stack.members() if m["role"] == "rollout"}
+    # Heads of 16 dimensions: the trainer's torch runs them, vLLM's CPU attention refuses.
+    narrow = init_model(
+        tmp_path / "narrow",
+        seed=0,
+        shape=ModelShape(hidden_size=64, intermediate_size=128, num_heads=4, num_kv_heads=2),
+    )
+    cases = {
+        "long": (model_dir, "rollout.max_new_tokens=500", "rollout.max_new_tokens: 500 tokens"),
+        "narrow": (narrow, "rollout.temperature=1.0", "Unsupported CPU attention"),
+    }
+    for job, (model, override, cause) in cases.items():
+        submit_vllm(stack, model, job, "trainer.steps=3", override)
+
+        def failed(job: str = job) -> bool:
+            return bool(stack.status(job)["phase"] == "FAILED")
+
+        eventually_sync(failed, timeout=180)
+        message = stack.status(job)["message"]
+        assert cause in message and "rollout" in message, message
+    members = {m["instance_id"]: m for m in stack.members()}
+    for name, pid in rollouts.items():
+        assert members[name]["pid"] == pid and members[name]["job_id"] == "", members[name]
+        assert ENGINE_PID_LABEL not in members[name]["labels"]  # type: ignore[operator]
+        assert vllm_processes_under(int(str(pid))) == [], name
