@@ -79,6 +79,10 @@ class EngineStartError(RuntimeError):
     """vLLM could not start an engine for this model (its message says why)."""
 
 
+class EngineDead(RuntimeError):
+    """The engine's own process died under a call (its message says how)."""
+
+
 def checkpoint_specs(model_dir: str | Path) -> dict[str, TensorSpec]:
     """Name -> shape/dtype of every tensor in a Hugging Face safetensors checkpoint (header
     only; no tensor is read)."""
@@ -251,6 +255,17 @@ class VLLMEngine(Engine):
         finally:
             self._pending.discard(future)
 
+    def _call(self, work: Coroutine[Any, Any, T], timeout: float | None = None) -> T:
+        """`_run` for a started engine: a call that fails because the engine core died says
+        so (EngineDead, with how it ended), instead of vLLM's 'see the stack trace above'."""
+        try:
+            return self._run(work, timeout)
+        except Exception as exc:
+            failure = self.failure()
+            if failure is None:
+                raise
+            raise EngineDead(failure) from exc
+
     def failure(self) -> str | None:
         llm = self._llm
         if llm is None or not llm.errored:
@@ -290,7 +305,7 @@ class VLLMEngine(Engine):
         if not encoded:
             return []
         with self._lock:
-            outputs = self._run(self._generate(encoded, params, on_tokens))
+            outputs = self._call(self._generate(encoded, params, on_tokens))
         # A greedy request is asked for once (vLLM refuses n > 1 without sampling): its n
         # completions are the same one, as the torch engine's are.
         copies = params.n if params.temperature == 0 else 1
@@ -359,7 +374,7 @@ class VLLMEngine(Engine):
                 else:
                     staged = _stage(incoming, new_version)
                     update["path"] = str(staged)
-                self._run(self._update(update), UPDATE_TIMEOUT_S)
+                self._call(self._update(update), UPDATE_TIMEOUT_S)
             finally:
                 if staged is not None:
                     staged.unlink(missing_ok=True)

@@ -166,6 +166,31 @@ def test_a_vllm_job_learns_through_a_killed_rollout_and_a_hung_engine_and_loses_
     assert "rollout.weights_loaded" in (logs / "rollout-0.log").read_text()
 
 
+@pytest.mark.chaos
+@pytest.mark.timeout(400)
+def test_an_engine_core_that_dies_crashes_its_rollout_which_is_then_lost_and_replaced(
+    stack: Cli, model_dir: Path
+) -> None:
+    submit_vllm(stack, model_dir, "dies", "trainer.steps=1000", "trainer.groups_per_step=8")
+    eventually_sync(lambda: step_of(stack, "dies") >= 2, timeout=240)
+    rollout = int(member(stack, "rollout-0")["pid"])
+
+    [kill] = chaos(stack, "dies", "--fault", "kill", "--engine", "--instance", "rollout-0")
+    assert kill["process"] == "engine"
+    lost = wait_for_incident(stack, "MEMBER_LOST", "rollout-0", timeout=TTL + 5)
+    # The rollout noticed within its watch interval and crashed: its address refused at once.
+    assert lost["detected_at"] - kill["at"] <= 3.0, lost
+    eventually_sync(lambda: ended(rollout), timeout=10)
+    # Mid-generation the batch fails, idle the watch sees it: a crash that says how it died.
+    crash = (stack.home / "logs" / "rollout-0.log").read_text()
+    assert "rollout.crashed" in crash and "exited with signal 9" in crash
+    # ... and is recovered as any lost rollout (its replacement's start is the other test's).
+    eventually_sync(lambda: bool(stack.status("dies")["recoveries"]), timeout=30)
+    [recovery] = stack.status("dies")["recoveries"]
+    assert recovery["actions"][0] == "FENCE rollout-0", recovery
+    stack.run("cancel", "dies")
+
+
 @pytest.mark.timeout(400)
 def test_a_fault_free_vllm_job_with_long_tails_and_idle_rollouts_raises_no_incident(
     stack: Cli, model_dir: Path, tmp_path: Path
