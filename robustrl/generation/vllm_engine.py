@@ -292,8 +292,8 @@ class VLLMEngine(Engine):
             return []
         manager = getattr(self._llm.engine_core.resources, "engine_manager", None)
         cores = [int(proc.pid) for proc in getattr(manager, "processes", []) if proc.pid]
-        workers = [pid for core in cores for pid in _descendants(core)]
-        return cores + [pid for pid in workers if _name(pid).startswith("VLLM::")]
+        workers = [pid for core in cores for pid in descendants(core)]
+        return cores + [pid for pid in workers if process_name(pid).startswith("VLLM::")]
 
     def generate(
         self,
@@ -438,14 +438,15 @@ def _stage(tensors: dict[str, torch.Tensor], version: int) -> Path:
     return path
 
 
-def _name(pid: int) -> str:
+def process_name(pid: int) -> str:
+    """The process's name (/proc/<pid>/comm; vLLM names its own VLLM::...), '' if gone."""
     try:
         return Path(f"/proc/{pid}/comm").read_text().strip()
     except OSError:
         return ""
 
 
-def _descendants(pid: int) -> list[int]:
+def descendants(pid: int) -> list[int]:
     """Every process below `pid`, breadth first (from /proc's children lists)."""
     found: list[int] = []
     frontier = [pid]

@@ -20,12 +20,18 @@ import torch
 from safetensors.torch import save_file
 
 from robustrl.contracts.keys import KeySpace
-from robustrl.generation.engine import SamplingParams, TorchEngine, sampling_logprobs
+from robustrl.generation.engine import SamplingParams, TorchEngine
 from robustrl.generation.modelgen import ModelShape, init_model
-from robustrl.generation.vllm_engine import EngineStartError, VLLMEngine
+from robustrl.generation.vllm_engine import (
+    EngineStartError,
+    VLLMEngine,
+    descendants,
+    process_name,
+)
 from robustrl.weights.ucx.holder import HolderFaults
 from robustrl.weights.ucx.transport import UcxTransport
 from tests.support import eventually
+from tests.support.reference import full_forward_logprobs
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
@@ -33,18 +39,6 @@ PROMPTS = ["3+4=", "12+17=", "1+1=", "19+13=", "40+2="]
 KV_CACHE = 32 << 20
 LOGPROB_TOLERANCE = 1e-4
 """Both engines compute in fp32; the same tokens' logprobs differ by ~4e-7 here."""
-
-
-def logprobs_of(
-    engine: TorchEngine, prompt_ids: list[int], completion_ids: list[int], temperature: float
-) -> list[float]:
-    """Reference: one unpadded full forward over prompt + completion, no KV cache."""
-    ids = torch.tensor([prompt_ids + completion_ids])
-    with torch.no_grad():
-        logits = engine.model(input_ids=ids).logits[0]
-    logp = sampling_logprobs(logits, temperature)
-    p = len(prompt_ids)
-    return [float(logp[p - 1 + k, tok]) for k, tok in enumerate(completion_ids)]
 
 
 def perturbed(model_dir: Path, out: Path, seed: int) -> Path:
@@ -59,6 +53,12 @@ def perturbed(model_dir: Path, out: Path, seed: int) -> Path:
     }
     save_file(weights, str(out / "model.safetensors"), metadata={"format": "pt"})
     return out
+
+
+def other_weights(model_dir: Path, out: Path, seed: int) -> list[tuple[str, torch.Tensor]]:
+    """The weights of `perturbed(model_dir, out, seed)`, as a trainer would publish them."""
+    other = TorchEngine.from_pretrained(perturbed(model_dir, out, seed))
+    return list(other.model.state_dict().items())
 
 
 @pytest.fixture(scope="module")
@@ -122,7 +122,7 @@ def test_sampled_logprobs_are_those_the_trainer_recomputes(
 
     assert [len(g) for g in groups] == [4] * len(PROMPTS)
     for completion in (c for g in groups for c in g):
-        expected = logprobs_of(original, completion.prompt_ids, completion.token_ids, 0.8)
+        expected = full_forward_logprobs(original, completion.prompt_ids, completion.token_ids, 0.8)
         assert completion.logprobs == pytest.approx(expected, abs=LOGPROB_TOLERANCE)
     # Same seed, prompts, params and weights: the same samples.
     assert vllm.generate(PROMPTS, params) == groups
@@ -143,9 +143,7 @@ async def test_a_weight_update_over_ucx_gives_the_outputs_of_those_weights_loade
 ) -> None:
     params = SamplingParams(n=3, temperature=1.0, max_new_tokens=6, seed=4)
     before = vllm.generate(PROMPTS, params)
-    other_dir = perturbed(model_dir, tmp_path / "other", seed=3)
-    other = TorchEngine.from_pretrained(other_dir)
-    weights = list(other.model.state_dict().items())
+    weights = other_weights(model_dir, tmp_path / "other", seed=3)
     transport = await holder()
     await transport.publish(5, weights)
     source = transport.local_source(5)
@@ -157,7 +155,7 @@ async def test_a_weight_update_over_ucx_gives_the_outputs_of_those_weights_loade
     assert transport.counters.buckets_served > 1  # the engine's worker copied it over UCX
     updated = vllm.generate(PROMPTS, params)
     assert updated != before
-    fresh = await asyncio.to_thread(VLLMEngine, other_dir, kv_cache_bytes=KV_CACHE)
+    fresh = await asyncio.to_thread(VLLMEngine, tmp_path / "other", kv_cache_bytes=KV_CACHE)
     try:
         loaded_fresh = fresh.generate(PROMPTS, params)
     finally:
@@ -176,8 +174,7 @@ async def test_a_corrupt_bucket_never_reaches_the_engine(
 ) -> None:
     greedy = SamplingParams(n=1, temperature=0.0, max_new_tokens=6)
     before = vllm.generate(PROMPTS, greedy)
-    other = TorchEngine.from_pretrained(perturbed(model_dir, tmp_path / "other", seed=5))
-    weights = list(other.model.state_dict().items())
+    weights = other_weights(model_dir, tmp_path / "other", seed=5)
     transport = await holder(HolderFaults(corrupt_buckets=frozenset({1})))
     await transport.publish(6, weights)
 
@@ -193,8 +190,7 @@ async def test_a_holder_gone_mid_copy_never_reaches_the_engine(
 ) -> None:
     greedy = SamplingParams(n=1, temperature=0.0, max_new_tokens=6)
     before = vllm.generate(PROMPTS, greedy)
-    other = TorchEngine.from_pretrained(perturbed(model_dir, tmp_path / "other", seed=6))
-    weights = list(other.model.state_dict().items())
+    weights = other_weights(model_dir, tmp_path / "other", seed=6)
     transport = await holder(HolderFaults(stall_after_buckets=3))
     await transport.publish(7, weights)
     source = transport.local_source(7)
@@ -287,23 +283,8 @@ def test_a_model_vllms_engine_core_refuses_fails_to_start_naming_the_cause(tmp_p
 
 
 def _engine_processes() -> list[int]:
-    """This process's children that are vLLM engine processes."""
-    return [pid for pid in _children() if _comm(pid).startswith("VLLM::")]
-
-
-def _children() -> list[int]:
-    pid = os.getpid()
-    found: list[int] = []
-    for task in os.listdir(f"/proc/{pid}/task"):
-        found += [int(c) for c in Path(f"/proc/{pid}/task/{task}/children").read_text().split()]
-    return found
-
-
-def _comm(pid: int) -> str:
-    try:
-        return Path(f"/proc/{pid}/comm").read_text().strip()
-    except OSError:
-        return ""
+    """vLLM's processes below this one."""
+    return [pid for pid in descendants(os.getpid()) if process_name(pid).startswith("VLLM::")]
 
 
 def test_importing_the_engine_module_imports_no_vllm() -> None:

@@ -17,10 +17,10 @@ from robustrl.generation.engine import (
     SamplingParams,
     TorchEngine,
     cache_keyword,
-    sampling_logprobs,
 )
 from robustrl.generation.modelgen import init_model
 from services.trainer.grpo import Sample, completion_logprobs
+from tests.support.reference import full_forward_logprobs
 from tests.support.tiny_model import TINY
 
 PROMPTS = ["3+4=", "12+17=", "1+1=", "19+13="]
@@ -29,18 +29,6 @@ PROMPTS = ["3+4=", "12+17=", "1+1=", "19+13="]
 @pytest.fixture
 def engine(tiny_model_dir: Path) -> TorchEngine:
     return TorchEngine.from_pretrained(tiny_model_dir)
-
-
-def _single_sequence_logprobs(
-    engine: TorchEngine, prompt_ids: list[int], completion_ids: list[int], temperature: float
-) -> list[float]:
-    """Reference: one unpadded full forward over prompt + completion, no KV cache."""
-    ids = torch.tensor([prompt_ids + completion_ids])
-    with torch.no_grad():
-        logits = engine.model(input_ids=ids).logits[0]
-    logp = sampling_logprobs(logits, temperature)
-    p = len(prompt_ids)
-    return [float(logp[p - 1 + k, tok]) for k, tok in enumerate(completion_ids)]
 
 
 @pytest.mark.parametrize("temperature", [1.0, 0.7, 0.0])
@@ -53,7 +41,7 @@ def test_logprobs_match_a_full_forward_of_the_same_tokens(
     completions = [c for g in groups for c in g]
     assert len(completions) == len(PROMPTS) * 3
     for c in completions:
-        ref = _single_sequence_logprobs(engine, c.prompt_ids, c.token_ids, temperature)
+        ref = full_forward_logprobs(engine, c.prompt_ids, c.token_ids, temperature)
         assert c.logprobs == pytest.approx(ref, abs=1e-5)
     # The trainer's batched recomputation agrees too: ratio 1 on policy.
     samples = [Sample(c.prompt_ids, c.token_ids, c.logprobs, 0.0) for c in completions]
@@ -177,7 +165,7 @@ def test_a_long_tail_generates_exactly_max_new_tokens_times_the_factor(
         assert c.finish_reason == "length"
         # The reported logprobs are the model's own (eos not masked): what the trainer
         # recomputes, so the ratio stays 1 on policy.
-        ref = _single_sequence_logprobs(engine, c.prompt_ids, c.token_ids, temperature)
+        ref = full_forward_logprobs(engine, c.prompt_ids, c.token_ids, temperature)
         assert c.logprobs == pytest.approx(ref, abs=1e-4)
 
 
@@ -345,7 +333,7 @@ def test_vllm_engine_matches_the_torch_engine(tiny_model_dir: Path, tmp_path: Pa
     )
     groups = vllm.generate(PROMPTS, SamplingParams(n=3, temperature=0.8, max_new_tokens=6, seed=1))
     for c in (c for g in groups for c in g):
-        ref = _single_sequence_logprobs(reference, c.prompt_ids, c.token_ids, 0.8)
+        ref = full_forward_logprobs(reference, c.prompt_ids, c.token_ids, 0.8)
         assert c.logprobs == pytest.approx(ref, abs=1e-3)
     other = _other_weights(tiny_model_dir, tmp_path)
     vllm.load_weights(other.model.state_dict().items(), version=4)
