@@ -98,6 +98,11 @@ class TensorSpec:
     dtype: torch.dtype
 
 
+class SourceGone(RuntimeError):
+    """The holder a version was to be copied from no longer holds it (a newer one superseded
+    it): nothing was loaded, and the engine keeps the weights it had."""
+
+
 class Engine(ABC):
     """What a rollout needs from an inference engine."""
 

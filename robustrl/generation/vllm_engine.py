@@ -44,11 +44,13 @@ from robustrl.generation.engine import (
     Completion,
     Engine,
     SamplingParams,
+    SourceGone,
     TensorSpec,
     TokenCallback,
     validate_weights,
 )
 from robustrl.generation.vllm_plugin import BACKEND, BUSY_LOOP_ENV, ERRORS_ENV, OWNER_ENV
+from robustrl.weights.protocol import NOT_HELD
 from robustrl.weights.transport import LocalSource
 
 T = TypeVar("T")
@@ -374,7 +376,14 @@ class VLLMEngine(Engine):
                 else:
                     staged = _stage(incoming, new_version)
                     update["path"] = str(staged)
-                self._call(self._update(update), UPDATE_TIMEOUT_S)
+                try:
+                    self._call(self._update(update), UPDATE_TIMEOUT_S)
+                except EngineDead:
+                    raise
+                except Exception as exc:
+                    if f"'{NOT_HELD}:" in str(exc):  # the worker's copy was refused
+                        raise SourceGone(f"version {new_version}: {_gist(exc)}") from exc
+                    raise
             finally:
                 if staged is not None:
                     staged.unlink(missing_ok=True)

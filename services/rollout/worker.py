@@ -35,7 +35,7 @@ from robustrl.core.etcd_client import etcd_unavailable, until_etcd_answers
 from robustrl.core.interceptors import REPEAT_WINDOW_S, Repeats
 from robustrl.core.logs import get_logger
 from robustrl.core.runtime import ServiceRuntime, long_lived_objects
-from robustrl.generation.engine import ContextExceeded, Engine, SamplingParams
+from robustrl.generation.engine import ContextExceeded, Engine, SamplingParams, SourceGone
 from robustrl.generation.rewards import RewardError, RewardFn, load_reward, score
 from robustrl.v1 import coordinator_pb2, trainer_pb2
 from robustrl.weights import (
@@ -403,13 +403,17 @@ class RolloutWorker:
                 # thread: an engine in other processes copies the version from this process's
                 # UCX holder, which the event loop serves meanwhile.
                 started = time.perf_counter()
-                with self.meter.updating():
-                    await asyncio.to_thread(
-                        self.engine.load_weights,
-                        tensors,
-                        latest.version,
-                        self.transport.local_source(latest.version),
-                    )
+                try:
+                    with self.meter.updating():
+                        await asyncio.to_thread(
+                            self.engine.load_weights,
+                            tensors,
+                            latest.version,
+                            self.transport.local_source(latest.version),
+                        )
+                except SourceGone as exc:  # superseded while the engine copied it: the next
+                    log.info("rollout.weights_superseded", version=latest.version, error=str(exc))
+                    continue
                 self.loaded_epoch = latest.trainer_epoch
                 log.info(
                     "rollout.weights_loaded",

@@ -20,7 +20,7 @@ import torch
 from safetensors.torch import save_file
 
 from robustrl.contracts.keys import KeySpace
-from robustrl.generation.engine import SamplingParams, TorchEngine
+from robustrl.generation.engine import SamplingParams, SourceGone, TorchEngine
 from robustrl.generation.modelgen import ModelShape, init_model
 from robustrl.generation.vllm_engine import (
     EngineStartError,
@@ -81,7 +81,7 @@ async def holder(etcd_client: Any, etcd_settings: Any) -> AsyncIterator[Any]:
     """Make a UCX holder in this process (as a rollout holds what it pulled): holder(faults)."""
     made: list[UcxTransport] = []
 
-    async def make(faults: HolderFaults | None = None) -> UcxTransport:
+    async def make(faults: HolderFaults | None = None, keep_versions: int = 2) -> UcxTransport:
         transport = UcxTransport(
             etcd_client,
             KeySpace(etcd_settings.prefix),
@@ -90,6 +90,7 @@ async def holder(etcd_client: Any, etcd_settings: Any) -> AsyncIterator[Any]:
             relay=False,
             bucket_bytes=16 << 10,  # the tiny model in a few dozen buckets
             faults=faults,
+            keep_versions=keep_versions,
         )
         await transport.start()
         made.append(transport)
@@ -204,6 +205,24 @@ async def test_a_holder_gone_mid_copy_never_reaches_the_engine(
     await transport.close()  # the holder goes away with the copy half done
     with pytest.raises(Exception, match=r"copy of version 7 from .* failed after \d+ of \d+ bytes"):
         await loading
+    assert vllm.weight_version == 0
+    assert vllm.generate(PROMPTS, greedy) == before
+
+
+async def test_a_version_its_holder_dropped_meanwhile_is_source_gone_and_loads_nothing(
+    vllm: VLLMEngine, holder: Any, model_dir: Path, tmp_path: Path
+) -> None:
+    greedy = SamplingParams(n=1, temperature=0.0, max_new_tokens=6)
+    before = vllm.generate(PROMPTS, greedy)
+    weights = other_weights(model_dir, tmp_path / "other", seed=7)
+    transport = await holder(keep_versions=1)
+    await transport.publish(8, weights)
+    source = transport.local_source(8)
+    await transport.publish(9, weights)  # v8 superseded and dropped, as a rollout's are
+
+    with pytest.raises(SourceGone, match="version 8"):
+        await asyncio.to_thread(vllm.load_weights, weights, 8, source)
+
     assert vllm.weight_version == 0
     assert vllm.generate(PROMPTS, greedy) == before
 
