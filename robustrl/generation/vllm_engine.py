@@ -185,7 +185,6 @@ class VLLMEngine(Engine):
             # and its samples and logprobs would no longer be those the trainer computes.
             dtype = _checkpoint_dtype(self._specs)
         self.weight_version = 0
-        self.last_update_s = 0.0
         self._lock = threading.Lock()
         self._pending: set[concurrent.futures.Future[Any]] = set()
         self._loop = asyncio.new_event_loop()
@@ -258,27 +257,34 @@ class VLLMEngine(Engine):
             self._pending.discard(future)
 
     def _call(self, work: Coroutine[Any, Any, T], timeout: float | None = None) -> T:
-        """`_run` for a started engine: a call that fails because the engine core died says
-        so (EngineDead, with how it ended), instead of vLLM's 'see the stack trace above'."""
+        """`_run` for a started engine. A call that fails because the engine core died says so
+        (EngineDead, with how it ended) instead of vLLM's 'see the stack trace above'; a weight
+        copy the rollout's holder refused because it no longer holds the version is SourceGone
+        (vLLM hands the worker's error back as text only)."""
         try:
             return self._run(work, timeout)
         except Exception as exc:
             failure = self.failure()
-            if failure is None:
-                raise
-            raise EngineDead(failure) from exc
+            if failure is not None:
+                raise EngineDead(failure) from exc
+            if f"'{NOT_HELD}:" in str(exc):
+                raise SourceGone(_gist(exc)) from exc
+            raise
 
     def failure(self) -> str | None:
         llm = self._llm
         if llm is None or not llm.errored:
             return None
+        logged = self._cause()
+        cause = _gist(logged) if logged else ""
         manager = getattr(llm.engine_core.resources, "engine_manager", None)
         for proc in getattr(manager, "processes", []):
             if proc.exitcode is not None:
                 how = f"signal {-proc.exitcode}" if proc.exitcode < 0 else f"code {proc.exitcode}"
-                cause = f": {_gist(self._cause())}" if self._cause() else ""
-                return f"vLLM's engine core (pid {proc.pid}) exited with {how}{cause}"
-        return f"vLLM's engine core is dead: {_gist(self._cause() or llm.dead_error)}"
+                return (
+                    f"vLLM's engine core (pid {proc.pid}) exited with {how}{cause and ': '}{cause}"
+                )
+        return f"vLLM's engine core is dead: {cause or _gist(llm.dead_error)}"
 
     def _cause(self) -> str:
         """The last error the engine core logged with its exception ('' if none)."""
@@ -369,25 +375,16 @@ class VLLMEngine(Engine):
         update: dict[str, Any] = {"version": new_version}
         staged: Path | None = None
         with self._lock:
-            started = time.perf_counter()
             try:
                 if source is not None and source.version == new_version:
                     update |= {"manifest": source.manifest.decode(), "address": source.address}
                 else:
                     staged = _stage(incoming, new_version)
                     update["path"] = str(staged)
-                try:
-                    self._call(self._update(update), UPDATE_TIMEOUT_S)
-                except EngineDead:
-                    raise
-                except Exception as exc:
-                    if f"'{NOT_HELD}:" in str(exc):  # the worker's copy was refused
-                        raise SourceGone(f"version {new_version}: {_gist(exc)}") from exc
-                    raise
+                self._call(self._update(update), UPDATE_TIMEOUT_S)
             finally:
                 if staged is not None:
                     staged.unlink(missing_ok=True)
-            self.last_update_s = time.perf_counter() - started
             self.weight_version = new_version
 
     async def _update(self, update: dict[str, Any]) -> None:

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import asyncio
 import threading
-import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
@@ -66,7 +65,6 @@ class RobustrlWeightTransfer(WeightTransferEngine[RobustrlInitInfo, RobustrlUpda
         self._thread: threading.Thread | None = None
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="robustrl-verify")
         self._buffer: torch.Tensor | None = None
-        self.last_copy_s = 0.0
 
     def init_transfer_engine(self, init_info: RobustrlInitInfo) -> None:
         self._stall_timeout = init_info.stall_timeout
@@ -115,7 +113,6 @@ class RobustrlWeightTransfer(WeightTransferEngine[RobustrlInitInfo, RobustrlUpda
         if buffer is None or buffer.numel() != manifest.total_bytes:
             buffer = self._buffer = allocate_buffer(manifest.total_bytes, self.device)
         loop = self._running_loop()
-        started = time.perf_counter()
 
         async def copy() -> None:
             from robustrl.weights.ucx.transport import load_ucxx
@@ -130,7 +127,6 @@ class RobustrlWeightTransfer(WeightTransferEngine[RobustrlInitInfo, RobustrlUpda
             )
 
         asyncio.run_coroutine_threadsafe(copy(), loop).result(COPY_TIMEOUT_S)
-        self.last_copy_s = time.perf_counter() - started
         return list(unpack_views(manifest, buffer))
 
     def _running_loop(self) -> asyncio.AbstractEventLoop:

@@ -132,10 +132,10 @@ def test_only_python_processes_on_this_host_are_signalled() -> None:
 def test_an_engine_is_signalled_alone_only_when_its_label_names_a_child_of_the_member() -> None:
     # A stand-in rollout (python) with a child of its own, as vLLM's engine core is.
     script = (
-        "import subprocess, sys, time\n"
-        "child = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)'])\n"
+        "import signal, subprocess, sys\n"
+        "child = subprocess.Popen([sys.executable, '-c', 'import signal; signal.pause()'])\n"
         "print(child.pid, flush=True)\n"
-        "time.sleep(60)\n"
+        "signal.pause()\n"
     )
     rollout = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
     engine = 0
