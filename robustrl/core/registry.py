@@ -11,6 +11,9 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 
 import aetcd
+import aetcd.rpc
+import aetcd.utils
+import grpc
 
 from robustrl.contracts.keys import KeySpace
 from robustrl.contracts.members import MemberRecord
@@ -21,6 +24,11 @@ from robustrl.core.watch import Entry, WatchEvent, list_prefix, watch_prefix
 
 def parse_member(entry: Entry) -> MemberRecord:
     return MemberRecord.model_validate_json(entry.value)
+
+
+def member_order(member: MemberRecord) -> tuple[int, str]:
+    """How members are listed: by role (in `ROLES` order), then by instance id."""
+    return (ROLES.index(member.role) if member.role in ROLES else 99, member.instance_id)
 
 
 class LeaseGone(Exception):
@@ -48,11 +56,30 @@ class Registry:
     async def deregister(self, member: MemberRecord) -> None:
         await self.client.delete(self.keys.member(member.role, member.instance_id))
 
+    async def list_entries(self) -> tuple[list[Entry], int]:
+        """Every member's record as stored, unparsed, and the revision they were read at."""
+        return await list_prefix(self.client, self.keys.members())
+
+    async def count(self) -> int:
+        """How many member records there are, without reading them: etcd counts its index."""
+        prefix = self.keys.members()
+        request = aetcd.rpc.RangeRequest(
+            key=prefix, range_end=aetcd.utils.prefix_range_end(prefix), count_only=True
+        )
+        # aetcd's own calls have no count-only range; its stub, metadata and timeout do.
+        try:
+            reply = await self.client.kvstub.Range(
+                request, timeout=self.client._timeout, metadata=self.client.metadata
+            )
+        except grpc.aio.AioRpcError as exc:
+            raise aetcd.exceptions.ClientError(f"etcd: {exc.code().name}") from exc
+        return int(reply.count)
+
     async def list(self, role: str | None = None) -> tuple[list[MemberRecord], int]:
         """Live members (optionally of one role) and the revision they were read at."""
         entries, revision = await list_prefix(self.client, self.keys.members(role))
         members = [parse_member(e) for e in entries]
-        members.sort(key=lambda m: (ROLES.index(m.role) if m.role in ROLES else 99, m.instance_id))
+        members.sort(key=member_order)
         return members, revision
 
     async def get(self, role: str, instance_id: str) -> MemberRecord | None:

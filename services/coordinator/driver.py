@@ -89,6 +89,7 @@ class JobDriver:
     # ------------------------------------------------------------------ life
 
     def start(self) -> None:
+        self.jobs.start()
         self.supervisor.start()
 
     async def stop(self) -> None:
@@ -96,6 +97,7 @@ class JobDriver:
         await self.executor.stop()
         await self.binder.stop()
         await self.accounting.stop()
+        await self.jobs.stop()
 
     async def on_elected(self) -> None:
         """Reload every job's ledger, ETTR account and asks from etcd (a new leader trusts only

@@ -12,6 +12,7 @@ from robustrl.contracts.errors import Aborted
 from robustrl.contracts.jobspec import JobSpec
 from robustrl.core.incident_log import IncidentLog
 from robustrl.core.logs import get_logger
+from robustrl.core.member_cache import MemberCache
 from robustrl.core.registry import Registry
 from robustrl.core.runtime import ServiceRuntime
 from services.coordinator import jobs
@@ -28,6 +29,16 @@ class JobRecords:
         self.leadership = leadership
         self.specs: dict[str, JobSpec] = {}
         self._locks: dict[str, asyncio.Lock] = {}
+        self._members: MemberCache | None = None
+
+    def start(self) -> None:
+        """Start following the registry (once the runtime is connected to etcd)."""
+        self._members = MemberCache(self.registry)
+        self._members.start()
+
+    async def stop(self) -> None:
+        if self._members is not None:
+            await self._members.stop()
 
     @property
     def store(self) -> JobStore:
@@ -38,6 +49,12 @@ class JobRecords:
     def registry(self) -> Registry:
         assert self.runtime.registry is not None
         return self.runtime.registry
+
+    @property
+    def members(self) -> MemberCache:
+        """The registry held in memory: what the rounds and ListMembers read (`start` first)."""
+        assert self._members is not None
+        return self._members
 
     @property
     def incident_log(self) -> IncidentLog:

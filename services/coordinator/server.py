@@ -44,6 +44,9 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
         self.runtime = runtime
         self.leadership = leadership
         self.driver = driver
+        self._listed: dict[str | None, tuple[tuple[int, str], coordinator_pb2.ListMembersResponse]]
+        self._listed = {}
+        """Role -> the last ListMembers answer, with the (revision, leader) it was built at."""
 
     @property
     def store(self) -> JobStore:
@@ -133,12 +136,19 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
     async def ListMembers(
         self, request: coordinator_pb2.ListMembersRequest, context: grpc.aio.ServicerContext
     ) -> coordinator_pb2.ListMembersResponse:
-        assert self.runtime.registry is not None
         role = ROLE_FROM_PROTO.get(request.role) if request.role else None
-        members, revision = await self.runtime.registry.list(role)
+        cache = self.driver.jobs.members
+        if await cache.current():
+            members, revision = await cache.list(role)
+        else:  # a change the watch has not delivered yet: what was written before the call
+            assert self.runtime.registry is not None
+            members, revision = await self.runtime.registry.list(role)
         leader = await self.leadership.leader()
         leader_id = leader["instance_id"] if leader else ""
-        return coordinator_pb2.ListMembersResponse(
+        last = self._listed.get(role)
+        if last is not None and last[0] == (revision, leader_id):
+            return last[1]  # nothing changed since: the last answer is this one
+        reply = coordinator_pb2.ListMembersResponse(
             members=[
                 member_to_proto(m, leader=m.role == "coordinator" and m.instance_id == leader_id)
                 for m in members
@@ -146,6 +156,8 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
             revision=revision,
             leader_instance_id=leader_id,
         )
+        self._listed[role] = ((revision, leader_id), reply)
+        return reply
 
     async def LeaseWork(
         self, request: coordinator_pb2.LeaseWorkRequest, context: grpc.aio.ServicerContext

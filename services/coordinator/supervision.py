@@ -86,7 +86,7 @@ class Supervisor:
             except Exception as exc:
                 log.warning("coordinator.etcd_space_check_failed", error=repr(exc))
         records, _ = await self.jobs.store.list_all()
-        members, _ = await self.jobs.registry.list()
+        members, _ = await self.jobs.members.list()
         for record, _ in records:
             try:
                 async with self.jobs.lock(record.job_id):

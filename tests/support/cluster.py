@@ -187,6 +187,7 @@ async def lone_leader(
     leadership = Leadership(runtime, name, elected)
     driver = JobDriver(runtime, leadership, tick_interval=60, lease_seconds=60, **driver_options)
     await runtime.start()
+    driver.jobs.start()  # the registry it reads, without the rounds
     leadership.start()
     try:
 
