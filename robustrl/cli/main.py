@@ -53,6 +53,17 @@ def cmd_model_init(args: argparse.Namespace) -> int:
     return modelgen.main(argv)
 
 
+def _monitors(text: str) -> int:
+    """--monitors: a whole number, at least one (nothing detects failures without one)."""
+    try:
+        count = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a whole number: {text!r}") from None
+    if count < 1:
+        raise argparse.ArgumentTypeError("at least 1: nothing detects failures without a monitor")
+    return count
+
+
 def _history_retention(text: str) -> str:
     try:
         return stack.history_retention(text)
@@ -70,6 +81,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     up = sub.add_parser("up", help="start the local stack: etcd + services as local processes")
     up.add_argument("--coordinators", type=int, default=2, help="coordinator replicas (default 2)")
+    up.add_argument(
+        "--monitors",
+        type=_monitors,
+        default=1,
+        help="monitor replicas; the members' beats split between them (default 1)",
+    )
     up.add_argument("--trainers", type=int, default=0, help="trainer instances (default 0)")
     up.add_argument("--rollouts", type=int, default=0, help="rollout instances (default 0)")
     up.add_argument(

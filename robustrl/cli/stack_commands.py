@@ -33,7 +33,9 @@ def cmd_up(args: argparse.Namespace) -> int:
     try:
         etcd = stack.start_etcd(state, args.etcd_history)
         wait_for_etcd(state, etcd)
-        services = [stack.start_service(state, "monitor", "monitor-0")]
+        services = [
+            stack.start_service(state, "monitor", f"monitor-{i}") for i in range(args.monitors)
+        ]
         for i in range(args.coordinators):
             # Replacements a coordinator starts log next to the stack's own processes.
             extra = {

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import secrets
 from dataclasses import dataclass
 from typing import Protocol
@@ -70,6 +71,27 @@ def new_incident(
         epoch=subject.epoch,
         step=step,
     )
+
+
+def failure_mark(incident: IncidentRecord, lease: int) -> str:
+    """The mark of a member's failure: one per binding (job and epoch) of a member in a job,
+    one per registration (`lease`) of a free one. Its loss, its hang and its stuck collective
+    are one failure: whichever a monitor records first, no monitor records the others."""
+    if incident.job_id:
+        return _digest("failure", incident.job_id, incident.instance_id, str(incident.epoch))
+    return _digest("failure", "", incident.instance_id, f"lease {lease:x}")
+
+
+def episode_mark(incident: IncidentRecord, episode: str) -> str:
+    """The mark of an episode that is not a failure (a NaN counter's value, a slow spell):
+    recorded once per binding whichever monitor sees it."""
+    return _digest(
+        incident.kind, incident.job_id, incident.instance_id, str(incident.epoch), episode
+    )
+
+
+def _digest(*parts: str) -> str:
+    return hashlib.blake2b("\0".join(parts).encode(), digest_size=16).hexdigest()
 
 
 def incident_id_at(now: float) -> str:

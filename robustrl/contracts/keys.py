@@ -4,6 +4,8 @@
 <prefix>/election/coordinator/<lease hex> coordinator candidates; lowest create revision leads
 <prefix>/jobs/<job_id>                    job record (JSON); writes compare its mod revision
 <prefix>/incidents/<incident_id>          incident record (JSON)
+<prefix>/incident-marks/<digest>          a failure some monitor recorded (its incident id), under
+                                          that monitor's marks lease: no other records it again
 <prefix>/work/<job_id>                    the job's work ledger (leases, trained/dropped groups)
 <prefix>/dropped/<job_id>/<page>          dropped groups and take-backs moved out of the ledger
 <prefix>/weights/<job_id>                 latest published weight version and where it is
@@ -45,6 +47,9 @@ class KeySpace:
 
     def incident(self, incident_id: str) -> bytes:
         return f"{self.prefix}/incidents/{incident_id}".encode()
+
+    def incident_mark(self, digest: str) -> bytes:
+        return f"{self.prefix}/incident-marks/{digest}".encode()
 
     def work(self, job_id: str) -> bytes:
         return f"{self.prefix}/work/{job_id}".encode()

@@ -1,9 +1,11 @@
 """The heartbeat stream every role keeps open to the monitor.
 
-It finds the monitor in the registry (no address is configured), sends a beat with the
-caller's progress counters every interval, and reconnects — to whichever monitor is then
-registered — when the stream breaks. On a clean stop it sends a goodbye and waits for its
-acknowledgement, so the monitor never mistakes a shutdown for a crash.
+It finds its monitor in the registry (no address is configured): with several monitors, the
+one `assignment.owner` names for this member. It sends a beat with the caller's progress
+counters every interval, and reconnects — to whichever monitor then owns it — when the stream
+breaks or the monitor acks that the member moved to another. On a clean stop it sends a
+goodbye and waits for its acknowledgement, so the monitor never mistakes a shutdown for a
+crash.
 """
 
 from __future__ import annotations
@@ -16,6 +18,8 @@ from dataclasses import dataclass, field
 
 import grpc
 
+from robustrl.contracts.roles import ROLE_FROM_PROTO
+from robustrl.core.assignment import assignment_key, owner
 from robustrl.core.channels import open_channel
 from robustrl.core.logs import get_logger
 from robustrl.core.registry import Registry
@@ -73,6 +77,7 @@ class HeartbeatSender:
     ) -> None:
         self.registry = registry
         self.role = role
+        self.role_name = ROLE_FROM_PROTO.get(role, "")
         self.instance_id = instance_id
         self.progress = progress
         self.interval = interval
@@ -81,7 +86,10 @@ class HeartbeatSender:
         self._seq = 0
         self._stop = asyncio.Event()
         self._urgent = asyncio.Event()
+        self._moved = False
         self._task: asyncio.Task[None] | None = None
+        self.monitor_id = ""
+        """The monitor the stream is open to ("" while there is none)."""
 
     def start(self) -> None:
         loop = asyncio.get_running_loop()
@@ -116,16 +124,33 @@ class HeartbeatSender:
         return beat
 
     async def _run(self) -> None:
+        moved_from = ""
         while not self._stop.is_set():
             try:
                 monitors, _ = await self.registry.list("monitor")
-                if monitors:
-                    await self._stream(monitors[0].address)
+                by_id = {m.instance_id: m for m in monitors}
+                key = assignment_key(self.role_name, self.instance_id, self.progress.job_id)
+                chosen = owner(key, by_id)
+                if chosen is not None and chosen == moved_from:
+                    # The monitor that sent it away has not yet seen the registry it was
+                    # judged by (a monitor just joined or left): ask it again a beat later.
+                    await self._pause()
+                moved_from = ""
+                if chosen is not None:
+                    self.monitor_id = chosen
+                    await self._stream(by_id[chosen].address)
             except (grpc.aio.AioRpcError, OSError) as exc:
                 log.info("heartbeat.reconnect", reason=type(exc).__name__)
             except Exception as exc:  # etcd hiccup: keep trying, beats are best effort
                 log.info("heartbeat.reconnect", reason=repr(exc))
             self.connected.clear()
+            if self._moved:
+                self._moved = False
+                moved_from = self.monitor_id
+                log.info("heartbeat.moved", member=self.instance_id, monitor=moved_from)
+                self.monitor_id = ""
+                continue  # to the monitor that owns it now, at once
+            self.monitor_id = ""
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(self._stop.wait(), self.interval)
 
@@ -151,6 +176,10 @@ class HeartbeatSender:
         async for ack in call:
             if ack.fenced and self.on_fenced is not None:
                 self.on_fenced()
+            if ack.moved and not self._stop.is_set():
+                self._moved = True
+                self._urgent.set()  # the writer ends this stream now
+                return
 
     async def stop(self) -> None:
         """Say goodbye (if connected) and stop. Idempotent."""

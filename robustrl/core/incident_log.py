@@ -7,13 +7,16 @@ restarted monitor, serves the same incident history, resumable from a revision.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 
 import aetcd
 
 from robustrl.contracts.incidents import IncidentRecord
 from robustrl.contracts.keys import KeySpace
 from robustrl.core.watch import Put, Resync, list_prefix, watch_prefix
+
+MARKS_PER_TXN = 40
+"""Incidents per transaction in `record_once` (three operations each; etcd allows 128)."""
 
 
 class IncidentLog:
@@ -25,6 +28,41 @@ class IncidentLog:
         await self.client.put(
             self.keys.incident(incident.incident_id), incident.model_dump_json().encode()
         )
+
+    async def record_once(
+        self, marked: Sequence[tuple[str, IncidentRecord]], lease: int
+    ) -> list[IncidentRecord]:
+        """Record each incident whose mark (a digest naming the failure) no one has recorded
+        yet, with its mark under `lease`, in as few transactions as etcd allows; the ones
+        recorded. Two monitors that find the same failure thus record it once."""
+        recorded: list[IncidentRecord] = []
+        for start in range(0, len(marked), MARKS_PER_TXN):
+            pending = list(marked[start : start + MARKS_PER_TXN])
+            while pending:
+                tx = self.client.transactions
+                marks = [self.keys.incident_mark(mark) for mark, _ in pending]
+                ok, responses = await self.client.transaction(
+                    compare=[tx.version(key) == 0 for key in marks],
+                    success=[
+                        op
+                        for key, (_, record) in zip(marks, pending, strict=True)
+                        for op in (
+                            tx.put(key, record.incident_id.encode(), lease=lease),
+                            tx.put(
+                                self.keys.incident(record.incident_id),
+                                record.model_dump_json().encode(),
+                            ),
+                        )
+                    ],
+                    failure=[tx.get(key) for key in marks],
+                )
+                if ok:
+                    recorded += [record for _, record in pending]
+                    break
+                pending = [
+                    item for item, found in zip(pending, responses, strict=True) if not found
+                ]
+        return recorded
 
     async def list(self, job_id: str = "", kind: str = "") -> tuple[list[IncidentRecord], int]:
         """The incidents recorded (of `job_id`, of `kind`: "" for all), oldest first."""

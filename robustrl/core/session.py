@@ -56,6 +56,13 @@ class Session:
             await asyncio.sleep(interval)
         self.done.set()
 
+    async def detach(self) -> None:
+        """Stop refreshing the lease without revoking it: its keys stay until the TTL runs out
+        (what they say must outlive this process for a while). Idempotent."""
+        self._closed = True
+        await cancel_and_wait(self._task)
+        self.done.set()
+
     async def close(self) -> None:
         """Revoke the lease (its keys go at once). Idempotent."""
         if self._closed:

@@ -26,7 +26,7 @@ from google.protobuf import timestamp_pb2 as google_dot_protobuf_dot_timestamp__
 from robustrl.v1 import common_pb2 as robustrl_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19robustrl/v1/monitor.proto\x12\x0brobustrl.v1\x1a\x1fgoogle/protobuf/timestamp.proto\x1a\x18robustrl/v1/common.proto\"\xb0\x02\n\x04\x42\x65\x61t\x12\x1f\n\x04role\x18\x01 \x01(\x0e\x32\x11.robustrl.v1.Role\x12\x13\n\x0binstance_id\x18\x02 \x01(\t\x12\r\n\x05\x65poch\x18\x03 \x01(\x03\x12\x0e\n\x06job_id\x18\x04 \x01(\t\x12\x0c\n\x04rank\x18\x05 \x01(\x05\x12\x0b\n\x03seq\x18\x06 \x01(\x03\x12\x31\n\x08\x63ounters\x18\x07 \x03(\x0b\x32\x1f.robustrl.v1.Beat.CountersEntry\x12\r\n\x05phase\x18\x08 \x01(\t\x12\x34\n\x10phase_started_at\x18\t \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x0f\n\x07goodbye\x18\n \x01(\x08\x1a/\n\rCountersEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"&\n\x07\x42\x65\x61tAck\x12\x0b\n\x03seq\x18\x01 \x01(\x03\x12\x0e\n\x06\x66\x65nced\x18\x02 \x01(\x08\"\"\n\x10GetHealthRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\"\x9c\x02\n\x0cMemberHealth\x12\x1f\n\x04role\x18\x01 \x01(\x0e\x32\x11.robustrl.v1.Role\x12\x13\n\x0binstance_id\x18\x02 \x01(\t\x12\r\n\x05\x65poch\x18\x03 \x01(\x03\x12\x0e\n\x06job_id\x18\x04 \x01(\t\x12\r\n\x05state\x18\x05 \x01(\t\x12-\n\tlast_seen\x18\x06 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x39\n\x08\x63ounters\x18\x07 \x03(\x0b\x32\'.robustrl.v1.MemberHealth.CountersEntry\x12\r\n\x05phase\x18\x08 \x01(\t\x1a/\n\rCountersEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"X\n\x11GetHealthResponse\x12*\n\x07members\x18\x01 \x03(\x0b\x32\x19.robustrl.v1.MemberHealth\x12\x17\n\x0fincidents_total\x18\x02 \x01(\x03\"?\n\x15WatchIncidentsRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x16\n\x0e\x61\x66ter_revision\x18\x02 \x01(\x03\x32\xde\x01\n\x07Monitor\x12\x38\n\tHeartbeat\x12\x11.robustrl.v1.Beat\x1a\x14.robustrl.v1.BeatAck(\x01\x30\x01\x12J\n\tGetHealth\x12\x1d.robustrl.v1.GetHealthRequest\x1a\x1e.robustrl.v1.GetHealthResponse\x12M\n\x0eWatchIncidents\x12\".robustrl.v1.WatchIncidentsRequest\x1a\x15.robustrl.v1.Incident0\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19robustrl/v1/monitor.proto\x12\x0brobustrl.v1\x1a\x1fgoogle/protobuf/timestamp.proto\x1a\x18robustrl/v1/common.proto\"\xb0\x02\n\x04\x42\x65\x61t\x12\x1f\n\x04role\x18\x01 \x01(\x0e\x32\x11.robustrl.v1.Role\x12\x13\n\x0binstance_id\x18\x02 \x01(\t\x12\r\n\x05\x65poch\x18\x03 \x01(\x03\x12\x0e\n\x06job_id\x18\x04 \x01(\t\x12\x0c\n\x04rank\x18\x05 \x01(\x05\x12\x0b\n\x03seq\x18\x06 \x01(\x03\x12\x31\n\x08\x63ounters\x18\x07 \x03(\x0b\x32\x1f.robustrl.v1.Beat.CountersEntry\x12\r\n\x05phase\x18\x08 \x01(\t\x12\x34\n\x10phase_started_at\x18\t \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x0f\n\x07goodbye\x18\n \x01(\x08\x1a/\n\rCountersEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"5\n\x07\x42\x65\x61tAck\x12\x0b\n\x03seq\x18\x01 \x01(\x03\x12\x0e\n\x06\x66\x65nced\x18\x02 \x01(\x08\x12\r\n\x05moved\x18\x03 \x01(\x08\"I\n\x10GetHealthRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x11\n\tpage_size\x18\x02 \x01(\x05\x12\x12\n\npage_token\x18\x03 \x01(\t\"\x9c\x02\n\x0cMemberHealth\x12\x1f\n\x04role\x18\x01 \x01(\x0e\x32\x11.robustrl.v1.Role\x12\x13\n\x0binstance_id\x18\x02 \x01(\t\x12\r\n\x05\x65poch\x18\x03 \x01(\x03\x12\x0e\n\x06job_id\x18\x04 \x01(\t\x12\r\n\x05state\x18\x05 \x01(\t\x12-\n\tlast_seen\x18\x06 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x39\n\x08\x63ounters\x18\x07 \x03(\x0b\x32\'.robustrl.v1.MemberHealth.CountersEntry\x12\r\n\x05phase\x18\x08 \x01(\t\x1a/\n\rCountersEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"\xee\x01\n\x11GetHealthResponse\x12*\n\x07members\x18\x01 \x03(\x0b\x32\x19.robustrl.v1.MemberHealth\x12\x17\n\x0fincidents_total\x18\x02 \x01(\x03\x12\x17\n\x0fnext_page_token\x18\x03 \x01(\t\x12:\n\x06\x63ounts\x18\x04 \x03(\x0b\x32*.robustrl.v1.GetHealthResponse.CountsEntry\x12\x10\n\x08monitors\x18\x05 \x03(\t\x1a-\n\x0b\x43ountsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x05:\x02\x38\x01\"?\n\x15WatchIncidentsRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x16\n\x0e\x61\x66ter_revision\x18\x02 \x01(\x03\x32\xde\x01\n\x07Monitor\x12\x38\n\tHeartbeat\x12\x11.robustrl.v1.Beat\x1a\x14.robustrl.v1.BeatAck(\x01\x30\x01\x12J\n\tGetHealth\x12\x1d.robustrl.v1.GetHealthRequest\x1a\x1e.robustrl.v1.GetHealthResponse\x12M\n\x0eWatchIncidents\x12\".robustrl.v1.WatchIncidentsRequest\x1a\x15.robustrl.v1.Incident0\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -37,22 +37,26 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_BEAT_COUNTERSENTRY']._serialized_options = b'8\001'
   _globals['_MEMBERHEALTH_COUNTERSENTRY']._loaded_options = None
   _globals['_MEMBERHEALTH_COUNTERSENTRY']._serialized_options = b'8\001'
+  _globals['_GETHEALTHRESPONSE_COUNTSENTRY']._loaded_options = None
+  _globals['_GETHEALTHRESPONSE_COUNTSENTRY']._serialized_options = b'8\001'
   _globals['_BEAT']._serialized_start=102
   _globals['_BEAT']._serialized_end=406
   _globals['_BEAT_COUNTERSENTRY']._serialized_start=359
   _globals['_BEAT_COUNTERSENTRY']._serialized_end=406
   _globals['_BEATACK']._serialized_start=408
-  _globals['_BEATACK']._serialized_end=446
-  _globals['_GETHEALTHREQUEST']._serialized_start=448
-  _globals['_GETHEALTHREQUEST']._serialized_end=482
-  _globals['_MEMBERHEALTH']._serialized_start=485
-  _globals['_MEMBERHEALTH']._serialized_end=769
+  _globals['_BEATACK']._serialized_end=461
+  _globals['_GETHEALTHREQUEST']._serialized_start=463
+  _globals['_GETHEALTHREQUEST']._serialized_end=536
+  _globals['_MEMBERHEALTH']._serialized_start=539
+  _globals['_MEMBERHEALTH']._serialized_end=823
   _globals['_MEMBERHEALTH_COUNTERSENTRY']._serialized_start=359
   _globals['_MEMBERHEALTH_COUNTERSENTRY']._serialized_end=406
-  _globals['_GETHEALTHRESPONSE']._serialized_start=771
-  _globals['_GETHEALTHRESPONSE']._serialized_end=859
-  _globals['_WATCHINCIDENTSREQUEST']._serialized_start=861
-  _globals['_WATCHINCIDENTSREQUEST']._serialized_end=924
-  _globals['_MONITOR']._serialized_start=927
-  _globals['_MONITOR']._serialized_end=1149
+  _globals['_GETHEALTHRESPONSE']._serialized_start=826
+  _globals['_GETHEALTHRESPONSE']._serialized_end=1064
+  _globals['_GETHEALTHRESPONSE_COUNTSENTRY']._serialized_start=1019
+  _globals['_GETHEALTHRESPONSE_COUNTSENTRY']._serialized_end=1064
+  _globals['_WATCHINCIDENTSREQUEST']._serialized_start=1066
+  _globals['_WATCHINCIDENTSREQUEST']._serialized_end=1129
+  _globals['_MONITOR']._serialized_start=1132
+  _globals['_MONITOR']._serialized_end=1354
 # @@protoc_insertion_point(module_scope)

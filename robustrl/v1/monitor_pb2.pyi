@@ -99,20 +99,26 @@ class BeatAck(_message.Message):
 
     SEQ_FIELD_NUMBER: _builtins.int
     FENCED_FIELD_NUMBER: _builtins.int
+    MOVED_FIELD_NUMBER: _builtins.int
     seq: _builtins.int
     fenced: _builtins.bool
     """Set when a fence names this instance, the beat's job, and an epoch at or above the beat's:
     it must stop. The same id bound afresh at a higher epoch is not fenced.
+    """
+    moved: _builtins.bool
+    """This monitor no longer watches the member (another registered monitor ranks first for
+    it): end the stream, without a goodbye, and beat to that one.
     """
     def __init__(
         self,
         *,
         seq: _builtins.int = ...,
         fenced: _builtins.bool = ...,
+        moved: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["fenced", b"fenced", "seq", b"seq"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["fenced", b"fenced", "moved", b"moved", "seq", b"seq"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -123,15 +129,23 @@ class GetHealthRequest(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
     JOB_ID_FIELD_NUMBER: _builtins.int
+    PAGE_SIZE_FIELD_NUMBER: _builtins.int
+    PAGE_TOKEN_FIELD_NUMBER: _builtins.int
     job_id: _builtins.str
+    page_size: _builtins.int
+    """Members per answer, at most 1000 (0: 500). Pages are in instance-id order."""
+    page_token: _builtins.str
+    """The next_page_token of the previous answer; empty for the first page."""
     def __init__(
         self,
         *,
         job_id: _builtins.str = ...,
+        page_size: _builtins.int = ...,
+        page_token: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["job_id", b"job_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["job_id", b"job_id", "page_size", b"page_size", "page_token", b"page_token"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -204,20 +218,58 @@ Global___MemberHealth: _TypeAlias = MemberHealth  # noqa: Y015
 class GetHealthResponse(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
+    @_typing.final
+    class CountsEntry(_message.Message):
+        DESCRIPTOR: _descriptor.Descriptor
+
+        KEY_FIELD_NUMBER: _builtins.int
+        VALUE_FIELD_NUMBER: _builtins.int
+        key: _builtins.str
+        value: _builtins.int
+        def __init__(
+            self,
+            *,
+            key: _builtins.str = ...,
+            value: _builtins.int = ...,
+        ) -> None: ...
+        _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+        def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "value", b"value"]  # noqa: Y015
+        def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+        def WhichOneof(self, oneof_group: _Never) -> None: ...
+
     MEMBERS_FIELD_NUMBER: _builtins.int
     INCIDENTS_TOTAL_FIELD_NUMBER: _builtins.int
+    NEXT_PAGE_TOKEN_FIELD_NUMBER: _builtins.int
+    COUNTS_FIELD_NUMBER: _builtins.int
+    MONITORS_FIELD_NUMBER: _builtins.int
     incidents_total: _builtins.int
+    next_page_token: _builtins.str
+    """Empty on the last page."""
     @_builtins.property
-    def members(self) -> _containers.RepeatedCompositeFieldContainer[Global___MemberHealth]: ...
+    def members(self) -> _containers.RepeatedCompositeFieldContainer[Global___MemberHealth]:
+        """The members this monitor watches (of job_id, if given), one page of them."""
+
+    @_builtins.property
+    def counts(self) -> _containers.ScalarMap[_builtins.str, _builtins.int]:
+        """Every member this monitor watches (of job_id, if given), counted by "<role>/<state>"."""
+
+    @_builtins.property
+    def monitors(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """The monitors registered now, this one included: the beats split between them."""
+
     def __init__(
         self,
         *,
         members: _abc.Iterable[Global___MemberHealth] | None = ...,
         incidents_total: _builtins.int = ...,
+        next_page_token: _builtins.str = ...,
+        counts: _abc.Mapping[_builtins.str, _builtins.int] | None = ...,
+        monitors: _abc.Iterable[_builtins.str] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["incidents_total", b"incidents_total", "members", b"members"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["counts", b"counts", "incidents_total", b"incidents_total", "members", b"members", "monitors", b"monitors", "next_page_token", b"next_page_token"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

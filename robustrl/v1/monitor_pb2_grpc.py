@@ -62,7 +62,9 @@ class MonitorServicer:
     def Heartbeat(self, request_iterator, context):
         """A member opens one stream for its lifetime and sends a beat every interval. It ends the
         stream with goodbye=true when it stops on purpose; a stream that ends without a goodbye
-        is evidence of a crash.
+        is evidence of a crash. With several monitors, each member beats to the one a rendezvous
+        hash of (member, monitor) ranks first among the monitors registered in etcd; a monitor
+        that no longer ranks first for a member says so in its acks (`moved`).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -39,7 +39,9 @@ class MonitorStub:
     Heartbeat: _grpc.StreamStreamMultiCallable[_monitor_pb2.Beat, _monitor_pb2.BeatAck]
     """A member opens one stream for its lifetime and sends a beat every interval. It ends the
     stream with goodbye=true when it stops on purpose; a stream that ends without a goodbye
-    is evidence of a crash.
+    is evidence of a crash. With several monitors, each member beats to the one a rendezvous
+    hash of (member, monitor) ranks first among the monitors registered in etcd; a monitor
+    that no longer ranks first for a member says so in its acks (`moved`).
     """
     GetHealth: _grpc.UnaryUnaryMultiCallable[_monitor_pb2.GetHealthRequest, _monitor_pb2.GetHealthResponse]
     WatchIncidents: _grpc.UnaryStreamMultiCallable[_monitor_pb2.WatchIncidentsRequest, _common_pb2.Incident]
@@ -55,7 +57,9 @@ class MonitorAsyncStub(MonitorStub):
     Heartbeat: _aio.StreamStreamMultiCallable[_monitor_pb2.Beat, _monitor_pb2.BeatAck]  # type: ignore[assignment]
     """A member opens one stream for its lifetime and sends a beat every interval. It ends the
     stream with goodbye=true when it stops on purpose; a stream that ends without a goodbye
-    is evidence of a crash.
+    is evidence of a crash. With several monitors, each member beats to the one a rendezvous
+    hash of (member, monitor) ranks first among the monitors registered in etcd; a monitor
+    that no longer ranks first for a member says so in its acks (`moved`).
     """
     GetHealth: _aio.UnaryUnaryMultiCallable[_monitor_pb2.GetHealthRequest, _monitor_pb2.GetHealthResponse]  # type: ignore[assignment]
     WatchIncidents: _aio.UnaryStreamMultiCallable[_monitor_pb2.WatchIncidentsRequest, _common_pb2.Incident]  # type: ignore[assignment]
@@ -74,7 +78,9 @@ class MonitorServicer(metaclass=_abc_1.ABCMeta):
     ) -> _typing.Union[_abc.Iterator[_monitor_pb2.BeatAck], _abc.AsyncIterator[_monitor_pb2.BeatAck]]:
         """A member opens one stream for its lifetime and sends a beat every interval. It ends the
         stream with goodbye=true when it stops on purpose; a stream that ends without a goodbye
-        is evidence of a crash.
+        is evidence of a crash. With several monitors, each member beats to the one a rendezvous
+        hash of (member, monitor) ranks first among the monitors registered in etcd; a monitor
+        that no longer ranks first for a member says so in its acks (`moved`).
         """
 
     @_abc_1.abstractmethod

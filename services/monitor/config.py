@@ -53,6 +53,14 @@ class MonitorSettings(ServiceSettings):
     """Seconds trainer ranks may wait in one collective before the rank that has not
     entered it is named."""
 
+    view_retention: float = Field(default=60.0, ge=0)
+    """Seconds the monitor keeps what it knew of a member that left the registry and beats
+    to it no more, before it forgets it (memory stays bounded under churn)."""
+
+    incident_mark_ttl: int = Field(default=600, ge=10)
+    """Seconds the marks of the failures this monitor recorded outlive it (their lease's TTL):
+    the monitor that takes its members over records none of them again."""
+
     degraded_ratio: float = Field(default=ProgressConfig.degraded_ratio, gt=0, lt=1)
     """A rollout below this fraction of its peers' median tokens/s gets a DEGRADED warning."""
 

@@ -14,6 +14,7 @@ cut-off process still has its listening socket), so it is lost without waiting o
 from __future__ import annotations
 
 import enum
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from services.monitor.progress_detectors import Signals, observe
@@ -47,6 +48,12 @@ class MemberView:
     reported: bool = False
     signals: Signals | None = None
     """Progress signals for the role-aware detectors (services/monitor/progress_detectors)."""
+    lease: int = 0
+    """The lease of its registry record (0 until seen): a new lease is a new incarnation."""
+    lost_at: float | None = None
+    """When a detector saw it lost (a refused address, its lease gone, a goodbye in a job)."""
+    unregistered_at: float | None = None
+    """When its registry record went (None while registered or never seen there)."""
 
     def progress(self) -> Signals:
         if self.signals is None:
@@ -62,6 +69,8 @@ class Finding:
     view: MemberView
     evidence: str
     confidence: float
+    seen_at: float
+    """When the failure became visible (its incident's detected_at), not when it was judged."""
 
 
 @dataclass(frozen=True)
@@ -119,6 +128,7 @@ def on_beat(
             # left out: rank 0 reports its exit itself, and at a job's end followers leave with
             # the job still in their beats.
             view.state = State.LOST
+            view.lost_at = now
             view.evidence = (
                 f"stopped cleanly (a goodbye) while it still served job {job_id} at epoch {epoch}"
             )
@@ -147,13 +157,25 @@ def on_stream_end(views: Views, instance_id: str, now: float) -> None:
         view.stream_ended_at = now
 
 
-def on_refused(views: Views, instance_id: str, ended_at: float, address: str) -> bool:
+def on_handed_over(views: Views, instance_id: str) -> None:
+    """The member's stream ended because it beats to another monitor now: nothing to suspect."""
+    view = views.get(instance_id)
+    if view is None:
+        return
+    view.stream_open = False
+    if view.state is State.SUSPECT:
+        view.state = State.ALIVE
+    view.stream_ended_at = None
+
+
+def on_refused(views: Views, instance_id: str, ended_at: float, address: str, now: float) -> bool:
     """The member's address refused a connection after its stream ended at `ended_at`: lost
     now, unless it reconnected (or ended again) since. True when this marked it lost."""
     view = views.get(instance_id)
     if view is None or view.state is not State.SUSPECT or view.stream_ended_at != ended_at:
         return False
     view.state = State.LOST
+    view.lost_at = now
     view.evidence = (
         f"heartbeat stream ended without a goodbye and its address {address} refuses "
         "connections (nothing listens there: the process is gone)"
@@ -169,12 +191,15 @@ def on_registered(
     now: float,
     address: str = "",
     job_id: str = "",
+    lease: int = 0,
 ) -> None:
     view = views.get(instance_id)
     if view is not None and view.state is State.LOST and _late(view, job_id, epoch):
         return
     view = _view(views, role, instance_id)
     view.registered = True
+    view.unregistered_at = None
+    view.lease = lease or view.lease
     view.address = address or view.address
     view.epoch = max(view.epoch, epoch)
     if not view.last_seen:
@@ -191,23 +216,27 @@ def on_unregistered(
     a member that freezes from here on is caught by the silence and hang detectors. True
     when it was kept alive for that reason."""
     view = views.get(instance_id)
-    if view is None or view.state in (State.LOST, State.GONE):
+    if view is None:
         return False
     view.registered = False
+    view.unregistered_at = now
+    if view.state in (State.LOST, State.GONE):
+        return False
     if view.goodbye:
         view.state = State.GONE
         return False
     if view.stream_open and now - view.last_seen <= beating_within:
         return True
     view.state = State.LOST
+    view.lost_at = now
     view.evidence = "registry lease expired (no refresh within the TTL) without a goodbye"
     return False
 
 
-def evaluate(views: Views, now: float, config: DetectorConfig) -> list[Finding]:
+def evaluate(views: Iterable[MemberView], now: float, config: DetectorConfig) -> list[Finding]:
     """Findings not yet reported. Pure: `mark_reported` applies them once recorded."""
     findings: list[Finding] = []
-    for view in views.values():
+    for view in views:
         if view.reported:
             continue
         if view.state is State.SUSPECT and view.stream_ended_at is not None:
@@ -216,18 +245,31 @@ def evaluate(views: Views, now: float, config: DetectorConfig) -> list[Finding]:
                 evidence = (
                     f"heartbeat stream ended without a goodbye and no reconnect for {silent:.1f}s"
                 )
-                findings.append(Finding("MEMBER_LOST", view, evidence, 0.9))
+                seen_at = view.stream_ended_at + config.reconnect_grace
+                findings.append(Finding("MEMBER_LOST", view, evidence, 0.9, seen_at))
         elif view.state is State.LOST:
-            findings.append(Finding("MEMBER_LOST", view, view.evidence, 0.95))
+            seen_at = view.lost_at if view.lost_at is not None else now
+            findings.append(Finding("MEMBER_LOST", view, view.evidence, 0.95, seen_at))
     return findings
 
 
-def watched(views: Views) -> list[Signals]:
+def forgettable(views: Views, now: float, retention: float) -> list[str]:
+    """Members out of the registry and off any stream of this monitor for `retention` seconds:
+    nothing can be reported about them any more, and a monitor up for months must not keep
+    every member it ever saw."""
+    return [
+        view.instance_id
+        for view in views.values()
+        if not view.registered
+        and (not view.stream_open or view.state in (State.LOST, State.GONE))
+        and now - max(view.last_seen, view.unregistered_at or 0.0) >= retention
+    ]
+
+
+def watched(views: Iterable[MemberView]) -> list[Signals]:
     """Members the progress detectors look at: alive, streaming, not already reported lost."""
     return [
-        v.progress()
-        for v in views.values()
-        if v.state is State.ALIVE and v.stream_open and not v.reported
+        v.progress() for v in views if v.state is State.ALIVE and v.stream_open and not v.reported
     ]
 
 

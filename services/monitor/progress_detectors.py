@@ -89,6 +89,8 @@ class ProgressFinding:
     confidence: float
     key: str = ""
     """The episode this is about; a key is reported once per member."""
+    seen_at: float | None = None
+    """When the detector could first see it (its incident's detected_at); None: now."""
 
     @property
     def needs_probe(self) -> bool:
@@ -171,6 +173,7 @@ def trainer_hangs(members: list[Signals], now: float, cfg: ProgressConfig) -> li
                     f"(step {m.counters.get('step', 0):.0f})",
                     0.9,
                     key=f"phase@{m.phase}@{m.phase_started_at}",
+                    seen_at=m.phase_started_at + budget,
                 )
             )
     return out
@@ -246,6 +249,7 @@ def nonfinite(members: list[Signals]) -> list[ProgressFinding]:
                         f"on rank {m.rank}",
                         1.0,
                         key=f"{name}@{value}",
+                        seen_at=m.last_beat_at,
                     )
                 )
     return out

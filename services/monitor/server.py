@@ -3,18 +3,26 @@
 from __future__ import annotations
 
 import asyncio
+import bisect
 import contextlib
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from robustrl.contracts.errors import InvalidArgument
-from robustrl.contracts.incidents import IncidentRecord, new_incident, to_proto
+from robustrl.contracts.incidents import (
+    IncidentRecord,
+    episode_mark,
+    failure_mark,
+    new_incident,
+    to_proto,
+)
 from robustrl.contracts.members import MemberRecord
 from robustrl.contracts.roles import ROLE_FROM_PROTO, ROLE_TO_PROTO
 from robustrl.core.aio import cancel_and_wait
+from robustrl.core.assignment import assignment_key, owner
 from robustrl.core.channels import open_channel, refuses_connections
 from robustrl.core.config import EtcdSettings
 from robustrl.core.fences import FenceSet
@@ -22,16 +30,26 @@ from robustrl.core.incident_log import IncidentLog
 from robustrl.core.logs import get_logger
 from robustrl.core.registry import Registry, parse_member
 from robustrl.core.runtime import ServiceRuntime
+from robustrl.core.session import Session
 from robustrl.core.watch import Delete, Put, Resync
 from robustrl.v1 import common_pb2, monitor_pb2, monitor_pb2_grpc, rollout_pb2, rollout_pb2_grpc
 from services.monitor import detectors, progress_detectors
 from services.monitor.config import MonitorSettings
 from services.monitor.incidents import from_finding
+from services.monitor.memory import release_freed_memory
 
 log = get_logger(__name__)
 
 SERVICE_NAME = monitor_pb2.DESCRIPTOR.services_by_name["Monitor"].full_name
 
+
+DEFAULT_HEALTH_PAGE = 500
+MAX_HEALTH_PAGE = 1000
+HEALTH_BUILT_PER_TURN = 100
+"""Members GetHealth converts before it lets the event loop take beats again."""
+
+PRUNE_INTERVAL = 5.0
+"""Seconds between looks for members to forget (`MonitorSettings.view_retention`)."""
 
 LISTEN_CHECK_RETRY = 0.05
 """Seconds between connection attempts to a member whose stream broke (_check_listening)."""
@@ -50,14 +68,22 @@ class MonitorServicer(monitor_pb2_grpc.MonitorServicer):
         self._checks: set[asyncio.Task[None]] = set()
         self._wake = asyncio.Event()
         self.fences: FenceSet | None = None
+        self.monitors: set[str] = {runtime.instance_id}
+        """The monitors registered now (this one always): the beats split between them."""
+        self._marks: Session | None = None
+        self._owners: dict[str, bool] = {}
+        """Assignment key -> whether this monitor owns it, for the current `monitors`."""
+        self._pruned_at = 0.0
+        self._stopped = False
 
     @property
     def incident_log(self) -> IncidentLog:
         assert self.runtime.client is not None
         return IncidentLog(self.runtime.client, self.runtime.keys)
 
-    def start(self) -> None:
+    async def start(self) -> None:
         assert self.runtime.client is not None
+        self._marks = await Session.open(self.runtime.client, self.settings.incident_mark_ttl)
         self.fences = FenceSet(self.runtime.client, self.runtime.keys)
         self.fences.start()
         self._tasks = [
@@ -66,9 +92,27 @@ class MonitorServicer(monitor_pb2_grpc.MonitorServicer):
         ]
 
     async def stop(self) -> None:
+        self._stopped = True
         await cancel_and_wait(*self._tasks, *self._probes.values(), *self._checks)
         if self.fences is not None:
             await self.fences.stop()
+        if self._marks is not None:
+            # Not revoked: the marks must outlive this monitor, or the one that takes its
+            # members over would report again what it reported. They expire with the lease.
+            await self._marks.detach()
+
+    def owns(self, view: detectors.MemberView) -> bool:
+        """Whether this monitor watches the member (`assignment`): only the owner reports it."""
+        key = assignment_key(view.role, view.instance_id, view.job_id)
+        owned = self._owners.get(key)
+        if owned is None:
+            if len(self._owners) > 2 * len(self.views) + 64:
+                self._owners.clear()  # keys of members long gone
+            owned = self._owners[key] = owner(key, self.monitors) == self.runtime.instance_id
+        return owned
+
+    def _owned(self) -> list[detectors.MemberView]:
+        return [view for view in self.views.values() if self.owns(view)]
 
     async def Heartbeat(
         self,
@@ -116,13 +160,21 @@ class MonitorServicer(monitor_pb2_grpc.MonitorServicer):
                 fenced = self.fences is not None and self.fences.fences(
                     beat.instance_id, beat.job_id, beat.epoch
                 )
-                yield monitor_pb2.BeatAck(seq=beat.seq, fenced=fenced)
+                view = self.views[instance_id]
+                moved = not beat.goodbye and not self.owns(view)
+                yield monitor_pb2.BeatAck(seq=beat.seq, fenced=fenced, moved=moved)
         finally:
             # Reached on a clean end, on a broken stream and on cancellation alike.
             if instance_id:
                 self._stream_ended(instance_id, time.time())
 
     def _stream_ended(self, instance_id: str, now: float) -> None:
+        if self._stopped:
+            return  # this monitor is closing the streams itself
+        view = self.views.get(instance_id)
+        if view is not None and not self.owns(view):
+            detectors.on_handed_over(self.views, instance_id)  # it beats to its owner now
+            return
         detectors.on_stream_end(self.views, instance_id, now)
         view = self.views.get(instance_id)
         if view is None or view.state is not detectors.State.SUSPECT:
@@ -153,7 +205,7 @@ class MonitorServicer(monitor_pb2_grpc.MonitorServicer):
                 log.debug("monitor.listen_check_inconclusive", member=instance_id)
                 return
             if refused:
-                if detectors.on_refused(self.views, instance_id, ended_at, address):
+                if detectors.on_refused(self.views, instance_id, ended_at, address, time.time()):
                     log.info("monitor.refused", member=instance_id, address=address)
                     self._wake.set()
                 return
@@ -162,11 +214,27 @@ class MonitorServicer(monitor_pb2_grpc.MonitorServicer):
     async def GetHealth(
         self, request: monitor_pb2.GetHealthRequest, context: grpc.aio.ServicerContext
     ) -> monitor_pb2.GetHealthResponse:
-        members = []
-        for view in self.views.values():
-            if request.job_id and view.job_id != request.job_id:
-                continue
-            health = monitor_pb2.MemberHealth(
+        if not 0 <= request.page_size <= MAX_HEALTH_PAGE:
+            raise InvalidArgument(f"page_size must be in 0..{MAX_HEALTH_PAGE}")
+        size = request.page_size or DEFAULT_HEALTH_PAGE
+        watched = sorted(
+            (v for v in self._owned() if not request.job_id or v.job_id == request.job_id),
+            key=lambda v: v.instance_id,
+        )
+        counts: dict[str, int] = {}
+        for view in watched:
+            key = f"{view.role}/{view.state.value}"
+            counts[key] = counts.get(key, 0) + 1
+        start = bisect.bisect_right([v.instance_id for v in watched], request.page_token)
+        page = watched[start : start + size]
+        reply = monitor_pb2.GetHealthResponse(
+            incidents_total=self.incidents_total,
+            next_page_token=page[-1].instance_id if start + size < len(watched) else "",
+            counts=counts,
+            monitors=sorted(self.monitors),
+        )
+        for done, view in enumerate(page, 1):
+            health = reply.members.add(
                 role=ROLE_TO_PROTO[view.role],
                 instance_id=view.instance_id,
                 epoch=view.epoch,
@@ -176,8 +244,9 @@ class MonitorServicer(monitor_pb2_grpc.MonitorServicer):
             )
             health.last_seen.FromNanoseconds(int(view.last_seen * 1e9))
             health.counters.update(view.counters)
-            members.append(health)
-        return monitor_pb2.GetHealthResponse(members=members, incidents_total=self.incidents_total)
+            if done % HEALTH_BUILT_PER_TURN == 0:
+                await asyncio.sleep(0)  # the beats are taken on this loop: let them in
+        return reply
 
     async def WatchIncidents(
         self, request: monitor_pb2.WatchIncidentsRequest, context: grpc.aio.ServicerContext
@@ -188,6 +257,10 @@ class MonitorServicer(monitor_pb2_grpc.MonitorServicer):
             yield to_proto(record)
 
     def _registered(self, member: MemberRecord, now: float) -> None:
+        if member.role == "monitor":
+            # Monitors send no beats: one leaving is a change of the assignment, not a loss.
+            self._monitors_changed(self.monitors | {member.instance_id})
+            return
         detectors.on_registered(
             self.views,
             member.role,
@@ -196,12 +269,27 @@ class MonitorServicer(monitor_pb2_grpc.MonitorServicer):
             now,
             member.address,
             member.job_id,
+            member.lease_id,
         )
+
+    def _monitors_changed(self, monitors: set[str]) -> None:
+        monitors.add(self.runtime.instance_id)
+        if monitors == self.monitors:
+            return
+        log.info("monitor.monitors_changed", monitors=sorted(monitors))
+        self.monitors = monitors
+        self._owners.clear()
+        for view in self.views.values():
+            if not self.owns(view) and view.state is detectors.State.SUSPECT:
+                # Its owner watches it now; what this monitor suspected is its owner's to judge.
+                detectors.on_handed_over(self.views, view.instance_id)
+        self._wake.set()  # members it owns now that were lost meanwhile are reported now
 
     async def _follow_registry(self) -> None:
         assert self.runtime.client is not None
         registry = Registry(self.runtime.client, self.runtime.keys)
         members, revision = await registry.list()
+        self._monitors_changed({m.instance_id for m in members if m.role == "monitor"})
         for m in members:
             self._registered(m, time.time())
         known = {m.instance_id for m in members}
@@ -212,14 +300,20 @@ class MonitorServicer(monitor_pb2_grpc.MonitorServicer):
                 known.add(member.instance_id)
                 self._registered(member, now)
             elif isinstance(event, Delete):
-                _, instance_id = registry.role_and_instance(event.key)
+                role, instance_id = registry.role_and_instance(event.key)
                 known.discard(instance_id)
-                self._unregistered(instance_id, now)
-            elif isinstance(event, Resync):
-                present = {parse_member(e).instance_id for e in event.entries}
-                for instance_id in known - present:
+                if role == "monitor":
+                    self._monitors_changed(self.monitors - {instance_id})
+                else:
                     self._unregistered(instance_id, now)
-                known = present
+            elif isinstance(event, Resync):
+                present = [parse_member(e) for e in event.entries]
+                self._monitors_changed({m.instance_id for m in present if m.role == "monitor"})
+                for instance_id in known - {m.instance_id for m in present}:
+                    self._unregistered(instance_id, now)
+                for member in present:
+                    self._registered(member, now)
+                known = {m.instance_id for m in present}
 
     def _unregistered(self, instance_id: str, now: float) -> None:
         beating = self.settings.silence_window
@@ -231,16 +325,22 @@ class MonitorServicer(monitor_pb2_grpc.MonitorServicer):
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._wake.wait(), self.settings.evaluate_interval)
             self._wake.clear()
-            await self._evaluate(time.time())
+            now = time.time()
+            await self._evaluate(now)
+            if now - self._pruned_at >= PRUNE_INTERVAL:
+                self._prune(now)
 
     async def _evaluate(self, now: float) -> None:
-        for finding in detectors.evaluate(self.views, now, self.config):
+        """One round over the members this monitor owns; what it finds is recorded in one go."""
+        owned = self._owned()
+        found: list[tuple[IncidentRecord, str, Callable[[], None]]] = []
+        for finding in detectors.evaluate(owned, now, self.config):
             if finding.view.instance_id == self.runtime.instance_id:
                 continue
-            if await self._report(from_finding(finding, now)):
-                detectors.mark_reported([finding])
+            incident = from_finding(finding, finding.seen_at)
+            found.append((incident, failure_mark(incident, finding.view.lease), _later(finding)))
         for progress in progress_detectors.evaluate(
-            detectors.watched(self.views), now, self.progress_config
+            detectors.watched(owned), now, self.progress_config
         ):
             view = self.views[progress.instance_id]
             if progress.needs_probe:
@@ -248,31 +348,62 @@ class MonitorServicer(monitor_pb2_grpc.MonitorServicer):
                     task = asyncio.create_task(self._probe(view, progress), name="probe")
                     self._probes[progress.instance_id] = task
                 continue
-            if await self._report(
-                new_incident(view, progress.kind, progress.evidence, progress.confidence, now)
-            ):
-                progress_detectors.mark_reported(view.progress(), progress)
-                if progress.kind in progress_detectors.FAILURE_KINDS:
-                    view.reported = True  # one failure, one incident: stop watching it
+            incident = new_incident(
+                view, progress.kind, progress.evidence, progress.confidence, progress.seen_at or now
+            )
+            failure = progress.kind in progress_detectors.FAILURE_KINDS
+            mark = (
+                failure_mark(incident, view.lease)
+                if failure
+                else episode_mark(incident, progress.key)
+            )
+            found.append((incident, mark, _progress_later(view, progress, failure)))
+        if found:
+            await self._report(found)
 
-    async def _report(self, incident: IncidentRecord) -> bool:
-        """Record an incident in etcd; False (try again next round) when etcd is away."""
+    async def _report(self, found: list[tuple[IncidentRecord, str, Callable[[], None]]]) -> bool:
+        """Record incidents in etcd, each unless another monitor recorded its failure already,
+        then apply what each settles; False (all tried again next round) when etcd is away."""
+        assert self._marks is not None
         try:
-            await self.incident_log.record(incident)
+            recorded = await self.incident_log.record_once(
+                [(mark, incident) for incident, mark, _ in found], self._marks.lease_id
+            )
         except Exception as exc:
-            log.warning("monitor.incident_unrecorded", error=repr(exc))
+            log.warning("monitor.incident_unrecorded", error=repr(exc), incidents=len(found))
             return False
-        self.incidents_total += 1
-        log.warning(
-            "monitor.incident",
-            kind=incident.kind,
-            member=incident.instance_id,
-            role=incident.role,
-            rank=incident.rank,
-            job=incident.job_id,
-            evidence=incident.evidence,
-        )
+        for _, _, settle in found:
+            settle()  # recorded here or by another monitor: reported either way
+        ids = {r.incident_id for r in recorded}
+        for incident, _, _ in found:
+            if incident.incident_id not in ids:
+                log.info(
+                    "monitor.incident_recorded_elsewhere",
+                    kind=incident.kind,
+                    member=incident.instance_id,
+                )
+                continue
+            self.incidents_total += 1
+            log.warning(
+                "monitor.incident",
+                kind=incident.kind,
+                member=incident.instance_id,
+                role=incident.role,
+                rank=incident.rank,
+                job=incident.job_id,
+                evidence=incident.evidence,
+            )
         return True
+
+    def _prune(self, now: float) -> None:
+        self._pruned_at = now
+        gone = detectors.forgettable(self.views, now, self.settings.view_retention)
+        for instance_id in gone:
+            del self.views[instance_id]
+        if gone:
+            self._owners.clear()  # its keys pin the allocator's pages from when they came
+            log.info("monitor.views_forgotten", members=len(gone), left=len(self.views))
+        release_freed_memory()
 
     async def _probe(
         self, view: detectors.MemberView, suspicion: progress_detectors.ProgressFinding
@@ -293,10 +424,17 @@ class MonitorServicer(monitor_pb2_grpc.MonitorServicer):
                 view.role, "MEMBER_LOST"
             )
             evidence = f"{suspicion.evidence}; probe after {time.time() - started:.1f}s: {detail}"
-            if await self._report(new_incident(view, kind, evidence, 0.95, time.time())):
-                progress_detectors.mark_reported(signals, suspicion)
-                # One failure, one incident: its lease running out later is the same failure.
-                view.reported = True
+            incident = new_incident(view, kind, evidence, 0.95, time.time())
+            # One failure, one incident: its lease running out later is the same failure.
+            await self._report(
+                [
+                    (
+                        incident,
+                        failure_mark(incident, view.lease),
+                        _progress_later(view, suspicion, failure=True),
+                    )
+                ]
+            )
         finally:
             self._probes.pop(view.instance_id, None)
 
@@ -327,6 +465,21 @@ class MonitorServicer(monitor_pb2_grpc.MonitorServicer):
             return False, f"no answer within {timeout:.1f}s ({exc.code().name})"
 
 
+def _later(finding: detectors.Finding) -> Callable[[], None]:
+    return lambda: detectors.mark_reported([finding])
+
+
+def _progress_later(
+    view: detectors.MemberView, finding: progress_detectors.ProgressFinding, failure: bool
+) -> Callable[[], None]:
+    def settle() -> None:
+        progress_detectors.mark_reported(view.progress(), finding)
+        if failure:
+            view.reported = True  # one failure, one incident: stop watching it
+
+    return settle
+
+
 async def serve(settings: MonitorSettings, etcd: EtcdSettings) -> ServiceRuntime:
     runtime = ServiceRuntime(
         "monitor", settings, etcd, service_names=[SERVICE_NAME], heartbeats=False
@@ -334,6 +487,8 @@ async def serve(settings: MonitorSettings, etcd: EtcdSettings) -> ServiceRuntime
     servicer = MonitorServicer(runtime, settings)
     monitor_pb2_grpc.add_MonitorServicer_to_server(servicer, runtime.host.server)
     await runtime.start()
-    servicer.start()
-    runtime.host.after_stop.insert(0, servicer.stop)
+    await servicer.start()
+    # Detection stops before the server closes the streams: a monitor that stops must not
+    # report the members it closes its streams on (they beat to another one now).
+    runtime.host.before_stop.insert(0, servicer.stop)
     return runtime

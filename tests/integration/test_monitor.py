@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import socket
 import time
+from collections.abc import Iterable
 
 import grpc
 import pytest
@@ -56,7 +57,7 @@ def detector_rounds(monkeypatch: pytest.MonkeyPatch) -> list[float]:
     evaluate = detectors.evaluate
 
     def counted(
-        views: detectors.Views, now: float, config: detectors.DetectorConfig
+        views: Iterable[detectors.MemberView], now: float, config: detectors.DetectorConfig
     ) -> list[detectors.Finding]:
         rounds.append(now)
         return evaluate(views, now, config)

@@ -25,7 +25,7 @@ def beat(
 
 
 def reported(views: d.Views, now: float) -> list[d.Finding]:
-    findings = d.evaluate(views, now, CFG)
+    findings = d.evaluate(views.values(), now, CFG)
     d.mark_reported(findings)
     return findings
 
@@ -34,7 +34,7 @@ def test_stream_loss_is_lost_only_after_the_reconnect_grace() -> None:
     views: d.Views = {}
     beat(views, 0.0)
     d.on_stream_end(views, "r0", 1.0)
-    assert d.evaluate(views, 1.5, CFG) == []
+    assert d.evaluate(views.values(), 1.5, CFG) == []
     findings = reported(views, 2.1)
     assert [f.kind for f in findings] == ["MEMBER_LOST"]
     assert "without a goodbye" in findings[0].evidence
@@ -45,7 +45,7 @@ def test_a_refused_address_makes_a_broken_stream_lost_before_the_grace() -> None
     views: d.Views = {}
     beat(views, 0.0)
     d.on_stream_end(views, "r0", 1.0)
-    assert d.on_refused(views, "r0", 1.0, "127.0.0.1:9")
+    assert d.on_refused(views, "r0", 1.0, "127.0.0.1:9", now=1.1)
     findings = reported(views, 1.01)
     assert [f.kind for f in findings] == ["MEMBER_LOST"]
     assert "127.0.0.1:9 refuses connections" in findings[0].evidence
@@ -57,13 +57,13 @@ def test_a_refusal_counts_only_for_the_stream_end_it_answers() -> None:
     beat(views, 0.0)
     d.on_stream_end(views, "r0", 1.0)
     beat(views, 1.1)  # reconnected before the check came back
-    assert not d.on_refused(views, "r0", 1.0, "127.0.0.1:9")
+    assert not d.on_refused(views, "r0", 1.0, "127.0.0.1:9", now=1.1)
     d.on_stream_end(views, "r0", 2.0)
-    assert not d.on_refused(views, "r0", 1.0, "127.0.0.1:9")  # an older stream's check
+    assert not d.on_refused(views, "r0", 1.0, "127.0.0.1:9", now=1.1)  # an older stream's check
     assert views["r0"].state is d.State.SUSPECT
     beat(views, 2.2, goodbye=True, job_id="")
-    assert not d.on_refused(views, "r0", 2.0, "127.0.0.1:9")  # it left properly
-    assert d.evaluate(views, 100.0, CFG) == []
+    assert not d.on_refused(views, "r0", 2.0, "127.0.0.1:9", now=2.1)  # it left properly
+    assert d.evaluate(views.values(), 100.0, CFG) == []
 
 
 def test_reconnect_within_the_grace_is_not_a_failure() -> None:
@@ -71,7 +71,7 @@ def test_reconnect_within_the_grace_is_not_a_failure() -> None:
     beat(views, 0.0)
     d.on_stream_end(views, "r0", 1.0)
     beat(views, 1.5)
-    assert d.evaluate(views, 10.0, CFG) == []
+    assert d.evaluate(views.values(), 10.0, CFG) == []
     assert views["r0"].state is d.State.ALIVE
 
 
@@ -82,7 +82,7 @@ def test_goodbye_of_a_member_in_no_job_then_deregistration_is_never_an_incident(
     beat(views, 0.2, goodbye=True, job_id="")
     d.on_stream_end(views, "r0", 0.3)
     d.on_unregistered(views, "r0", 0.4)
-    assert d.evaluate(views, 100.0, CFG) == []
+    assert d.evaluate(views.values(), 100.0, CFG) == []
     assert views["r0"].state is d.State.GONE
 
 
@@ -117,7 +117,7 @@ def test_goodbye_of_a_trainers_follower_rank_is_never_an_incident() -> None:
             goodbye=goodbye,
             now=0.1,
         )
-    assert d.evaluate(views, 100.0, CFG) == []
+    assert d.evaluate(views.values(), 100.0, CFG) == []
     assert views["t0-rank1"].state is d.State.GONE
 
 
