@@ -10,7 +10,7 @@ from rich.table import Table
 from robustrl.cli import weights
 from robustrl.cli.client import DEFAULT_DEADLINE, StackClient
 from robustrl.cli.context import with_client
-from robustrl.cli.formatting import age, console, emit_json
+from robustrl.cli.formatting import age, console, emit_json, plain_table
 from robustrl.v1 import coordinator_pb2
 
 
@@ -22,9 +22,11 @@ async def print_members(client: StackClient, as_json: bool) -> int:
     if as_json:
         emit_json(rows)
         return 0
-    table = Table("ROLE", "INSTANCE", "ADDRESS", "PID", "EPOCH", "JOB", "", box=None)
-    for row in rows:
-        table.add_row(
+    if not rows:
+        console.print("no members registered")
+        return 0
+    lines = [
+        [
             row["role"],
             row["instance_id"],
             row["address"],
@@ -32,8 +34,10 @@ async def print_members(client: StackClient, as_json: bool) -> int:
             str(row["epoch"]),
             row["job_id"] or "-",
             "leader" if row["leader"] else "",
-        )
-    console.print(table if rows else "no members registered")
+        ]
+        for row in rows
+    ]
+    print(plain_table(["ROLE", "INSTANCE", "ADDRESS", "PID", "EPOCH", "JOB", ""], lines))
     return 0
 
 
