@@ -9,6 +9,7 @@ another service's address: they list or watch the registry.
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
+from typing import Protocol
 
 import aetcd
 import aetcd.rpc
@@ -18,7 +19,7 @@ import grpc
 from robustrl.contracts.keys import KeySpace
 from robustrl.contracts.members import MemberRecord
 from robustrl.contracts.roles import ROLES
-from robustrl.core.session import Session, lease_gone
+from robustrl.core.session import lease_gone
 from robustrl.core.watch import Entry, WatchEvent, list_prefix, watch_prefix
 
 
@@ -31,6 +32,13 @@ def member_order(member: MemberRecord) -> tuple[int, str]:
     return (ROLES.index(member.role) if member.role in ROLES else 99, member.instance_id)
 
 
+class Leased(Protocol):
+    """What a registration is written under: a Session, or anything else holding a lease."""
+
+    @property
+    def lease_id(self) -> int: ...
+
+
 class LeaseGone(Exception):
     """A registration was written under a lease that etcd no longer has."""
 
@@ -40,7 +48,7 @@ class Registry:
         self.client = client
         self.keys = keys
 
-    async def register(self, session: Session, member: MemberRecord) -> MemberRecord:
+    async def register(self, session: Leased, member: MemberRecord) -> MemberRecord:
         """Write (or rewrite) the member's record under the session's lease. LeaseGone if the
         lease expired already (its keepalive may not have noticed yet)."""
         member = member.model_copy(update={"lease_id": session.lease_id})
