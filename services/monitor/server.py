@@ -442,9 +442,11 @@ class MonitorServicer(monitor_pb2_grpc.MonitorServicer):
         """(progressing, what was seen)."""
         assert self.runtime.registry is not None
         member = await self.runtime.registry.get(view.role, view.instance_id)
-        if member is None:
-            return False, "not in the registry"
-        address = member.address
+        address = member.address if member is not None else view.address
+        if ":" not in address:
+            return False, "not in the registry and never seen there"
+        # Out of the registry is no proof of a hang: its lease may have lapsed while it lives
+        # (an overloaded host, an etcd outage). The address it was last registered at answers.
         wait = self.settings.probe_wait if view.role == "rollout" else 0.0
         timeout = wait + self.settings.probe_deadline
         try:
