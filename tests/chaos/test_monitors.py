@@ -79,7 +79,6 @@ def test_a_monitor_killed_mid_job_hands_its_members_over_and_misses_nothing(
         eventually_sync(lambda: step_of(stack, job) >= 3, timeout=180)
 
         os.kill(started[victim], signal.SIGKILL)
-        killed_at = time.time()
         # While the victim is still registered (its lease runs out within the TTL), its members
         # beat to nobody: a NaN of the trainer now is seen by the survivor once they move.
         [nan] = chaos(stack, job, "--fault", "nan", "--role", "trainer")
@@ -88,8 +87,8 @@ def test_a_monitor_killed_mid_job_hands_its_members_over_and_misses_nothing(
             lambda: all(m["instance_id"] != victim for m in stack.members()), timeout=TTL + 5
         )
         left_at = time.time()
-        eventually_sync(lambda: beats_to(stack, survivor, "rollout-0", left_at), timeout=10)
-        moved = time.time() - killed_at
+        # Its members move as soon as it is out of the registry (they ask etcd each retry).
+        moved = eventually_sync(lambda: beats_to(stack, survivor, "rollout-0", left_at), timeout=10)
 
         os.kill(started["rollout-0"], signal.SIGSTOP)
         stopped_at = time.time()
@@ -101,7 +100,7 @@ def test_a_monitor_killed_mid_job_hands_its_members_over_and_misses_nothing(
         took = hang["detected_at"] - stopped_at
         bound = SILENCE + PROBE_WAIT + PROBE_DEADLINE + SLACK
         assert took <= bound, f"hang reported {took:.1f}s after SIGSTOP (bound {bound:.1f}s)"
-        assert moved <= TTL + 3.0, f"members moved {moved:.1f}s after the kill"
+        assert moved <= 5.0, f"rollout-0 moved {moved:.1f}s after its monitor left the registry"
 
         finish(stack, job)
         kinds = sorted(i["kind"] for i in incidents(stack, job))

@@ -92,8 +92,15 @@ async def test_the_beats_split_by_the_assignment_and_move_when_a_monitor_joins_o
             )
 
         await eventually(assigned, timeout=10)
-        watched = [len((await health(m)).members) for m in (a, b)]
-        assert sum(watched) == MEMBERS and min(watched) > 0, watched
+
+        async def watched() -> list[int]:
+            return [len((await health(m)).members) for m in (a, b)]
+
+        async def all_watched() -> bool:  # each monitor has a view once it took a first beat
+            return sum(await watched()) == MEMBERS
+
+        await eventually(all_watched, timeout=10)
+        assert min(await watched()) > 0, await watched()
         assert sorted((await health(a)).monitors) == sorted(ids)
 
         c = await start_monitor(etcd_settings, "monitor-c")
