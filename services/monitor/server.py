@@ -335,8 +335,6 @@ class MonitorServicer(monitor_pb2_grpc.MonitorServicer):
         owned = self._owned()
         found: list[tuple[IncidentRecord, str, Callable[[], None]]] = []
         for finding in detectors.evaluate(owned, now, self.config):
-            if finding.view.instance_id == self.runtime.instance_id:
-                continue
             incident = from_finding(finding, finding.seen_at)
             found.append((incident, failure_mark(incident, finding.view.lease), _later(finding)))
         for progress in progress_detectors.evaluate(
