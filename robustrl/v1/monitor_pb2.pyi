@@ -95,6 +95,10 @@ Global___Beat: _TypeAlias = Beat  # noqa: Y015
 
 @_typing.final
 class BeatAck(_message.Message):
+    """The first beat of a stream is answered, then only a beat whose answer (fenced, moved)
+    differs from the last one sent; seq names the beat answered.
+    """
+
     DESCRIPTOR: _descriptor.Descriptor
 
     SEQ_FIELD_NUMBER: _builtins.int

@@ -120,6 +120,7 @@ class MonitorServicer(monitor_pb2_grpc.MonitorServicer):
         context: grpc.aio.ServicerContext,
     ) -> AsyncIterator[monitor_pb2.BeatAck]:
         instance_id = ""
+        answered: tuple[bool, bool] | None = None
         try:
             async for beat in request_iterator:
                 if not beat.instance_id or beat.role not in ROLE_FROM_PROTO:
@@ -162,7 +163,12 @@ class MonitorServicer(monitor_pb2_grpc.MonitorServicer):
                 )
                 view = self.views[instance_id]
                 moved = not beat.goodbye and not self.owns(view)
-                yield monitor_pb2.BeatAck(seq=beat.seq, fenced=fenced, moved=moved)
+                # The first beat is answered, then only a beat whose answer changed: a member
+                # acts on an ack only to stop or move, and an ack per beat cost both ends a
+                # read and a write per beat (docs/decisions/0019).
+                if (fenced, moved) != answered:
+                    answered = (fenced, moved)
+                    yield monitor_pb2.BeatAck(seq=beat.seq, fenced=fenced, moved=moved)
         finally:
             # Reached on a clean end, on a broken stream and on cancellation alike.
             if instance_id:

@@ -259,6 +259,25 @@ async def test_malformed_beats_are_invalid_argument(monitor: ServiceRuntime) -> 
             assert exc.code() == grpc.StatusCode.INVALID_ARGUMENT
 
 
+async def first_ack(address: str, instance_id: str, job_id: str, epoch: int) -> monitor_pb2.BeatAck:
+    """The answer to the first beat of a new stream (always answered); the stream then ends."""
+    async with grpc.aio.insecure_channel(address) as channel:
+        call = monitor_pb2_grpc.MonitorStub(channel).Heartbeat()
+        beat = monitor_pb2.Beat(
+            role=common_pb2.ROLE_ROLLOUT,
+            instance_id=instance_id,
+            job_id=job_id,
+            epoch=epoch,
+            seq=7,
+        )
+        await call.write(beat)
+        ack = await call.read()
+        assert ack.seq == 7
+        await call.done_writing()
+        assert await call.code() == grpc.StatusCode.OK  # no further ack: the stream ended
+        return ack
+
+
 async def test_a_beat_is_told_fenced_only_at_or_below_the_fences_epoch(
     monitor: ServiceRuntime,
 ) -> None:
@@ -270,30 +289,54 @@ async def test_a_beat_is_told_fenced_only_at_or_below_the_fences_epoch(
         monitor.keys,
         FenceRecord(instance_id="rollout-f", job_id="j", epoch=2, reason="test"),
     )
+
+    async def fenced(job_id: str, epoch: int) -> bool:
+        return (await first_ack(monitor.address, "rollout-f", job_id, epoch)).fenced
+
+    async def fenced_at_its_epoch() -> bool:
+        return await fenced("j", 2)
+
+    await eventually(fenced_at_its_epoch, timeout=5)  # once the monitor's watch has it
+    assert await fenced("j", 1)
+    assert not await fenced("j", 3)
+    assert not await fenced("other-job", 2)
+
+
+async def test_a_beat_is_answered_first_and_then_only_when_its_answer_changes(
+    monitor: ServiceRuntime,
+) -> None:
+    """Beats 1 and 2 are not fenced, beat 3 is (an older epoch): the acks read are those of
+    beats 1 and 3, so beat 2, whose answer was the same as beat 1's, had none."""
+    assert monitor.client is not None
+    await write_fence(
+        monitor.client,
+        monitor.keys,
+        FenceRecord(instance_id="rollout-g", job_id="j", epoch=2, reason="test"),
+    )
+
+    async def known() -> bool:
+        return (await first_ack(monitor.address, "rollout-g", "j", 2)).fenced
+
+    await eventually(known, timeout=5)
     async with grpc.aio.insecure_channel(monitor.address) as channel:
         call = monitor_pb2_grpc.MonitorStub(channel).Heartbeat()
-        seq = 0
 
-        async def fenced(job_id: str, epoch: int) -> bool:
-            nonlocal seq
-            seq += 1
-            beat = monitor_pb2.Beat(
-                role=common_pb2.ROLE_ROLLOUT,
-                instance_id="rollout-f",
-                job_id=job_id,
-                epoch=epoch,
-                seq=seq,
+        async def beat(seq: int, epoch: int) -> None:
+            await call.write(
+                monitor_pb2.Beat(
+                    role=common_pb2.ROLE_ROLLOUT,
+                    instance_id="rollout-g",
+                    job_id="j",
+                    epoch=epoch,
+                    seq=seq,
+                )
             )
-            await call.write(beat)
-            ack = await call.read()
-            assert ack.seq == seq
-            return bool(ack.fenced)
 
-        async def fenced_at_its_epoch() -> bool:
-            return await fenced("j", 2)
-
-        await eventually(fenced_at_its_epoch, timeout=5)  # once the monitor's watch has it
-        assert await fenced("j", 1)
-        assert not await fenced("j", 3)
-        assert not await fenced("other-job", 2)
+        await beat(1, 3)
+        first = await call.read()
+        await beat(2, 3)
+        await beat(3, 1)
+        second = await call.read()
+        assert (first.seq, first.fenced) == (1, False)
+        assert (second.seq, second.fenced) == (3, True)
         await call.done_writing()
