@@ -8,7 +8,7 @@ import secrets
 from dataclasses import dataclass
 from typing import Protocol
 
-from pydantic import BaseModel
+from pydantic import BaseModel, ConfigDict
 
 from robustrl.contracts.roles import ROLE_TO_PROTO, IncidentKind
 from robustrl.v1 import common_pb2
@@ -41,6 +41,8 @@ class IncidentSubject:
 
 
 class IncidentRecord(BaseModel):
+    model_config = ConfigDict(cache_strings="keys")  # as MemberRecord's
+
     incident_id: str
     job_id: str
     role: str

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, ConfigDict, Field
 
 from robustrl.contracts.roles import ROLE_TO_PROTO
 from robustrl.v1 import common_pb2
@@ -16,6 +16,10 @@ engine core): that process's id, for tools that act on the engine alone (`robust
 
 class MemberRecord(BaseModel):
     """A member as stored in etcd (JSON)."""
+
+    # Values are not kept in pydantic's process-wide string cache: ids and addresses of
+    # members long gone would stay there, and pin the memory of their time (decision 0019).
+    model_config = ConfigDict(cache_strings="keys")
 
     role: str
     instance_id: str

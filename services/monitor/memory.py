@@ -11,6 +11,7 @@ import ctypes
 import ctypes.util
 import functools
 import gc
+import linecache
 
 
 @functools.cache
@@ -23,6 +24,9 @@ def _trim() -> ctypes._NamedFuncPointer | None:
 
 
 def release_freed_memory() -> None:
+    # Source lines read to format tracebacks (gRPC formats one for every call that fails)
+    # stay cached for ever, and pin the small-object arenas of the moment they were read.
+    linecache.clearcache()
     gc.collect()
     trim = _trim()
     if trim is not None:
