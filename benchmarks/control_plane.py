@@ -26,9 +26,10 @@ much).
            --window seconds call the leader coordinator --rate times a second with each of
            ListJobs, GetJob (a job submitted and cancelled before the ramp) and ListMembers,
            and beside them its health check (Health: the floor the busy host sets, no etcd,
-           no work): p50/p99 of each, and CPU% (/proc utime+stime over the window; 100% is
-           one core) and RSS of each monitor, the leader, etcd and the generator (its
-           processes)
+           no work): p50/p99 of each; that --repeats times (windows back to back), the
+           medians of the windows' p50 and p99 reported, each window's p99 kept in --json;
+           CPU% (/proc utime+stime over the windows; 100% is one core) and RSS of each
+           monitor, the leader, etcd and the generator (its processes)
   cli      `robustrl members` (human and --json) at the top level, median of --cli-repeat
   kill     --kill-fraction of the members (seeded by --seed) die at once without a word:
            server closed (its address refuses), then at once its heartbeat stream cut without
@@ -282,6 +283,24 @@ class Bench:
             )
         return dict(zip(reads, results, strict=True))
 
+    async def rpc_windows(self, address: str) -> dict[str, dict[str, Any]]:
+        """`--repeats` windows one after another: each read's p50 and p99 are the medians of
+        the windows' (one busy moment of a shared host moves one window's tail, not the
+        median), with every window's p99 kept beside them."""
+        windows = [await self.rpc_window(address) for _ in range(self.args.repeats)]
+        out = {}
+        for name in windows[0]:
+            each = [w[name] for w in windows]
+            out[name] = {
+                "calls": sum(w["calls"] for w in each),
+                "errors": [e for w in each for e in w["errors"]],
+                "p50_ms": statistics.median(w["p50_ms"] for w in each),
+                "p99_ms": statistics.median(w["p99_ms"] for w in each),
+                "p99_each_ms": [w["p99_ms"] for w in each],
+                "max_ms": max(w["max_ms"] for w in each),
+            }
+        return out
+
     async def generator_status(self) -> dict[str, Any]:
         """Leases its members lost so far, and its loop's worst lateness since last asked."""
         statuses = await self.on_children("status")
@@ -311,7 +330,7 @@ class Bench:
         ramp_status = await self.generator_status()
         self.phase = f"window at {members}"
         cpu_before, wall_before = {n: cpu_seconds(p) for n, p in procs.items()}, time.monotonic()
-        rpc = await self.rpc_window(leader["address"])
+        rpc = await self.rpc_windows(leader["address"])
         wall = time.monotonic() - wall_before
         status = await self.generator_status()
         cpu = {n: 100 * (cpu_seconds(p) - cpu_before[n]) / wall for n, p in procs.items()}
@@ -526,6 +545,7 @@ def report(result: dict[str, Any], args: argparse.Namespace) -> None:
     print(
         f"host: {os.cpu_count()} cpus, load average {os.getloadavg()[0]:.1f}; TTL {args.ttl} s, "
         f"beat {args.beat} s, {args.rate}/s of each read for {args.window:.0f} s, "
+        f"{args.repeats} windows a level (p50/p99: their medians), "
         f"generator in {args.procs} process(es). ms: p50/p99; CPU: % of one core"
     )
     head = (
@@ -639,6 +659,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--monitors", type=int, default=2, help="`robustrl up --monitors`")
     parser.add_argument("--procs", type=int, default=1, help="generator processes")
     parser.add_argument("--window", type=float, default=20.0, help="seconds measured a level")
+    parser.add_argument(
+        "--repeats", type=int, default=3, help="windows a level; p50/p99 are their medians"
+    )
     parser.add_argument("--settle", type=float, default=5.0, help="seconds before each window")
     parser.add_argument("--rate", type=float, default=5.0, help="calls a second of each read")
     parser.add_argument("--beat", type=float, default=ServiceSettings().heartbeat_interval)

@@ -22,7 +22,8 @@ def test_the_control_plane_benchmark_measures_every_level_and_reports_each_kill(
 ) -> None:
     figures_path = tmp_path / "control_plane.json"
     args = [
-        *("--levels", "15,30", "--monitors", "2", "--window", "2", "--settle", "1"),
+        *("--levels", "15,30", "--monitors", "2", "--window", "2", "--repeats", "2"),
+        *("--settle", "1"),
         *("--kill-fraction", "0.2", "--retention-wait", "1", "--cli-repeat", "1"),
         *("--json", str(figures_path)),
     ]
@@ -38,6 +39,7 @@ def test_the_control_plane_benchmark_measures_every_level_and_reports_each_kill(
             rpc = level["rpc"][name]
             assert rpc["calls"] > 0 and not rpc["errors"], (name, rpc)
             assert 0 < rpc["p50_ms"] <= rpc["p99_ms"], (name, rpc)
+            assert len(rpc["p99_each_ms"]) == 2, (name, rpc)
         assert set(level["monitors"]) == MONITORS
         for process in [*level["monitors"].values(), level["leader"], level["generator"]]:
             assert process["rss_mib"] > 0 and process["cpu_pct"] >= 0, process
