@@ -7,7 +7,8 @@ rollout kill per 25%. Full restart stops every role's process and binds new ones
 standby trainer, provisioned rollouts), as a restart from the last checkpoint does. A third
 run of the same job without faults is the reference: its ETTR is the ceiling that start-up
 and pipeline bubbles leave on this machine. It prints, side by
-side, each run's ETTR (kept progress / wall time, from the coordinator's account), the
+side, each run's ETTR (kept progress / wall time, from the coordinator's account), its goodput
+(the fault-free run's wall time / its own, for the same job on the same stack and machine), the
 end-to-end time, the recovery times, and the ratios.
 
 Two standbys, because at 300 steps the schedule kills the trainer every 4-9 s, and on two
@@ -153,19 +154,24 @@ def main() -> None:
     def fmt(value: float | None, spec: str) -> str:
         return "-" if value is None else format(value, spec)
 
+    reference, role, full = rows
+
+    def goodput(row: dict[str, Any]) -> str:
+        return f"{reference['wall_s'] / row['wall_s']:.2f}" if row["wall_s"] else "-"
+
     print()
     print(
-        f"{'mode':14} {'phase':10} {'ETTR':>7} {'wall s':>8} {'faults':>7} "
+        f"{'mode':14} {'phase':10} {'ETTR':>7} {'goodput':>7} {'wall s':>8} {'faults':>7} "
         f"{'recovery med s':>15} {'max s':>7} {'steps lost':>10} {'stalled s':>9}"
     )
     for r in rows:
         print(
-            f"{r['mode']:14} {r['phase']:10} {100 * r['ettr']:>6.1f}% {r['wall_s']:>8.0f} "
+            f"{r['mode']:14} {r['phase']:10} {100 * r['ettr']:>6.1f}% {goodput(r):>7} "
+            f"{r['wall_s']:>8.0f} "
             f"{r['faults']:>7} {fmt(r['recovery_median_s'], '.1f'):>15} "
             f"{fmt(r['recovery_max_s'], '.1f'):>7} {r['rolled_back_steps']:>10} "
             f"{r['stalled_s']:>9.0f}"
         )
-    reference, role, full = rows
     if full["ettr"] and full["wall_s"]:
         print(
             f"ETTR role-based / full restart: {role['ettr'] / full['ettr']:.2f}x; "
