@@ -16,7 +16,14 @@ PROTO_SRC := $(wildcard protos/robustrl/v1/*.proto)
 
 venv: $(STAMP)
 
-$(STAMP): pyproject.toml
+# The monitor runs on jemalloc where the host has it (docs/decisions/0020); Debian's package.
+JEMALLOC := /usr/lib/$(shell uname -m)-linux-gnu/libjemalloc.so.2
+
+$(JEMALLOC):
+	apt-get install -y -q libjemalloc2 >/dev/null || \
+		(apt-get update -q >/dev/null && apt-get install -y -q libjemalloc2 >/dev/null)
+
+$(STAMP): pyproject.toml | $(JEMALLOC)
 	@test -x $(PY) || python3 -m venv $(VENV)
 	$(PY) -m pip install -q --disable-pip-version-check --upgrade pip
 	$(PY) -m pip install -q --disable-pip-version-check "$(TORCH_PIN)" -e ".[$(EXTRAS)]"

@@ -95,6 +95,7 @@ from robustrl.v1 import (
     monitor_pb2,
     monitor_pb2_grpc,
 )
+from services.monitor.config import MonitorSettings
 
 SCRIPT = Path(__file__).resolve()
 JOB = "control-plane-bench"
@@ -631,7 +632,11 @@ async def main(args: argparse.Namespace) -> dict[str, Any]:
     began = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="robustrl-control-plane-") as tmp:
         home = Path(tmp) / "home"
-        stack = Stack(home, Path(tmp) / "runs", {"ROBUSTRL_ETCD_SESSION_TTL": str(args.ttl)})
+        env = {
+            "ROBUSTRL_ETCD_SESSION_TTL": str(args.ttl),
+            "ROBUSTRL_MONITOR_ALLOCATOR": args.monitor_allocator,
+        }
+        stack = Stack(home, Path(tmp) / "runs", env)
         # --monitors 1 is the one case the flag is left out (stacks before it had one monitor).
         monitors = [] if args.monitors == 1 else ["--monitors", str(args.monitors)]
         try:
@@ -666,6 +671,12 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--rate", type=float, default=5.0, help="calls a second of each read")
     parser.add_argument("--beat", type=float, default=ServiceSettings().heartbeat_interval)
     parser.add_argument("--ttl", type=int, default=EtcdSettings().session_ttl)
+    parser.add_argument(
+        "--monitor-allocator",
+        choices=("jemalloc", "python"),
+        default=MonitorSettings.model_fields["allocator"].default,
+        help="ROBUSTRL_MONITOR_ALLOCATOR of the monitors (default: the monitor's own default)",
+    )
     parser.add_argument("--kill-fraction", type=float, default=0.1)
     parser.add_argument("--retention-wait", type=float, default=70.0)
     parser.add_argument("--cli-repeat", type=int, default=3)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import sys
+
 from robustrl.core.aio import run_process
 from robustrl.core.config import EtcdSettings
 from services.monitor.config import MonitorSettings
@@ -9,6 +11,9 @@ from services.monitor.config import MonitorSettings
 
 async def _main() -> None:
     settings, etcd = MonitorSettings(), EtcdSettings()  # a bad one fails before imports
+    from services.monitor.memory import start_on_jemalloc
+
+    start_on_jemalloc(settings.allocator, [sys.executable, *sys.orig_argv[1:]])
     from robustrl.core.runtime import long_lived_objects
 
     with long_lived_objects(start=True):

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Literal
+
 from pydantic import Field
 from pydantic_settings import SettingsConfigDict
 
@@ -11,6 +13,12 @@ from services.monitor.progress_detectors import ProgressConfig
 
 class MonitorSettings(ServiceSettings):
     model_config = SettingsConfigDict(env_prefix="ROBUSTRL_MONITOR_", extra="ignore")
+
+    allocator: Literal["jemalloc", "python"] = "jemalloc"
+    """Memory allocator of the monitor process. `jemalloc` (where the host has libjemalloc)
+    runs the monitor again at start with jemalloc preloaded for every allocation, so that
+    memory freed once many members have left goes back to the system; `python` keeps
+    CPython's own small-object allocator, which keeps it."""
 
     reconnect_grace: float = Field(default=1.0, ge=0)
     """Seconds a member whose heartbeat stream broke without a goodbye has to reconnect
