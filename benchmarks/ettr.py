@@ -1,7 +1,8 @@
 """ETTR under the same seeded fault schedule: role-based recovery against full restart.
 
 Each mode runs the same job on a fresh local stack (real etcd, coordinators, monitor, 1 trainer
-+ 2 warm standby trainers, 2 rollouts; replacements come from the local provisioner) while
++ 2 warm standby trainers, 2 rollouts + 1 warm standby rollout; replacements and refilled
+standbys come from the local provisioner) while
 `robustrl chaos` injects, on seeded schedules, one trainer kill per 10% of the steps and one
 rollout kill per 25%. Full restart stops every role's process and binds new ones (a warm
 standby trainer, provisioned rollouts), as a restart from the last checkpoint does. A third
@@ -9,7 +10,8 @@ run of the same job without faults is the reference: its ETTR is the ceiling tha
 and pipeline bubbles leave on this machine. It prints, side by
 side, each run's ETTR (kept progress / wall time, from the coordinator's account), its goodput
 (the fault-free run's wall time / its own, for the same job on the same stack and machine), the
-end-to-end time, the recovery times, and the ratios.
+end-to-end time, the recovery times, and the ratios; and, for each rollout loss, the seconds
+from its detection to the replacement's first batch (a standby's, or a cold one's).
 
 Two standbys, because at 300 steps the schedule kills the trainer every 4-9 s, and on two
 busy cores a new standby takes about 10 s to start and build the model: with one, most
@@ -24,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import shutil
 import statistics
 import subprocess
@@ -34,6 +37,25 @@ from typing import Any
 
 from local_stack import EXAMPLE, REPO, Stack, ensure_model
 
+FIRST_BATCH = re.compile(r"rollout\.first_batch .*\bat=([0-9.]+)")
+
+
+def rollout_takeovers(recoveries: list[dict[str, Any]], logs: Path) -> dict[str, list[float]]:
+    """Seconds from each rollout loss's detection to its replacement's first batch (generated
+    with the newest weights: a rollout pulls them before it generates), for replacements that
+    were standbys and those started cold, from the replacements' own logs."""
+    out: dict[str, list[float]] = {"standby": [], "cold": []}
+    for rec in recoveries:
+        if rec["role"] != "rollout" or not rec["replacements"]:
+            continue
+        name = rec["replacements"][0]
+        log = logs / f"{name}.log"
+        found = FIRST_BATCH.search(log.read_text()) if log.exists() else None
+        if found is not None:
+            kind = "standby" if name.startswith("standby-rollout") else "cold"
+            out[kind].append(float(found.group(1)) - rec["detected_at"])
+    return out
+
 
 def run_mode(
     mode: str,
@@ -43,12 +65,23 @@ def run_mode(
     *,
     faults: bool,
     standbys: int,
+    standby_rollouts: int,
     keep: Path | None = None,
 ) -> dict[str, Any]:
     name = mode if faults else "fault_free"
     with tempfile.TemporaryDirectory(prefix=f"robustrl-ettr-{name}-") as tmp:
         stack = Stack(Path(tmp) / "home", Path(tmp) / "runs")
-        stack.cli("up", "--trainers", "1", "--standby-trainers", str(standbys), "--rollouts", "2")
+        stack.cli(
+            "up",
+            "--trainers",
+            "1",
+            "--standby-trainers",
+            str(standbys),
+            "--rollouts",
+            "2",
+            "--standby-rollouts",
+            str(standby_rollouts),
+        )
         try:
             job = f"ettr-{name.replace('_', '-')}"
             stack.cli(
@@ -93,6 +126,7 @@ def run_mode(
                 out, _ = proc.communicate(timeout=60)
                 injected += [line for line in out.splitlines() if " at step " in line]
             status = json.loads(stack.cli("status", job, "--json"))
+            takeovers = rollout_takeovers(status["recoveries"], Path(tmp) / "home" / "logs")
         finally:
             stack.cli("down")
             if keep is not None:
@@ -114,6 +148,7 @@ def run_mode(
         "recovery_median_s": statistics.median(recoveries) if recoveries else None,
         "recovery_max_s": max(recoveries) if recoveries else None,
         "eval": status["metrics"].get("eval_reward"),
+        "rollout_takeover_s": takeovers,
     }
 
 
@@ -127,6 +162,12 @@ def main() -> None:
         type=int,
         default=2,
         help="warm standby trainers the stack keeps (each mode gets the same; see the doc)",
+    )
+    parser.add_argument(
+        "--standby-rollouts",
+        type=int,
+        default=1,
+        help="warm standby rollouts the stack keeps (each mode gets the same)",
     )
     parser.add_argument(
         "--keep", type=Path, default=None, help="copy each run's logs and run folder here"
@@ -146,6 +187,7 @@ def main() -> None:
                 args.seed,
                 faults=faults,
                 standbys=args.standby_trainers,
+                standby_rollouts=args.standby_rollouts,
                 keep=args.keep,
             )
         )
@@ -177,6 +219,14 @@ def main() -> None:
             f"ETTR role-based / full restart: {role['ettr'] / full['ettr']:.2f}x; "
             f"end-to-end time full restart / role-based: {full['wall_s'] / role['wall_s']:.2f}x"
         )
+    for r in (role, full):
+        for kind, seconds in r["rollout_takeover_s"].items():
+            if seconds:
+                print(
+                    f"{r['mode']}: rollout loss detected -> {kind} replacement generating: "
+                    f"median {statistics.median(seconds):.2f} s, max {max(seconds):.2f} s "
+                    f"({len(seconds)} losses)"
+                )
     if reference["wall_s"]:
         print(
             f"end-to-end time over the fault-free run: role-based "

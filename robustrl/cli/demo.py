@@ -2,10 +2,12 @@
 seeded schedule and recovered role by role.
 
 1. make the tiny model (once; `robustrl model init`);
-2. bring the stack up: etcd, monitor, 2 coordinators, 1 trainer, 1 warm standby, 2 rollouts;
+2. bring the stack up: etcd, monitor, 2 coordinators, 1 trainer and 1 warm standby trainer, 2
+   rollouts and 1 warm standby rollout;
 3. submit examples/arithmetic-grpo.yaml and follow it with a live progress line;
 4. inject, at steps drawn from the seed (`robustrl chaos`, and a SIGKILL for the leader):
-   - a rollout hang (SIGSTOP; it comes back as a zombie after its replacement, and is fenced);
+   - a rollout hang (SIGSTOP; the standby rollout, which kept the job's engine and weights,
+     replaces it; it comes back as a zombie after its replacement, and is fenced);
      with `--engine vllm` only the rollout's vLLM engine core is stopped, and the rollout
      service, still beating, is found hung by its progress;
    - the leader coordinator killed: a standby takes over, no data-plane role restarts;
@@ -161,7 +163,17 @@ def main(argv: list[str] | None = None) -> int:
     engine = parser.parse_args(argv).engine
     robustrl("model", "init")
     robustrl("down")  # whatever an earlier run left behind
-    robustrl("up", "--trainers", "1", "--standby-trainers", "1", "--rollouts", "2")
+    robustrl(
+        "up",
+        "--trainers",
+        "1",
+        "--standby-trainers",
+        "1",
+        "--rollouts",
+        "2",
+        "--standby-rollouts",
+        "1",
+    )
     job_id = f"demo-{int(time.time())}"
     try:
         robustrl("submit", EXAMPLE, "--id", job_id, f"rollout.engine={engine}")

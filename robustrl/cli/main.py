@@ -96,6 +96,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="warm standby trainers, promoted when a job's trainer fails (default 0)",
     )
     up.add_argument(
+        "--standby-rollouts",
+        type=int,
+        default=0,
+        help="warm standby rollouts: each keeps a running job's engine and weights ready and "
+        "replaces a rollout the job loses (default 0)",
+    )
+    up.add_argument(
         "--provisioner",
         choices=("local", "external", "none"),
         default="local",

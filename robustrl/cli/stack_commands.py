@@ -50,6 +50,9 @@ def cmd_up(args: argparse.Namespace) -> int:
             services.append(stack.start_service(state, "trainer", f"standby-{i}", standby))
         for i in range(args.rollouts):
             services.append(stack.start_service(state, "rollout", f"rollout-{i}"))
+        for i in range(args.standby_rollouts):
+            standby = {"ROBUSTRL_ROLLOUT_STANDBY": "true"}
+            services.append(stack.start_service(state, "rollout", f"standby-rollout-{i}", standby))
         wait_for_members(state, services, timeout=args.timeout)
     except (stack.StackError, KeyboardInterrupt):
         stack.stop_procs(state.procs)

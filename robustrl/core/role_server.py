@@ -11,8 +11,9 @@ SIGTERM would (the full-restart baseline restarts every role as a new process).
 
 PREPARE (sent to free warm standbys) builds the worker's job-independent part ahead, the model
 above all, and keeps it; a BIND of the same job and spec then takes it and only finishes the
-load (a trainer restores the latest checkpoint). The instance stays free meanwhile and labels
-its registry record prepared=<job>, so the leader knows whom it prepared.
+load (a trainer restores the latest checkpoint). A worker that keeps warm (a rollout: it pulls
+each new weight version while it waits) starts doing so once built. The instance stays free
+meanwhile and labels its registry record prepared=<job>, so the leader knows whom it prepared.
 """
 
 from __future__ import annotations
@@ -72,6 +73,14 @@ class FaultTarget(Protocol):
     def inject_nan(self, step: int) -> None: ...
 
     def inject_error(self, step: int) -> None: ...
+
+
+@runtime_checkable
+class KeepsWarm(Protocol):
+    """A worker that, once prepared, keeps up with the job while it waits to be bound (a
+    standby rollout pulls each new weight version); its `start` and `stop` end that."""
+
+    def keep_warm(self) -> None: ...
 
 
 STEP_PHASES = frozenset({"forward_backward", "optimizer", "collective"})
@@ -252,6 +261,8 @@ class RoleControl:
     async def _build(self, job_id: str, spec: JobSpec) -> Worker:
         worker = self.make_worker(job_id, self.binding.epoch, spec)
         await asyncio.to_thread(worker.prepare)
+        if isinstance(worker, KeepsWarm):
+            worker.keep_warm()
         return worker
 
     async def _take_prepared(self, job_id: str, spec: JobSpec) -> Worker | None:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import time
 
+from robustrl.contracts.members import MemberRecord
 from robustrl.core.logs import get_logger
 from robustrl.core.runtime import ServiceRuntime
 from services.coordinator import policy
@@ -73,12 +74,12 @@ class ProvisioningAsks:
         if asked:
             asked.pop(0)
 
-    async def replace_standby(self, job_id: str, standby_id: str) -> None:
-        """A warm standby was bound: ask for another, so that the next trainer failure does not
-        wait for a cold start."""
+    async def replace_standby(self, job_id: str, standby: MemberRecord) -> None:
+        """A warm standby was bound: ask for another of its role, so that the next failure of
+        that role does not wait for a cold start."""
         try:
             await self.provisioner.request(
-                "trainer", job_id, f"replacing standby {standby_id}", True
+                standby.role, job_id, f"replacing standby {standby.instance_id}", True
             )
         except Exception as exc:
             log.error("coordinator.provision_failed", role="standby", error=repr(exc))

@@ -16,10 +16,12 @@ import grpc
 
 from robustrl.contracts.binding import FIRST_EPOCH
 from robustrl.contracts.errors import InvalidArgument
+from robustrl.contracts.incidents import IncidentRecord
 from robustrl.contracts.members import MemberRecord
 from robustrl.core.aio import cancel_and_wait
-from robustrl.core.fences import FenceSet
+from robustrl.core.fences import FenceRecord, FenceSet, write_fence
 from robustrl.core.logs import get_logger
+from robustrl.core.role_server import PREPARED_LABEL
 from robustrl.core.runtime import ServiceRuntime
 from services.coordinator import policy
 from services.coordinator.asks import ProvisioningAsks
@@ -71,7 +73,9 @@ class Binder:
         self.barred: dict[str, set[str]] = {}
         """Job -> free members not bound to it because their id was fenced from it (logged once)."""
         self._preparing: dict[str, tuple[str, asyncio.Task[None]]] = {}
-        """Standby trainer -> the job a PREPARE sent to it is building (until it answers)."""
+        """Standby -> the job a PREPARE sent to it is building (until it answers)."""
+        self.prepared: dict[str, MemberRecord] = {}
+        """Free standbys prepared for a running job (`policy.prepared_standbys`)."""
 
     async def follow_fences(self) -> None:
         """From the first election on, follow every fence; wait until they are loaded."""
@@ -219,7 +223,7 @@ class Binder:
             return
         for member in bound:
             if policy.is_standby(member):
-                await self.asks.replace_standby(record.job_id, member.instance_id)
+                await self.asks.replace_standby(record.job_id, member)
         done = policy.filled(record, bound, epoch)
         await self.jobs.update(record.job_id, done.change, done.phase, done.message)
         for member in bound:
@@ -233,10 +237,12 @@ class Binder:
             await self.on_bound(record.job_id, member.role, member.instance_id)
 
     def prepare_standbys(self, records: list[JobRecord], members: list[MemberRecord]) -> None:
-        """Have each free warm standby trainer build the model of a running job ahead (PREPARE),
-        so that taking over after a trainer failure only restores a checkpoint
+        """Have each free warm standby build a running job's worker ahead (PREPARE), so that
+        taking over after a failure only restores a checkpoint (a trainer) or starts
+        generating with the weights it kept pulling (a rollout)
         (`policy.standbys_to_prepare`). Sent in the background: a model load takes a while."""
         running = {r.job_id: r for r in records if r.phase in (Phase.RUNNING, Phase.RECOVERING)}
+        self.prepared = policy.prepared_standbys(self.prepared, members, list(running))
         if not running:
             return
         preparing = {name: job for name, (job, _) in self._preparing.items()}
@@ -264,6 +270,37 @@ class Binder:
             )
         except grpc.aio.AioRpcError as exc:  # busy, bound meanwhile or gone: the next tick sees
             log.info("coordinator.prepare_failed", member=member.instance_id, error=exc.details())
+
+    async def standby_lost(self, incident: IncidentRecord) -> None:
+        """A free member's incident (it serves no job, so no recovery follows): if it was a
+        standby prepared for a running job, fence it from that job, so that it is never bound
+        should it come back (a hung one resumes), and ask for another standby in its place."""
+        member = self.prepared.pop(incident.instance_id, None)
+        if member is None:
+            return
+        job_id = member.labels[PREPARED_LABEL]
+        client = self.runtime.client
+        assert client is not None
+        record = await self.jobs.store.get(job_id)
+        reason = f"{incident.kind} of a standby prepared for the job: {incident.evidence}"
+        await write_fence(
+            client,
+            self.runtime.keys,
+            FenceRecord(
+                instance_id=member.instance_id,
+                job_id=job_id,
+                epoch=record[0].epoch,
+                reason=reason[:500],
+            ),
+        )
+        log.warning(
+            "coordinator.standby_lost",
+            job=job_id,
+            member=member.instance_id,
+            role=member.role,
+            kind=incident.kind,
+        )
+        await self.asks.replace_standby(job_id, member)
 
     async def release(self, job_id: str, members: list[MemberRecord]) -> None:
         """Release the members still bound to an ended job. Follower ranks are started and

@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 
 from robustrl.contracts.ettr import EttrAccount, IncidentTiming
+from robustrl.contracts.incidents import IncidentRecord
 from robustrl.contracts.jobspec import JobSpec
 from robustrl.core.fences import FenceSet
 from robustrl.core.logs import get_logger
@@ -197,3 +198,6 @@ class JobDriver:
 
     def wake(self) -> None:
         self.supervisor.wake()
+
+    async def free_member_lost(self, incident: IncidentRecord) -> None:
+        await self.binder.standby_lost(incident)

@@ -108,6 +108,10 @@ class Coordinator(Protocol):
         """Supervise now: a recovery left a role to fill."""
         ...
 
+    async def free_member_lost(self, incident: IncidentRecord) -> None:
+        """An incident about a member in no job (a standby prepared for one is replaced)."""
+        ...
+
 
 class RecoveryExecutor:
     def __init__(self, runtime: ServiceRuntime, coordinator: Coordinator) -> None:
@@ -138,10 +142,13 @@ class RecoveryExecutor:
             await self._handle_quietly(incident)
 
     async def _handle_quietly(self, incident: IncidentRecord) -> None:
-        if not self.coordinator.is_leader or not incident.job_id:
+        if not self.coordinator.is_leader:
             return
         try:
-            await self.handle(incident)
+            if incident.job_id:
+                await self.handle(incident)
+            else:
+                await self.coordinator.free_member_lost(incident)
         except Exception as exc:  # one failed recovery must not stop the follower
             log.error("recovery.failed", incident=incident.incident_id, exc_info=exc)
 

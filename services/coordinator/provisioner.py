@@ -42,7 +42,7 @@ class Provisioner(ABC):
 
     @abstractmethod
     async def request(self, role: str, job_id: str, reason: str, standby: bool = False) -> str:
-        """Start a member of `role` (a warm standby trainer if `standby`); returns its instance
+        """Start a member of `role` (a warm standby of it if `standby`); returns its instance
         id (it registers on its own)."""
 
 
@@ -50,7 +50,10 @@ def new_member(role: str, standby: bool) -> str:
     """A fresh instance id for a provisioned member; ValueError for a role nobody provisions."""
     if role not in ROLES:
         raise ValueError(f"cannot provision a {role}; only {', '.join(ROLES)}")
-    return f"{'standby' if standby else role}-p{secrets.token_hex(3)}"
+    # A standby trainer is "standby-p…" as before standby rollouts existed; a standby rollout
+    # names its role.
+    kind = {"trainer": "standby", "rollout": "standby-rollout"}[role] if standby else role
+    return f"{kind}-p{secrets.token_hex(3)}"
 
 
 class NoProvisioner(Provisioner):
@@ -85,7 +88,7 @@ class LocalProvisioner(Provisioner):
         }
         env |= member_env(self.etcd.endpoints, self.etcd.prefix, role, instance_id)
         if standby:
-            env["ROBUSTRL_TRAINER_STANDBY"] = "true"
+            env[f"ROBUSTRL_{role.upper()}_STANDBY"] = "true"
         argv = member_argv(role)
         if self.log_dir is None:
             self.log_dir = Path(tempfile.mkdtemp(prefix="robustrl-provisioned-"))
@@ -158,7 +161,7 @@ class ExternalProvisioner(Provisioner):
         instance_id = new_member(role, standby)
         env = member_env(self.etcd.endpoints, self.etcd.prefix, role, instance_id)
         if standby:
-            env["ROBUSTRL_TRAINER_STANDBY"] = "true"
+            env[f"ROBUSTRL_{role.upper()}_STANDBY"] = "true"
         message = provisioning_pb2.ProvisionRequest(
             request_id=f"prov-{secrets.token_hex(4)}",
             role=ROLE_TO_PROTO[role],

@@ -55,7 +55,13 @@ class RolloutServicer(RoleControl, rollout_pb2_grpc.RolloutServicer):
 
 async def start(settings: RolloutSettings, etcd: EtcdSettings) -> RolloutServicer:
     """Start a rollout; the servicer is how an in-process caller (a test) reaches its worker."""
-    runtime = ServiceRuntime("rollout", settings, etcd, service_names=[SERVICE_NAME])
+    runtime = ServiceRuntime(
+        "rollout",
+        settings,
+        etcd,
+        service_names=[SERVICE_NAME],
+        labels={"standby": "true"} if settings.standby else None,
+    )
     servicer = RolloutServicer(runtime, settings)
     rollout_pb2_grpc.add_RolloutServicer_to_server(servicer, runtime.host.server)
     await runtime.start(on_fenced=servicer.fenced)

@@ -53,6 +53,9 @@ log = get_logger(__name__)
 
 RPC_DEADLINE = 10.0
 
+WARM_POLL_S = 0.25
+"""How often a standby rollout prepared for a job looks for a new weight version."""
+
 ENGINE_WATCH_S = 0.5
 """How often a rollout checks that its engine's own process (vLLM's engine core) still lives."""
 
@@ -98,6 +101,8 @@ class RolloutWorker:
         self.meter = GenerationMeter(runtime.progress.counters)
         self.loaded_epoch = 0  # trainer epoch of the weights in the engine (0: from disk)
         self._tasks: list[asyncio.Task[None]] = []
+        self._warm: asyncio.Task[None] | None = None
+        self._warm_ends = asyncio.Event()
         assert runtime.client is not None
         self.coordinator = CoordinatorClient(runtime.client, runtime.keys)
 
@@ -146,6 +151,20 @@ class RolloutWorker:
                 f"rollout.engine: {self.spec.rollout.engine} cannot run model.path {path}: {exc}"
             ) from exc
 
+    def keep_warm(self) -> None:
+        """Prepared as a standby for the job: pull each weight version as it is announced (and
+        serve it to peers, as any rollout's transport does), so that once bound this rollout
+        generates with the current weights at once. Ends when the worker starts or stops."""
+        self._warm = asyncio.create_task(self._follow_weights(), name=f"warm-{self.job_id}")
+        self._warm.add_done_callback(self._ended)
+
+    async def _follow_weights(self) -> None:
+        await self._open_transport()
+        while not self._warm_ends.is_set():
+            await self._ensure_weights(0, report=False)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._warm_ends.wait(), WARM_POLL_S)
+
     def start(self) -> None:
         self._tasks = [
             asyncio.create_task(self._generate_loop(), name=f"generate-{self.job_id}"),
@@ -189,7 +208,7 @@ class RolloutWorker:
         self.runtime.crash(failure)
 
     async def stop(self) -> None:
-        await cancel_and_wait(*self._tasks)
+        await cancel_and_wait(*self._tasks, self._warm)
         if self.transport is not None:
             await self.transport.close()
         await self.coordinator.close_channels()
@@ -203,11 +222,12 @@ class RolloutWorker:
 
     # ------------------------------------------------------------------ generation
 
-    async def _generate_loop(self) -> None:
-        progress = self.runtime.progress
-        assert self.runtime.client is not None
+    async def _open_transport(self) -> None:
         # Pulled versions are kept and served to peers (relay), so a new or recovered rollout
         # does not have to go to the trainer for them.
+        if self.transport is not None:
+            return
+        assert self.runtime.client is not None
         client = self.runtime.client
         self.transport = await until_etcd_answers(
             lambda: make_transport(
@@ -222,8 +242,16 @@ class RolloutWorker:
             ),
             "starting the weight transport",
         )
+
+    async def _generate_loop(self) -> None:
+        progress = self.runtime.progress
+        if self._warm is not None:  # a standby's pull under way is finished, not cut off
+            self._warm_ends.set()
+            await self._warm
+        await self._open_transport()
         lease_failures = Repeats(REPEAT_WINDOW_S)
         request_id = ""
+        generated_any = False
         while True:
             # One id per ask, kept while it goes unanswered: a leader that stored the lease and
             # died before answering leaves its groups to this rollout, and its successor answers
@@ -260,6 +288,14 @@ class RolloutWorker:
                 continue
             try:
                 await self._ensure_weights(reply.min_weight_version)
+                if not generated_any:  # when a replacement began to serve (benchmarks/ettr.py)
+                    generated_any = True
+                    log.info(
+                        "rollout.first_batch",
+                        job=self.job_id,
+                        version=self.engine.weight_version if self.engine else 0,
+                        at=time.time(),
+                    )
                 progress.phase = "generating"
                 generated_from = time.time()
                 generated = await self._generate(list(reply.groups))
@@ -370,8 +406,9 @@ class RolloutWorker:
             out.group_ids.append(group.group_id)
         self.runtime.progress.counters["weight_version"] = float(version)
 
-    async def _ensure_weights(self, min_version: int) -> None:
-        """Load the newest announced version; wait for one >= min_version if needed."""
+    async def _ensure_weights(self, min_version: int, *, report: bool = True) -> None:
+        """Load the newest announced version; wait for one >= min_version if needed. A standby
+        (`report` False) pulls without entering the pulling phase: it is not at work."""
         assert self.engine is not None and self.runtime.client is not None
         client = self.runtime.client
         while True:
@@ -386,7 +423,8 @@ class RolloutWorker:
                 # A newer trainer epoch wins even with a lower version: a restored trainer
                 # goes back to its checkpoint's step.
                 assert self.transport is not None
-                self.runtime.progress.enter("pulling_weights")
+                if report:
+                    self.runtime.progress.enter("pulling_weights")
                 try:
                     tensors = await self.transport.fetch(latest)
                 except Exception as exc:

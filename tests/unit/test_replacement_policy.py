@@ -55,7 +55,12 @@ def test_only_free_members_that_stay_are_bindable_and_fenced_ids_are_passed_over
 def test_a_job_starts_on_a_free_trainer_that_is_no_standby_and_enough_rollouts() -> None:
     free = {
         "trainer": [member("trainer", "s0", standby="true"), member("trainer", "t0")],
-        "rollout": [member("rollout", "r0"), member("rollout", "r1"), member("rollout", "r2")],
+        "rollout": [
+            member("rollout", "sr0", standby="true"),  # waits for a rollout to fail
+            member("rollout", "r0"),
+            member("rollout", "r1"),
+            member("rollout", "r2"),
+        ],
     }
     assert names(start_members(free, 2).members) == ["t0", "r0", "r1"]
     short = start_members(free, 4)

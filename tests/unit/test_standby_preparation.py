@@ -1,6 +1,6 @@
-"""Which free standby trainers the leader asks to PREPARE, and for which running job; which
-bound members are missing from the registry, since when, and when the leader records their
-loss itself."""
+"""Which free standbys (trainers and rollouts) the leader asks to PREPARE, and for which
+running job; which bound members are missing from the registry, since when, and when the
+leader records their loss itself."""
 
 from __future__ import annotations
 
@@ -50,6 +50,21 @@ def test_standbys_spread_over_running_jobs_and_a_finished_jobs_standby_is_reused
     assert chosen(["a", "b"], members, {}) == {"s1": "b", "s2": "a", "s3": "b"}
 
 
+def test_standby_rollouts_are_prepared_and_counted_apart_from_standby_trainers() -> None:
+    members = [
+        trainer("s0", standby="true", prepared="a"),
+        rollout("r0", job="a"),
+        rollout("r1"),  # free, but no standby: it may start a job of its own
+        rollout("sr0", standby="true"),
+        rollout("sr1", standby="true"),
+        rollout("sr2", standby="true"),
+    ]
+    # Neither a's standby trainer nor a trainer's PREPARE under way (s9) counts for a's
+    # rollouts; sr2's PREPARE for b does: sr0 goes to a, then a tie goes to the first job.
+    assert chosen(["a", "b"], members, {"sr2": "b", "s9": "a"}) == {"sr0": "a", "sr1": "a"}
+    assert chosen(["a", "b"], members, {}) == {"sr0": "a", "sr1": "b", "sr2": "a"}
+
+
 def test_a_bound_member_missing_from_the_registry_is_timed_from_when_it_went() -> None:
     record = job_a_with_t0_r0_r1()
     registered = [trainer("t0", job="a"), rollout("r0", job="a")]
@@ -92,9 +107,9 @@ def test_a_member_missing_past_the_grace_is_reported_lost_with_where_it_went() -
     assert losses[1].evidence.startswith("bound to job a but missing from the registry for 15s")
 
 
-def rollout(name: str, *, job: str = "") -> MemberRecord:
+def rollout(name: str, *, job: str = "", **labels: str) -> MemberRecord:
     return MemberRecord(
-        role="rollout", instance_id=name, address="h:2", pid=2, host="h", job_id=job
+        role="rollout", instance_id=name, address="h:2", pid=2, host="h", job_id=job, labels=labels
     )
 
 

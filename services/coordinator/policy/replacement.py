@@ -21,7 +21,8 @@ again meanwhile, by this leader or (the time is stored in etcd) the next one."""
 
 
 def is_standby(member: MemberRecord) -> bool:
-    """A warm standby trainer: it waits for a trainer to fail instead of starting jobs."""
+    """A warm standby (trainer or rollout): it waits for a member of its role to fail instead
+    of starting jobs."""
     return member.labels.get("standby") == "true"
 
 
@@ -68,9 +69,9 @@ class Start:
 
 def start_members(free: Mapping[str, list[MemberRecord]], replicas: int) -> Start:
     """A job starts on a free trainer and `replicas` free rollouts (the first of each found);
-    standbys wait for a trainer to fail."""
+    standbys wait for a member of their role to fail."""
     trainers = [m for m in free["trainer"] if not is_standby(m)]
-    rollouts = free["rollout"]
+    rollouts = [m for m in free["rollout"] if not is_standby(m)]
     if not trainers or len(rollouts) < replicas:
         return Start(
             [],
@@ -163,23 +164,43 @@ def filled(record: JobRecord, bound: list[MemberRecord], epoch: int) -> Filled:
 def standbys_to_prepare(
     running: list[str], members: list[MemberRecord], preparing: dict[str, str]
 ) -> list[tuple[MemberRecord, str]]:
-    """(free standby trainer, running job) pairs to send PREPARE to. A standby prepared for a
-    running job (label), or with a PREPARE under way (`preparing`: instance -> job), is left
-    alone; each of the others goes to the running job with the fewest standbys so far."""
+    """(free standby, running job) pairs to send PREPARE to. A standby prepared for a running
+    job (label), or with a PREPARE under way (`preparing`: instance -> job), is left alone;
+    each of the others goes to the running job with the fewest standbys of its role so far."""
     if not running:
         return []
-    standbys = [m for m in free_members(members, "trainer") if is_standby(m)]
-    served = Counter({job: 0 for job in running})
-    served.update(m.labels.get(PREPARED_LABEL, "") for m in standbys)
-    served.update(preparing.values())
     chosen = []
-    for member in standbys:
-        if member.labels.get(PREPARED_LABEL) in running or member.instance_id in preparing:
-            continue
-        job_id = min(running, key=lambda j: served[j])
-        served[job_id] += 1
-        chosen.append((member, job_id))
+    for role in ROLES:
+        standbys = [m for m in free_members(members, role) if is_standby(m)]
+        served = Counter({job: 0 for job in running})
+        served.update(m.labels.get(PREPARED_LABEL, "") for m in standbys)
+        served.update(preparing[m.instance_id] for m in standbys if m.instance_id in preparing)
+        for member in standbys:
+            if member.labels.get(PREPARED_LABEL) in running or member.instance_id in preparing:
+                continue
+            job_id = min(running, key=lambda j: served[j])
+            served[job_id] += 1
+            chosen.append((member, job_id))
     return chosen
+
+
+def prepared_standbys(
+    known: Mapping[str, MemberRecord], members: list[MemberRecord], running: Sequence[str]
+) -> dict[str, MemberRecord]:
+    """Free standbys prepared for a running job, by instance id: those in the registry now,
+    and those `known` from earlier rounds that left it since (a standby lost while prepared
+    is fenced from the job and replaced when its incident comes). One that was bound, or whose
+    job no longer runs, is dropped."""
+    registered = {m.instance_id: m for m in members}
+    held = {
+        name: m
+        for name, m in known.items()
+        if name not in registered and m.labels.get(PREPARED_LABEL) in running
+    }
+    for m in members:
+        if is_standby(m) and not m.job_id and m.labels.get(PREPARED_LABEL) in running:
+            held[m.instance_id] = m
+    return held
 
 
 def asks_due(asked: Sequence[float], count: int, now: float) -> tuple[list[float], int]:
