@@ -75,14 +75,19 @@ class ProvisioningAsks:
             asked.pop(0)
 
     async def replace_standby(self, job_id: str, standby: MemberRecord) -> None:
-        """A warm standby was bound: ask for another of its role, so that the next failure of
-        that role does not wait for a cold start."""
+        """A warm standby was bound (or lost): ask for another of its role, so that the next
+        failure of that role does not wait for a cold start. It counts as a replacement of
+        that role coming for the job: a loss before it registers waits for it instead of
+        asking for a cold member as well (two process starts on the job's hosts for one)."""
         try:
             await self.provisioner.request(
                 standby.role, job_id, f"replacing standby {standby.instance_id}", True
             )
         except Exception as exc:
             log.error("coordinator.provision_failed", role="standby", error=repr(exc))
+            return
+        self.asked.setdefault((job_id, standby.role), []).append(time.time())
+        await self.save(job_id)
 
     def awaiting(self, job_id: str) -> bool:
         return any(job == job_id for job, _ in self.asked)

@@ -237,7 +237,7 @@ class ExternalProvisioner(Provisioner):
             about.info("provision.started", detail=report.detail)
             return
         about.error("provision.failed", error=report.error)
-        if self.on_failure is not None and not message.standby:
+        if self.on_failure is not None:
             self.on_failure(message.job_id, pending.role)
 
     def _dispatch(self, pending: PendingRequest) -> str | None:

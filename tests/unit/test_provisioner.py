@@ -1,7 +1,8 @@
 """The external provisioner's bookkeeping: which scheduler gets a request, and that nothing
 asked for is dropped when schedulers come and go (the gRPC stream around it is tested in
 tests/integration/test_provisioning.py and end to end in tests/chaos/test_recovery.py), and
-that the local provisioner leaves no directory behind before it starts anyone."""
+that the local provisioner leaves no directory behind before it starts anyone; and which
+replacements the leader counts as coming."""
 
 from __future__ import annotations
 
@@ -12,8 +13,10 @@ import pytest
 
 from robustrl.contracts.errors import AlreadyExists, InvalidArgument, NotFound
 from robustrl.contracts.keys import KeySpace
+from robustrl.contracts.members import MemberRecord
 from robustrl.core.config import EtcdSettings
 from robustrl.v1 import common_pb2, provisioning_pb2
+from services.coordinator.asks import ProvisioningAsks
 from services.coordinator.provisioner import ExternalProvisioner, LocalProvisioner, Scheduler
 
 
@@ -85,7 +88,9 @@ async def test_requests_spread_over_schedulers_and_a_failure_is_asked_again(
     await provisioner.request("trainer", "job-2", "standby", standby=True)
     [standby] = sent(a)  # a has the fewest outstanding now
     provisioner.report(a, done(standby.request_id, ok=False))
-    assert failed == [("job-2", "rollout")]  # a standby is not asked again per job
+    # A standby counts as a replacement coming for the job: once it will not come, the job's
+    # next loss of a trainer asks at once.
+    assert failed == [("job-2", "rollout"), ("job-2", "trainer")]
 
 
 def test_bad_hellos_are_refused(provisioner: ExternalProvisioner) -> None:
@@ -116,3 +121,28 @@ def test_a_local_provisioner_makes_its_log_directory_only_for_a_member(
     assert local.log_dir is None and list(tmp_path.iterdir()) == []
     named = LocalProvisioner(None, KeySpace("/rl"), etcd, str(tmp_path / "logs"))
     assert named.log_dir == tmp_path / "logs" and list(tmp_path.iterdir()) == []
+
+
+class InMemoryAsks(ProvisioningAsks):
+    """The asks' bookkeeping without etcd: what would be stored is not."""
+
+    async def save(self, job_id: str) -> None:
+        return None
+
+
+async def test_a_standby_refill_counts_as_a_replacement_coming(
+    provisioner: ExternalProvisioner,
+) -> None:
+    asks = InMemoryAsks(runtime=None, leadership=None)  # type: ignore[arg-type]
+    asks.provisioner = provisioner
+    bound = MemberRecord(role="rollout", instance_id="sr0", address="h:1", pid=1, host="h")
+    await asks.replace_standby("j", bound)
+    # The job loses a rollout before the refill registered: no cold rollout as well.
+    await asks.ask("j", "rollout", 1)
+    assert [(p.role, p.message.standby) for p in provisioner.pending.values()] == [
+        ("rollout", True)
+    ]
+    # The refill will not come (its scheduler said so): the next round asks at once.
+    asks.failed("j", "rollout")
+    await asks.ask("j", "rollout", 1)
+    assert sorted(p.message.standby for p in provisioner.pending.values()) == [False, True]
