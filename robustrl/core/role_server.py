@@ -318,10 +318,13 @@ class RoleControl:
         return trainer_pb2.ControlResponse(status=status)
 
     def _report(self, binding: Binding) -> None:
-        """Beat the binding's job and epoch: the monitor answers `fenced` only to a beat at or
-        below the epoch a fence names."""
+        """Beat the binding's job and epoch, at once: the monitor answers `fenced` only to a
+        beat at or below the epoch a fence names, and a member that fails right after its BIND
+        (a poison prompt in its first batch) must be reported with the job it was bound to,
+        not as a free member, whose loss recovers nothing."""
         self.runtime.progress.job_id = binding.job_id
         self.runtime.progress.epoch = binding.epoch
+        self.runtime.progress.urge()
 
     def fenced(self, binding: Binding | None = None) -> None:
         """This instance was fenced (it was replaced): leave the job in the registry, stop
