@@ -29,7 +29,9 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import os
+import signal
 import tempfile
 import threading
 import time
@@ -296,9 +298,11 @@ class VLLMEngine(Engine):
     def engine_pids(self) -> list[int]:
         """Process ids of this engine's own processes, its engine core first, then the workers
         the core started (empty once closed)."""
-        if self._llm is None:
-            return []
-        manager = getattr(self._llm.engine_core.resources, "engine_manager", None)
+        return [] if self._llm is None else self._pids_of(self._llm)
+
+    @staticmethod
+    def _pids_of(llm: Any) -> list[int]:
+        manager = getattr(llm.engine_core.resources, "engine_manager", None)
         cores = [int(proc.pid) for proc in getattr(manager, "processes", []) if proc.pid]
         workers = [pid for core in cores for pid in descendants(core)]
         return cores + [pid for pid in workers if process_name(pid).startswith("VLLM::")]
@@ -406,9 +410,11 @@ class VLLMEngine(Engine):
             waiting.cancel()  # a caller blocked on a hung engine core gets CancelledError
         if llm is not None:
             manager = getattr(llm.engine_core.resources, "engine_manager", None)
+            started = self._pids_of(llm)
             llm.shutdown()
             for proc in getattr(manager, "processes", []):
                 proc.join(5)  # reaped: a killed engine core is no zombie of this process
+            _end(started, grace_s=10.0)
         self._errors.unlink(missing_ok=True)
         if self._loop.is_running():
             self._loop.call_soon_threadsafe(self._loop.stop)
@@ -450,6 +456,36 @@ def process_name(pid: int) -> str:
         return Path(f"/proc/{pid}/comm").read_text().strip()
     except OSError:
         return ""
+
+
+def running(pid: int) -> bool:
+    """Whether the process exists and has not exited (a zombie awaiting its reaping has)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat[stat.rindex(")") + 2 :].split(" ", 1)[0] not in ("Z", "X")
+
+
+def _end(pids: Sequence[int], grace_s: float) -> None:
+    """Wait for the engine's processes to exit after its shutdown; kill what is left.
+
+    The engine core's workers are its children, not ours: once the core exits they are
+    orphans and end on their own a moment later, or never if they were stuck in a call. One
+    still named VLLM:: after the grace is killed by pid (a reused pid carries another name).
+    """
+    deadline = time.monotonic() + grace_s
+    left = [pid for pid in pids if running(pid)]
+    while left and time.monotonic() < deadline:
+        time.sleep(0.05)
+        left = [pid for pid in left if running(pid)]
+    for pid in left:
+        if process_name(pid).startswith("VLLM::"):
+            with contextlib.suppress(OSError):
+                os.kill(pid, signal.SIGKILL)
+    deadline = time.monotonic() + 5.0
+    while any(running(pid) for pid in left) and time.monotonic() < deadline:
+        time.sleep(0.05)
 
 
 def descendants(pid: int) -> list[int]:
