@@ -104,6 +104,23 @@ class ServiceSettings(BaseSettings):
         return self.bind_host
 
 
+class MemberSettings(ServiceSettings):
+    """What the roles a job binds (trainer, rollout) have beyond every service's settings."""
+
+    torch_threads: int = Field(default=1, ge=1)
+    """CPU threads torch may use (roles share a host's cores on the local stack)."""
+
+    standby: bool = False
+    """A warm standby: registered with label standby=true, never bound to a new job. The
+    leader prepares it for a running job (a trainer builds the model, a rollout also starts its
+    engine and keeps pulling the job's weights, serving them as a relay) and binds it at once
+    to replace that job's failed member of its role."""
+
+    def labels(self) -> dict[str, str]:
+        """The member's registry labels its settings decide."""
+        return {"standby": "true"} if self.standby else {}
+
+
 def member_env(endpoints: str, prefix: str, role: str, instance_id: str) -> dict[str, str]:
     """The environment a service process needs on top of the caller's to join a stack as
     `instance_id` (the local stack and the local provisioner start members with it)."""

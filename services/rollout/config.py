@@ -5,19 +5,11 @@ from __future__ import annotations
 from pydantic import Field
 from pydantic_settings import SettingsConfigDict
 
-from robustrl.core.config import ServiceSettings
+from robustrl.core.config import MemberSettings
 
 
-class RolloutSettings(ServiceSettings):
+class RolloutSettings(MemberSettings):
     model_config = SettingsConfigDict(env_prefix="ROBUSTRL_ROLLOUT_", extra="ignore")
-
-    torch_threads: int = Field(default=1, ge=1)
-    """CPU threads torch may use (roles share a host's cores on the local stack)."""
-
-    standby: bool = False
-    """A warm standby: registered with label standby=true, never bound to a new job. Once the
-    leader prepares it for a running job it starts the engine and keeps pulling the job's
-    weights (serving them as a relay), to replace a lost rollout of that job at once."""
 
     groups_per_lease: int = Field(default=16, ge=1)
     """Prompt groups asked for (and generated as one batch) per lease."""

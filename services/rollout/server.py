@@ -60,7 +60,7 @@ async def start(settings: RolloutSettings, etcd: EtcdSettings) -> RolloutService
         settings,
         etcd,
         service_names=[SERVICE_NAME],
-        labels={"standby": "true"} if settings.standby else None,
+        labels=settings.labels(),
     )
     servicer = RolloutServicer(runtime, settings)
     rollout_pb2_grpc.add_RolloutServicer_to_server(servicer, runtime.host.server)

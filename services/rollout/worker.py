@@ -290,10 +290,11 @@ class RolloutWorker:
                 await self._ensure_weights(reply.min_weight_version)
                 if not generated_any:  # when a replacement began to serve (benchmarks/ettr.py)
                     generated_any = True
+                    assert self.engine is not None  # built by _ensure_weights
                     log.info(
                         "rollout.first_batch",
                         job=self.job_id,
-                        version=self.engine.weight_version if self.engine else 0,
+                        version=self.engine.weight_version,
                         at=time.time(),
                     )
                 progress.phase = "generating"

@@ -134,7 +134,7 @@ async def serve(settings: TrainerSettings, etcd: EtcdSettings) -> ServiceRuntime
         settings,
         etcd,
         service_names=[SERVICE_NAME],
-        labels={"standby": "true"} if settings.standby else None,
+        labels=settings.labels(),
     )
     servicer = TrainerServicer(runtime, settings)
     trainer_pb2_grpc.add_TrainerServicer_to_server(servicer, runtime.host.server)
