@@ -141,7 +141,7 @@ class ProvisionRequest(_message.Message):
     job_id: _builtins.str
     reason: _builtins.str
     standby: _builtins.bool
-    """A warm standby trainer (model built, waits to be promoted)."""
+    """A warm standby of the role (prepared for a running job, bound to replace its member)."""
     @_builtins.property
     def env(self) -> _containers.ScalarMap[_builtins.str, _builtins.str]:
         """The environment the member needs (etcd endpoints and prefix, its instance id, standby)."""

@@ -19,7 +19,7 @@ from robustrl.contracts.errors import InvalidArgument
 from robustrl.contracts.incidents import IncidentRecord
 from robustrl.contracts.members import MemberRecord
 from robustrl.core.aio import cancel_and_wait
-from robustrl.core.fences import FenceRecord, FenceSet, write_fence
+from robustrl.core.fences import FenceSet
 from robustrl.core.logs import get_logger
 from robustrl.core.role_server import PREPARED_LABEL
 from robustrl.core.runtime import ServiceRuntime
@@ -48,6 +48,10 @@ Bound = Callable[[str, str, str], Awaitable[None]]
 """Called with (job, role, instance) once a replacement is bound (the executor closes the
 recovery that waited for it)."""
 
+Fence = Callable[[str, int, str, str, str], Awaitable[None]]
+"""Called with (job, epoch, role, instance, reason) to fence the instance from the job (the
+executor's `fence`: the record, its weight-holder records withdrawn, the member told)."""
+
 
 class Binder:
     def __init__(
@@ -59,6 +63,7 @@ class Binder:
         asks: ProvisioningAsks,
         *,
         on_bound: Bound,
+        fence: Fence,
         wake: Callable[[], None],
     ) -> None:
         self.runtime = runtime
@@ -67,6 +72,7 @@ class Binder:
         self.datasets = datasets
         self.asks = asks
         self.on_bound = on_bound
+        self.fence = fence
         self.wake = wake
         self.fences: FenceSet | None = None
         """Every fence, followed by a watch from the first election on (`free_for`)."""
@@ -279,20 +285,9 @@ class Binder:
         if member is None:
             return
         job_id = member.labels[PREPARED_LABEL]
-        client = self.runtime.client
-        assert client is not None
-        record = await self.jobs.store.get(job_id)
+        record, _ = await self.jobs.store.get(job_id)
         reason = f"{incident.kind} of a standby prepared for the job: {incident.evidence}"
-        await write_fence(
-            client,
-            self.runtime.keys,
-            FenceRecord(
-                instance_id=member.instance_id,
-                job_id=job_id,
-                epoch=record[0].epoch,
-                reason=reason[:500],
-            ),
-        )
+        await self.fence(job_id, record.epoch, member.role, member.instance_id, reason)
         log.warning(
             "coordinator.standby_lost",
             job=job_id,

@@ -70,6 +70,7 @@ class JobDriver:
             self.datasets,
             self.asks,
             on_bound=self.executor.bound,
+            fence=self.executor.fence,
             wake=self.wake,
         )
         self.work = WorkService(

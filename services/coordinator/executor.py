@@ -314,36 +314,39 @@ class RecoveryExecutor:
         )
 
     async def _fence(self, record: JobRecord, instance_id: str, reason: str) -> None:
+        role = record.member_roles.get(instance_id, "trainer")  # follower ranks are trainers
+        await self.fence(record.job_id, record.epoch, role, instance_id, reason)
+
+    async def fence(
+        self, job_id: str, epoch: int, role: str, instance_id: str, reason: str
+    ) -> None:
+        """Fence the instance from the job at `epoch`: the fence record, its weight-holder
+        records withdrawn, and the member told (in the background: it may be stopped)."""
         client, keys = self.runtime.client, self.runtime.keys
         assert client is not None
         await write_fence(
             client,
             keys,
-            FenceRecord(
-                instance_id=instance_id, job_id=record.job_id, epoch=record.epoch, reason=reason
-            ),
+            FenceRecord(instance_id=instance_id, job_id=job_id, epoch=epoch, reason=reason[:500]),
         )
-        withdrawn = await withdraw_holder_records(client, keys, record.job_id, instance_id)
+        withdrawn = await withdraw_holder_records(client, keys, job_id, instance_id)
         log.warning(
             "recovery.fenced",
-            job=record.job_id,
+            job=job_id,
             member=instance_id,
+            role=role,
             reason=reason,
             holder_records=withdrawn,
         )
-        role = record.member_roles.get(instance_id, "trainer")  # follower ranks are trainers
         member = await self._registry().get(role, instance_id)
         if member is not None:
-            # Tell it too, without waiting on a process that may be stopped or dead.
-            task = asyncio.create_task(self._tell_fenced(member, record))
+            task = asyncio.create_task(self._tell_fenced(member, job_id, epoch))
             self._background.add(task)
             task.add_done_callback(self._background.discard)
 
-    async def _tell_fenced(self, member: MemberRecord, record: JobRecord) -> None:
+    async def _tell_fenced(self, member: MemberRecord, job_id: str, epoch: int) -> None:
         try:
-            await asyncio.wait_for(
-                control(member, FENCE, record.job_id, record.epoch), FENCE_DEADLINE
-            )
+            await asyncio.wait_for(control(member, FENCE, job_id, epoch), FENCE_DEADLINE)
         except (grpc.aio.AioRpcError, TimeoutError) as exc:
             log.info("recovery.fence_unheard", member=member.instance_id, error=repr(exc)[:200])
 

@@ -428,6 +428,7 @@ async def test_a_free_member_under_an_id_fenced_from_the_job_is_not_bound_to_it(
             record = transition(new_job("fj", {"name": "fj"}, 0.0), Phase.RUNNING, "x", now=0.0)
             await driver.store.create(record, leadership.guard())
             await driver.save_ledger(driver.ledgers.setdefault("fj", work.WorkLedger(job_id="fj")))
+            await eventually(driver.jobs.members.current, timeout=10)  # the rounds read it
             await driver.tick()
             assert sorted(p.role for p in asks.pending.values()) == ["rollout", "trainer"]
             assert driver.binder.barred == {"fj": {"r-again"}}
@@ -437,6 +438,7 @@ async def test_a_free_member_under_an_id_fenced_from_the_job_is_not_bound_to_it(
             await fence("t-again", "again")
             members.append(await started_member("trainer", "t-again", etcd_settings))
             await driver.store.create(new_job("again", {"name": "again"}, 0.0), leadership.guard())
+            await eventually(driver.jobs.members.current, timeout=10)
             await driver.tick()
             record, _ = await driver.store.get("again")
             assert record.phase is Phase.PENDING
@@ -445,6 +447,65 @@ async def test_a_free_member_under_an_id_fenced_from_the_job_is_not_bound_to_it(
         finally:
             for member in members:
                 await member.shutdown()
+
+
+async def test_a_prepared_standby_lost_is_fenced_its_holder_records_go_and_it_is_refilled(
+    etcd_settings: EtcdSettings,
+) -> None:
+    """A standby rollout prepared for a running job holds the job's weights as a relay. Lost
+    (an incident naming no job), the real leader fences it from the job at the job's epoch,
+    deletes its weight-holder records (no rollout goes on pulling from it), leaves other
+    holders' records alone, and asks for a standby rollout in its place."""
+    from robustrl.contracts.keys import WeightKeys
+    from robustrl.core.role_server import PREPARED_LABEL
+    from services.coordinator.provisioner import ExternalProvisioner
+
+    async with lone_leader(etcd_settings, "standby-lost") as (runtime, leadership, driver):
+        client = runtime.client
+        assert client is not None and runtime.session is not None
+        record = new_job("sj", {"name": "sj"}, now=0.0)
+        record.member_roles = {"trainer-s": "trainer", "rollout-s": "rollout"}
+        record.members = list(record.member_roles)
+        record.epoch = 3
+        await driver.store.create(
+            transition(record, Phase.RUNNING, "x", now=0.0), leadership.guard()
+        )
+        standby = MemberRecord(
+            role="rollout",
+            instance_id="standby-x",
+            address="127.0.0.1:1",
+            pid=1,
+            host="h",
+            labels={"standby": "true", PREPARED_LABEL: "sj"},
+        )
+        driver.binder.prepared[standby.instance_id] = standby
+        wkeys = WeightKeys(runtime.keys)
+        await client.put(wkeys.holder("sj", 7, "standby-x"), b"{}")
+        await client.put(wkeys.holder("sj", 7, "rollout-s"), b"{}")
+        asks = driver.provisioner = ExternalProvisioner(etcd_settings)
+
+        await driver.free_member_lost(
+            IncidentRecord(
+                incident_id="i-standby",
+                job_id="",
+                role="rollout",
+                instance_id="standby-x",
+                rank=0,
+                kind="MEMBER_LOST",
+                evidence="its session lapsed",
+                confidence=1.0,
+                detected_at=1.0,
+                epoch=0,
+            )
+        )
+
+        fence = await client.get(runtime.keys.fence("standby-x"))
+        assert fence is not None
+        assert (json.loads(fence.value)["job_id"], json.loads(fence.value)["epoch"]) == ("sj", 3)
+        assert await client.get(wkeys.holder("sj", 7, "standby-x")) is None
+        assert await client.get(wkeys.holder("sj", 7, "rollout-s")) is not None
+        assert [(p.role, p.message.standby) for p in asks.pending.values()] == [("rollout", True)]
+        assert "standby-x" not in driver.binder.prepared
 
 
 async def test_the_leader_pages_dropped_groups_out_of_the_ledger_in_the_same_write(
