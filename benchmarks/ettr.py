@@ -57,6 +57,19 @@ def rollout_takeovers(recoveries: list[dict[str, Any]], logs: Path) -> dict[str,
     return out
 
 
+STARTED = re.compile(r"provision\.started .*\bhow=(\w+)")
+
+
+def provisioned_starts(logs: Path) -> dict[str, int]:
+    """How many members the leader's local provisioner started, by how (forked from the warm
+    template, or fresh interpreters), from the coordinators' logs."""
+    out: dict[str, int] = {}
+    for log in logs.glob("coordinator-*.log"):
+        for found in STARTED.finditer(log.read_text()):
+            out[found.group(1)] = out.get(found.group(1), 0) + 1
+    return out
+
+
 def run_mode(
     mode: str,
     model: Path,
@@ -66,11 +79,13 @@ def run_mode(
     faults: bool,
     standbys: int,
     standby_rollouts: int,
+    template: bool,
     keep: Path | None = None,
 ) -> dict[str, Any]:
     name = mode if faults else "fault_free"
     with tempfile.TemporaryDirectory(prefix=f"robustrl-ettr-{name}-") as tmp:
-        stack = Stack(Path(tmp) / "home", Path(tmp) / "runs")
+        env = {"ROBUSTRL_COORDINATOR_PROVISION_TEMPLATE": str(template).lower()}
+        stack = Stack(Path(tmp) / "home", Path(tmp) / "runs", env)
         stack.cli(
             "up",
             "--trainers",
@@ -127,6 +142,7 @@ def run_mode(
                 injected += [line for line in out.splitlines() if " at step " in line]
             status = json.loads(stack.cli("status", job, "--json"))
             takeovers = rollout_takeovers(status["recoveries"], Path(tmp) / "home" / "logs")
+            starts = provisioned_starts(Path(tmp) / "home" / "logs")
         finally:
             stack.cli("down")
             if keep is not None:
@@ -149,6 +165,7 @@ def run_mode(
         "recovery_max_s": max(recoveries) if recoveries else None,
         "eval": status["metrics"].get("eval_reward"),
         "rollout_takeover_s": takeovers,
+        "starts": starts,
     }
 
 
@@ -170,6 +187,13 @@ def main() -> None:
         help="warm standby rollouts the stack keeps (each mode gets the same)",
     )
     parser.add_argument(
+        "--no-template",
+        dest="template",
+        action="store_false",
+        help="start every provisioned member as a fresh interpreter (the coordinator's "
+        "provision_template off), to measure what the warm template saves",
+    )
+    parser.add_argument(
         "--keep", type=Path, default=None, help="copy each run's logs and run folder here"
     )
     args = parser.parse_args()
@@ -188,6 +212,7 @@ def main() -> None:
                 faults=faults,
                 standbys=args.standby_trainers,
                 standby_rollouts=args.standby_rollouts,
+                template=args.template,
                 keep=args.keep,
             )
         )
@@ -220,6 +245,8 @@ def main() -> None:
             f"end-to-end time full restart / role-based: {full['wall_s'] / role['wall_s']:.2f}x"
         )
     for r in (role, full):
+        how = ", ".join(f"{n} {kind}" for kind, n in sorted(r["starts"].items())) or "none"
+        print(f"{r['mode']}: members the provisioner started: {how}")
         for kind, seconds in r["rollout_takeover_s"].items():
             if seconds:
                 print(

@@ -21,6 +21,8 @@ class ProvisionedRecord(BaseModel):
     pid: int
     host: str
     argv: list[str]
+    """Its command line as /proc shows it (`down` checks it before it stops the pid): a member
+    forked from the warm template shows the template's."""
     log: str
     job_id: str
     reason: str

@@ -19,6 +19,14 @@ _INCARNATION = secrets.token_hex(3)
 """Drawn once per process: part of a default instance id (ServiceSettings.instance_id)."""
 
 
+def _draw_incarnation() -> None:
+    global _INCARNATION
+    _INCARNATION = secrets.token_hex(3)
+
+
+os.register_at_fork(after_in_child=_draw_incarnation)  # a forked member is a new process too
+
+
 class EtcdSettings(BaseSettings):
     """Where etcd is and how we use it. Env: ROBUSTRL_ETCD_ENDPOINTS, ROBUSTRL_ETCD_PREFIX, ..."""
 

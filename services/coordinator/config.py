@@ -48,3 +48,9 @@ class CoordinatorSettings(ServiceSettings):
 
     provision_log_dir: str = ""
     """Where the local provisioner writes its processes' logs; empty: a temp directory."""
+
+    provision_template: bool = True
+    """The local provisioner forks members from a warm template process that imported the
+    trainer's and rollout's libraries once (started with the first member it provisions): a
+    member then skips about 5 s of a core of imports (decision 0307). False: every member
+    starts as a fresh interpreter."""

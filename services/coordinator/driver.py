@@ -100,6 +100,7 @@ class JobDriver:
         await self.binder.stop()
         await self.accounting.stop()
         await self.jobs.stop()
+        await self.provisioner.close()
 
     async def on_elected(self) -> None:
         """Reload every job's ledger, ETTR account and asks from etcd (a new leader trusts only

@@ -31,6 +31,7 @@ from robustrl.contracts.roles import ROLE_FROM_PROTO, ROLE_TO_PROTO
 from robustrl.core.config import EtcdSettings, member_argv, member_env
 from robustrl.core.logs import get_logger
 from robustrl.v1 import provisioning_pb2
+from services.coordinator.template import WarmTemplate
 
 log = get_logger(__name__)
 
@@ -44,6 +45,9 @@ class Provisioner(ABC):
     async def request(self, role: str, job_id: str, reason: str, standby: bool = False) -> str:
         """Start a member of `role` (a warm standby of it if `standby`); returns its instance
         id (it registers on its own)."""
+
+    async def close(self) -> None:  # noqa: B027 - most provisioners hold nothing to stop
+        """Stop what the provisioner runs itself (not the members it started)."""
 
 
 def new_member(role: str, standby: bool) -> str:
@@ -63,10 +67,17 @@ class NoProvisioner(Provisioner):
 
 
 class LocalProvisioner(Provisioner):
-    """Starts `python -m services.<role>` on this host, with this process's ROBUSTRL_* env."""
+    """Starts `python -m services.<role>` on this host, with this process's ROBUSTRL_* env:
+    forked from the warm template (`template.py`) once it is up, else a fresh interpreter."""
 
     def __init__(
-        self, client: aetcd.Client, keys: KeySpace, etcd: EtcdSettings, log_dir: str = ""
+        self,
+        client: aetcd.Client,
+        keys: KeySpace,
+        etcd: EtcdSettings,
+        log_dir: str = "",
+        *,
+        template: bool = True,
     ) -> None:
         self.client = client
         self.keys = keys
@@ -74,6 +85,9 @@ class LocalProvisioner(Provisioner):
         # Without a log_dir, a temporary one is made when the first member starts: a
         # coordinator that never provisions leaves no empty directory behind.
         self.log_dir = Path(log_dir) if log_dir else None
+        self.use_template = template
+        self.template: WarmTemplate | None = None
+        """Started with the first member: a coordinator that never provisions runs none."""
         # Held so asyncio keeps reaping them; nothing else reads it.
         self._procs: list[asyncio.subprocess.Process] = []
 
@@ -89,11 +103,39 @@ class LocalProvisioner(Provisioner):
         env |= member_env(self.etcd.endpoints, self.etcd.prefix, role, instance_id)
         if standby:
             env[f"ROBUSTRL_{role.upper()}_STANDBY"] = "true"
-        argv = member_argv(role)
         if self.log_dir is None:
             self.log_dir = Path(tempfile.mkdtemp(prefix="robustrl-provisioned-"))
         self.log_dir.mkdir(parents=True, exist_ok=True)
         log_path = self.log_dir / f"{instance_id}.log"
+        pid, argv, how = await self._start(role, env, log_path)
+        record = ProvisionedRecord(
+            instance_id=instance_id,
+            role=role,
+            pid=pid,
+            host=socket.gethostname(),
+            argv=argv,
+            log=str(log_path),
+            job_id=job_id,
+            reason=reason,
+            at=time.time(),
+        )
+        await self.client.put(self.keys.provisioned(instance_id), record.model_dump_json().encode())
+        log.info("provision.started", role=role, member=instance_id, pid=pid, job=job_id, how=how)
+        return instance_id
+
+    async def _start(
+        self, role: str, env: dict[str, str], log_path: Path
+    ) -> tuple[int, list[str], str]:
+        """The member's pid, its command line, and how it started: `forked` from the
+        template, or `fresh`."""
+        if self.use_template:
+            if self.template is None:
+                assert self.log_dir is not None
+                self.template = WarmTemplate(self.log_dir)
+            forked = await self.template.fork(f"services.{role}", env, log_path)
+            if forked is not None:
+                return *forked, "forked"
+        argv = member_argv(role)
         fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
         try:
             proc = await asyncio.create_subprocess_exec(
@@ -107,20 +149,11 @@ class LocalProvisioner(Provisioner):
         finally:
             os.close(fd)
         self._procs.append(proc)
-        record = ProvisionedRecord(
-            instance_id=instance_id,
-            role=role,
-            pid=proc.pid,
-            host=socket.gethostname(),
-            argv=argv,
-            log=str(log_path),
-            job_id=job_id,
-            reason=reason,
-            at=time.time(),
-        )
-        await self.client.put(self.keys.provisioned(instance_id), record.model_dump_json().encode())
-        log.info("provision.started", role=role, member=instance_id, pid=proc.pid, job=job_id)
-        return instance_id
+        return proc.pid, argv, "fresh"
+
+    async def close(self) -> None:
+        if self.template is not None:
+            await self.template.close()
 
 
 @dataclass

@@ -297,7 +297,11 @@ async def serve(settings: CoordinatorSettings, etcd: EtcdSettings) -> ServiceRun
     if settings.provisioner == "local":
         assert runtime.client is not None
         driver.provisioner = LocalProvisioner(
-            runtime.client, runtime.keys, etcd, settings.provision_log_dir
+            runtime.client,
+            runtime.keys,
+            etcd,
+            settings.provision_log_dir,
+            template=settings.provision_template,
         )
     elif settings.provisioner == "external":
         driver.provisioner = ExternalProvisioner(etcd)

@@ -37,7 +37,11 @@ def prepared_for(cli: Cli, job: str) -> list[str]:
 
 
 def fence_of(cli: Cli, instance_id: str) -> dict[str, Any]:
-    return etcd_json(cli, f"/robustrl/fences/{instance_id}")
+    """The fence record of the instance; {} while there is none."""
+    try:
+        return etcd_json(cli, f"/robustrl/fences/{instance_id}")
+    except ValueError:  # no such key: etcdctl prints nothing
+        return {}
 
 
 def took_over_with_pulled_weights(log: str) -> bool:

@@ -1,0 +1,250 @@
+"""The local provisioner's warm template: one process that has imported the trainer's and the
+rollout's libraries once, and forks each member the provisioner starts.
+
+A member started as a fresh interpreter spends about 5 s of a core importing torch,
+transformers and our services before it does anything of its own; on the local stack that
+core is one the job runs on (decision 0307). A forked child has them imported already, and
+shares their pages with the template until it writes to them.
+
+    python -m services.coordinator.template SOCKET MODULE...
+
+imports each MODULE, then serves on the Unix socket SOCKET. A request is one JSON line,
+{"module": "services.rollout", "env": {...}, "log": "/path/member.log"}; the reply is one JSON
+line, {"pid": N}. The child starts a session of its own, writes to its log, takes exactly the
+environment asked for and runs the module as `python -m` would; the kernel reaps it (the
+template ignores SIGCHLD), so the template holds no child state. The template exits when the
+process that started it has gone, or on SIGTERM.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import gc
+import importlib
+import io
+import json
+import os
+import runpy
+import shutil
+import signal
+import socket
+import sys
+import tempfile
+import time
+import traceback
+from pathlib import Path
+from typing import Any, NoReturn
+
+from robustrl.core.logs import get_logger
+
+log = get_logger(__name__)
+
+_ACCEPT_POLL_S = 1.0
+"""How often the template looks whether the process that started it is still there."""
+
+PRELOAD = ("services.trainer.server", "services.rollout.server")
+"""What a template imports: the member's whole library stack (torch, transformers, ours)."""
+
+
+class WarmTemplate:
+    """The provisioner's side: starts the template on first use, asks it to fork members.
+
+    A member asked for while the template is still importing waits for it, up to
+    `ready_wait_s`: a fresh interpreter would spend that time on the same imports, and the
+    cores once more. `fork` answers None where the template is gone or did not get ready in
+    time: the caller then starts the member fresh.
+    """
+
+    def __init__(
+        self, log_dir: Path, preload: tuple[str, ...] = PRELOAD, ready_wait_s: float = 30.0
+    ) -> None:
+        self.log_dir = log_dir
+        self.preload = preload
+        self.ready_wait_s = ready_wait_s
+        self._dir = Path(tempfile.mkdtemp(prefix="robustrl-tpl-"))  # short: AF_UNIX limit
+        self.socket_path = self._dir / "fork.sock"
+        self._proc: asyncio.subprocess.Process | None = None
+        self._gone_logged = False
+
+    @property
+    def pid(self) -> int | None:
+        return None if self._proc is None else self._proc.pid
+
+    async def fork(
+        self, module: str, env: dict[str, str], log_path: Path
+    ) -> tuple[int, list[str]] | None:
+        """`python -m <module>` forked from the template: its pid and its command line (the
+        template's: what /proc shows and `robustrl down` checks before it stops a pid). None:
+        start it fresh."""
+        if self._proc is None:
+            await self._start()
+        if not await self._ready():
+            return None
+        try:
+            reader, writer = await asyncio.wait_for(
+                asyncio.open_unix_connection(str(self.socket_path)), 5.0
+            )
+            try:
+                request = {"module": module, "env": env, "log": str(log_path)}
+                writer.write(json.dumps(request).encode() + b"\n")
+                await writer.drain()
+                reply = json.loads(await asyncio.wait_for(reader.readline(), 10.0))
+            finally:
+                writer.close()
+        except (OSError, TimeoutError, ValueError) as exc:
+            log.warning("provision.template_unanswered", error=repr(exc)[:200])
+            return None
+        if "pid" not in reply:
+            log.warning("provision.template_refused", error=reply.get("error", reply))
+            return None
+        return int(reply["pid"]), [str(arg) for arg in reply["argv"]]
+
+    async def _ready(self) -> bool:
+        proc = self._proc
+        assert proc is not None
+        deadline = time.monotonic() + self.ready_wait_s
+        while not self.socket_path.exists() and proc.returncode is None:
+            if time.monotonic() > deadline:
+                log.warning("provision.template_slow", waited_s=self.ready_wait_s)
+                return False
+            await asyncio.sleep(0.05)
+        if proc.returncode is not None:
+            if not self._gone_logged:
+                self._gone_logged = True
+                log.warning("provision.template_gone", returncode=proc.returncode)
+            return False
+        return True
+
+    async def _start(self) -> None:
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        fd = os.open(self.log_dir / "template.log", os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+        try:
+            self._proc = await asyncio.create_subprocess_exec(
+                sys.executable,
+                "-m",
+                __name__,
+                str(self.socket_path),
+                *self.preload,
+                stdout=fd,
+                stderr=asyncio.subprocess.STDOUT,
+                stdin=asyncio.subprocess.DEVNULL,
+            )
+        finally:
+            os.close(fd)
+        log.info("provision.template_started", pid=self._proc.pid, socket=str(self.socket_path))
+
+    async def close(self) -> None:
+        """Stop the template (members it forked go on: each is a session of its own)."""
+        proc, self._proc = self._proc, None
+        if proc is not None and proc.returncode is None:
+            proc.terminate()
+            try:
+                await asyncio.wait_for(proc.wait(), 5.0)
+            except TimeoutError:
+                proc.kill()
+                await proc.wait()
+        shutil.rmtree(self._dir, ignore_errors=True)
+
+
+def serve(socket_path: str, preload: list[str]) -> int:
+    parent = os.getppid()
+    for name in preload:
+        importlib.import_module(name)
+    gc.collect()
+    gc.freeze()  # the children never walk (nor touch the pages of) what is imported here
+    signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # the kernel reaps the children
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(socket_path)
+    listener.listen(16)
+    listener.settimeout(_ACCEPT_POLL_S)
+    print(f"template.ready socket={socket_path} preloaded={','.join(preload)}", flush=True)
+    try:
+        while os.getppid() == parent:
+            try:
+                conn, _ = listener.accept()
+            except TimeoutError:
+                continue
+            with conn:
+                conn.settimeout(10.0)
+                reply: dict[str, object]
+                try:
+                    request = json.loads(conn.makefile("rb").readline())
+                    # The child's command line is the template's (fork does not change it).
+                    reply = {"pid": _fork(request, listener, conn), "argv": sys.orig_argv}
+                except Exception as exc:  # a bad request costs that request only
+                    reply = {"error": repr(exc)[:500]}
+                with contextlib.suppress(OSError):
+                    conn.sendall(json.dumps(reply).encode() + b"\n")
+    finally:
+        listener.close()
+        with contextlib.suppress(OSError):
+            os.unlink(socket_path)
+    return 0
+
+
+def _fork(request: dict[str, Any], listener: socket.socket, conn: socket.socket) -> int:
+    module, env, log = str(request["module"]), dict(request["env"]), str(request["log"])
+    if not module.startswith("services."):
+        raise ValueError(f"not a service module: {module!r}")
+    fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    try:
+        pid = os.fork()
+    except OSError:
+        os.close(fd)
+        raise
+    if pid:
+        os.close(fd)
+        print(f"template.forked module={module} pid={pid} log={log}", flush=True)
+        return pid
+    _become(module, env, fd, listener, conn)  # never returns
+
+
+def _become(
+    module: str, env: dict[str, str], fd: int, listener: socket.socket, conn: socket.socket
+) -> NoReturn:
+    """In the child: the member `python -m <module>` with `env` would be."""
+    code = 1
+    try:
+        listener.close()
+        conn.close()
+        signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        os.setsid()  # outlives the coordinator, as a member started fresh does
+        null = os.open(os.devnull, os.O_RDONLY)
+        os.dup2(null, 0)
+        os.dup2(fd, 1)
+        os.dup2(fd, 2)
+        os.close(null)
+        os.close(fd)
+        os.environ.clear()
+        os.environ.update(env)
+        # What an interpreter reads from the environment as it starts and the template read
+        # from its own: the member's output buffering (its logs are followed as it runs).
+        if isinstance(sys.stdout, io.TextIOWrapper):
+            sys.stdout.reconfigure(write_through=bool(env.get("PYTHONUNBUFFERED")))
+        sys.argv = [module]
+        runpy.run_module(module, run_name="__main__", alter_sys=True)
+        code = 0
+    except SystemExit as exc:
+        code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+    except BaseException:
+        traceback.print_exc()
+    finally:
+        with contextlib.suppress(Exception):
+            sys.stdout.flush()
+            sys.stderr.flush()
+        os._exit(code)
+
+
+if __name__ == "__main__":
+    if len(sys.argv) < 2:
+        sys.exit("usage: python -m services.coordinator.template SOCKET MODULE...")
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    code = 0
+    try:
+        code = serve(sys.argv[1], sys.argv[2:])
+    except SystemExit as exc:
+        code = exc.code if isinstance(exc.code, int) else 0
+    sys.stdout.flush()
+    os._exit(code)  # no interpreter teardown: the preloaded libraries only complain in it

@@ -1,0 +1,86 @@
+"""The local provisioner's warm template against real processes and a real etcd: members are
+forked from it (the first waits while it imports), register like any member under the
+instance id and labels their environment names, run in sessions of their own and outlive the
+template; with the template off, a member starts as a fresh interpreter."""
+
+from __future__ import annotations
+
+import os
+import signal
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from robustrl.cli.stack import Proc, is_running
+from robustrl.contracts.keys import KeySpace
+from robustrl.contracts.provisioning import ProvisionedRecord
+from robustrl.core.config import EtcdSettings
+from robustrl.core.registry import Registry
+from robustrl.generation.vllm_engine import running
+from services.coordinator.provisioner import LocalProvisioner
+from tests.support import eventually
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]
+
+
+def parent_of(pid: int) -> int:
+    stat = Path(f"/proc/{pid}/stat").read_text()
+    return int(stat[stat.rindex(")") + 2 :].split()[1])
+
+
+async def test_members_are_forked_from_the_template_register_and_outlive_it(
+    etcd_settings: EtcdSettings, etcd_client: Any, tmp_path: Path
+) -> None:
+    keys = KeySpace(etcd_settings.prefix)
+    registry = Registry(etcd_client, keys)
+    logs = tmp_path / "logs"
+    local = LocalProvisioner(etcd_client, keys, etcd_settings, str(logs))
+    fresh = LocalProvisioner(etcd_client, keys, etcd_settings, str(logs), template=False)
+    pids: list[int] = []
+    try:
+        names = [
+            await local.request("rollout", "j", "first"),
+            await local.request("trainer", "j", "second", standby=True),
+            await fresh.request("rollout", "j", "third"),
+        ]
+        assert local.template is not None and fresh.template is None
+        template_pid = local.template.pid
+        records = []
+        for name in names:
+            stored = await etcd_client.get(keys.provisioned(name))
+            records.append(ProvisionedRecord.model_validate_json(stored.value))
+        pids = [record.pid for record in records]
+        assert [parent_of(pid) for pid in pids] == [template_pid, template_pid, os.getpid()]
+        # `robustrl down` finds each by the command line recorded (pid reuse guard).
+        for record in records:
+            assert is_running(Proc(record.instance_id, record.pid, record.argv, record.log))
+        assert all(os.getsid(pid) == pid for pid in pids)  # each in a session of its own
+
+        async def registered() -> bool:
+            found = [await registry.get(r.role, r.instance_id) for r in records]
+            return all(
+                m is not None and m.pid == r.pid for m, r in zip(found, records, strict=True)
+            )
+
+        await eventually(registered, timeout=90)
+        # It took the environment asked for: registered under the instance id and the standby
+        # flag it names (/proc/<pid>/environ shows the template's: it is fixed at exec).
+        trainer = await registry.get("trainer", names[1])
+        assert trainer is not None and trainer.labels.get("standby") == "true"
+
+        async def logged() -> bool:  # its own log, as it runs (unbuffered, as asked)
+            return all("started" in (logs / f"{name}.log").read_text() for name in names)
+
+        await eventually(logged, timeout=30)
+
+        socket_dir = local.template.socket_path.parent
+        await local.close()
+        assert template_pid is not None and not running(template_pid)
+        assert not socket_dir.exists()
+        assert all(running(pid) for pid in pids)  # the members outlive the template
+    finally:
+        await local.close()
+        for pid in pids:
+            if running(pid):
+                os.kill(pid, signal.SIGKILL)
