@@ -17,7 +17,7 @@ import socket
 import tempfile
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -28,6 +28,7 @@ from robustrl.contracts.keys import KeySpace
 from robustrl.contracts.provisioning import ProvisionedRecord
 from robustrl.contracts.roles import DATA_PLANE_ROLES as ROLES
 from robustrl.contracts.roles import ROLE_FROM_PROTO, ROLE_TO_PROTO
+from robustrl.core.aio import cancel_and_wait
 from robustrl.core.config import EtcdSettings, member_argv, member_env
 from robustrl.core.logs import get_logger
 from robustrl.v1 import provisioning_pb2
@@ -90,6 +91,7 @@ class LocalProvisioner(Provisioner):
         """Started with the first member: a coordinator that never provisions runs none."""
         # Held so asyncio keeps reaping them; nothing else reads it.
         self._procs: list[asyncio.subprocess.Process] = []
+        self._launching: set[asyncio.Task[None]] = set()
 
     async def request(self, role: str, job_id: str, reason: str, standby: bool = False) -> str:
         instance_id = new_member(role, standby)
@@ -107,6 +109,29 @@ class LocalProvisioner(Provisioner):
             self.log_dir = Path(tempfile.mkdtemp(prefix="robustrl-provisioned-"))
         self.log_dir.mkdir(parents=True, exist_ok=True)
         log_path = self.log_dir / f"{instance_id}.log"
+        if self.use_template and self.template is None:
+            self.template = WarmTemplate(self.log_dir)
+            await self.template.start()
+        launch = self._launch(instance_id, role, env, log_path, job_id, reason)
+        if self.template is None or self.template.ready:
+            await launch
+            return instance_id
+        # The template is still importing: the member waits for it off the caller's path (a
+        # recovery holds the job's lock while it asks; its data must not wait on imports).
+        task = asyncio.create_task(self._launch_quietly(launch, role, job_id))
+        self._launching.add(task)
+        task.add_done_callback(self._launching.discard)
+        return instance_id
+
+    async def _launch(
+        self,
+        instance_id: str,
+        role: str,
+        env: dict[str, str],
+        log_path: Path,
+        job_id: str,
+        reason: str,
+    ) -> None:
         pid, argv, how = await self._start(role, env, log_path)
         record = ProvisionedRecord(
             instance_id=instance_id,
@@ -121,17 +146,21 @@ class LocalProvisioner(Provisioner):
         )
         await self.client.put(self.keys.provisioned(instance_id), record.model_dump_json().encode())
         log.info("provision.started", role=role, member=instance_id, pid=pid, job=job_id, how=how)
-        return instance_id
+
+    async def _launch_quietly(self, launch: Awaitable[None], role: str, job_id: str) -> None:
+        try:
+            await launch
+        except Exception as exc:
+            log.error("provision.start_failed", role=role, job=job_id, error=repr(exc)[:300])
+            if self.on_failure is not None:
+                self.on_failure(job_id, role)
 
     async def _start(
         self, role: str, env: dict[str, str], log_path: Path
     ) -> tuple[int, list[str], str]:
         """The member's pid, its command line, and how it started: `forked` from the
         template, or `fresh`."""
-        if self.use_template:
-            if self.template is None:
-                assert self.log_dir is not None
-                self.template = WarmTemplate(self.log_dir)
+        if self.template is not None:
             forked = await self.template.fork(f"services.{role}", env, log_path)
             if forked is not None:
                 return *forked, "forked"
@@ -152,6 +181,7 @@ class LocalProvisioner(Provisioner):
         return proc.pid, argv, "fresh"
 
     async def close(self) -> None:
+        await cancel_and_wait(*self._launching)
         if self.template is not None:
             await self.template.close()
 

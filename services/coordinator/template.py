@@ -48,12 +48,13 @@ PRELOAD = ("services.trainer.server", "services.rollout.server")
 
 
 class WarmTemplate:
-    """The provisioner's side: starts the template on first use, asks it to fork members.
+    """The provisioner's side: starts the template, asks it to fork members.
 
     A member asked for while the template is still importing waits for it, up to
     `ready_wait_s`: a fresh interpreter would spend that time on the same imports, and the
     cores once more. `fork` answers None where the template is gone or did not get ready in
-    time: the caller then starts the member fresh.
+    time: the caller then starts the member fresh. `ready` says whether `fork` answers at
+    once (a caller that must not wait runs it in the background otherwise).
     """
 
     def __init__(
@@ -71,6 +72,12 @@ class WarmTemplate:
     def pid(self) -> int | None:
         return None if self._proc is None else self._proc.pid
 
+    @property
+    def ready(self) -> bool:
+        """Forks at once: up and serving, or gone (the member then starts fresh at once)."""
+        proc = self._proc
+        return proc is not None and (proc.returncode is not None or self.socket_path.exists())
+
     async def fork(
         self, module: str, env: dict[str, str], log_path: Path
     ) -> tuple[int, list[str]] | None:
@@ -78,7 +85,7 @@ class WarmTemplate:
         template's: what /proc shows and `robustrl down` checks before it stops a pid). None:
         start it fresh."""
         if self._proc is None:
-            await self._start()
+            await self.start()
         if not await self._ready():
             return None
         try:
@@ -116,7 +123,7 @@ class WarmTemplate:
             return False
         return True
 
-    async def _start(self) -> None:
+    async def start(self) -> None:
         self.log_dir.mkdir(parents=True, exist_ok=True)
         fd = os.open(self.log_dir / "template.log", os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
         try:

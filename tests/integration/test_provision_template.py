@@ -39,13 +39,19 @@ async def test_members_are_forked_from_the_template_register_and_outlive_it(
     fresh = LocalProvisioner(etcd_client, keys, etcd_settings, str(logs), template=False)
     pids: list[int] = []
     try:
-        names = [
-            await local.request("rollout", "j", "first"),
-            await local.request("trainer", "j", "second", standby=True),
-            await fresh.request("rollout", "j", "third"),
-        ]
-        assert local.template is not None and fresh.template is None
+        names = [await local.request("rollout", "j", "first")]
+        # The caller did not wait for the template's imports (a recovery asks under the job's
+        # lock); the member waits for the template in the background.
+        assert local.template is not None and not local.template.ready
+        names.append(await local.request("trainer", "j", "second", standby=True))
+        names.append(await fresh.request("rollout", "j", "third"))
+        assert fresh.template is None
         template_pid = local.template.pid
+
+        async def recorded() -> bool:
+            return all([await etcd_client.get(keys.provisioned(n)) for n in names])
+
+        await eventually(recorded, timeout=60)
         records = []
         for name in names:
             stored = await etcd_client.get(keys.provisioned(name))
