@@ -47,6 +47,39 @@ def ettr_line(summary: dict[str, Any]) -> str:
     return line + ")"
 
 
+def goodput(job: dict[str, Any], reference: dict[str, Any]) -> dict[str, Any]:
+    """The job's goodput against `reference`, the same job run without faults on the same
+    stack: its wall time over this job's (from each job's ETTR account). While the job runs,
+    the reference's wall time for the steps made so far, pro rata. UsageError where the two
+    cannot be compared."""
+    name = reference["job_id"]
+    if reference["phase"] != "SUCCEEDED":
+        raise UsageError(
+            f"--against {name}: that job is {reference['phase']}; goodput compares against a "
+            "fault-free run that succeeded"
+        )
+    steps, ref_steps = job["spec"].get("trainer", {}), reference["spec"].get("trainer", {})
+    if steps.get("steps") != ref_steps.get("steps"):
+        raise UsageError(
+            f"--against {name}: it trains {ref_steps.get('steps', 'the default')} steps and "
+            f"{job['job_id']} {steps.get('steps', 'the default')}: not the same job"
+        )
+    if not job["ettr"] or not reference["ettr"]:
+        missing = job["job_id"] if not job["ettr"] else name
+        raise UsageError(f"--against {name}: {missing} has no time account (it never ran)")
+    wall, ref_wall = job["ettr"]["wall_s"], reference["ettr"]["wall_s"]
+    so_far = job["phase"] != "SUCCEEDED"
+    if so_far:
+        ref_wall *= job["step"] / max(reference["step"], 1)
+    return {
+        "against": name,
+        "goodput": ref_wall / wall if wall > 0 else 0.0,
+        "reference_wall_s": ref_wall,
+        "wall_s": wall,
+        "so_far": so_far,
+    }
+
+
 def ts_seconds(value: str) -> float:
     from google.protobuf.timestamp_pb2 import Timestamp
 
@@ -123,6 +156,9 @@ def cmd_jobs(args: argparse.Namespace) -> int:
 
 
 def cmd_status(args: argparse.Namespace) -> int:
+    if args.against and not args.job:
+        raise UsageError("--against compares one job with another: name the job")
+
     async def run(client: StackClient) -> int:
         if args.job:
             request = coordinator_pb2.GetJobRequest(job_id=args.job)
@@ -132,6 +168,17 @@ def cmd_status(args: argparse.Namespace) -> int:
             job["work"] = await client.work_summary(args.job)
             job["recoveries"] = await client.recoveries(args.job)
             job["ettr"] = await client.ettr(args.job)
+            if args.against:
+                ref = job_dict(
+                    await client.read(
+                        lambda s: s.GetJob(
+                            coordinator_pb2.GetJobRequest(job_id=args.against),
+                            timeout=DEFAULT_DEADLINE,
+                        )
+                    )
+                )
+                ref["ettr"] = await client.ettr(args.against)
+                job["goodput"] = goodput(job, ref)
             endpoints = etcd_target(args)[0]
             job["etcd_alarms"] = await asyncio.to_thread(stack.etcd_alarms, endpoints)
             if args.json:
@@ -147,6 +194,13 @@ def cmd_status(args: argparse.Namespace) -> int:
                 console.print(f"  member {m['role']} {m['instance_id']} ({m['address']})")
             if job["ettr"]:
                 console.print("  " + ettr_line(job["ettr"]))
+            if args.against:
+                g = job["goodput"]
+                console.print(
+                    f"  goodput {g['goodput']:.2f}{' so far' if g['so_far'] else ''} against "
+                    f"{g['against']} ({g['reference_wall_s']:.0f}s wall without faults"
+                    f"{', pro rata' if g['so_far'] else ''}, {g['wall_s']:.0f}s here)"
+                )
             for r in job["recoveries"]:
                 took = f"recovered in {r['recovery_s']:.1f}s" if r["done_at"] else "recovering"
                 console.print(

@@ -139,6 +139,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     status = sub.add_parser("status", help="the stack's status, or one job's")
     status.add_argument("job", nargs="?")
+    status.add_argument(
+        "--against",
+        metavar="REF",
+        help="also show the job's goodput: the wall time of REF, the same job run without "
+        "faults on the same stack, over this job's",
+    )
     status.add_argument("--json", action="store_true")
     status.set_defaults(func=cmd_status)
 

@@ -84,6 +84,11 @@ def test_a_short_job_learns_and_accounts_for_every_trajectory(
     status = stack.json("status", "learn")
     assert isinstance(status, dict) and status["phase"] == "SUCCEEDED"
     assert status["step"] == STEPS and status["weight_version"] == STEPS
+    # Goodput against a job read from the same stack (here the job itself: 1.00).
+    against = stack.json("status", "learn", "--against", "learn")
+    assert isinstance(against, dict) and against["goodput"]["goodput"] == 1.0
+    unknown = stack.run("status", "learn", "--against", "nosuch", check=False)
+    assert unknown.returncode == 1 and "NOT_FOUND" in unknown.stderr, unknown.stderr
 
     run = tmp_path / "runs" / "learn"
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
