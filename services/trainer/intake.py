@@ -132,6 +132,10 @@ class Intake:
     restored_step: int | None = None
     """Set after a restore until the first new step: trajectories made with a higher weight
     version came from weights that were lost with the failed trainer."""
+    training: set[str] = field(default_factory=set)
+    """Groups taken into the step under way (`take_batch`) and not marked trained yet. A copy
+    of one arriving meanwhile (a lost rollout had sent it, then its requeued lease was made
+    again) is not a new group: trained after this step, it would be trained twice."""
 
     def offer(self, trajectory: trainer_pb2.Trajectory) -> tuple[str, str]:
         """('received' | 'committed' | 'rejected', reason) for one incoming trajectory."""
@@ -154,6 +158,8 @@ class Intake:
             return "rejected", "completion ids and logprobs must be non-empty and of equal length"
         if trajectory.group_id in self.trained_groups:
             return "committed", "already trained"
+        if trajectory.group_id in self.training:
+            return "committed", "in the step under way"
         if self.restored_step is not None and trajectory.weight_version > self.restored_step:
             why = (
                 f"made with weight version {trajectory.weight_version}, lost when the trainer "
@@ -195,6 +201,7 @@ class Intake:
             return [], dropped
         for group in batch:
             del self.groups[group.group_id]
+            self.training.add(group.group_id)
         return batch, dropped
 
     def take_regenerate(self) -> dict[str, str]:
@@ -206,3 +213,4 @@ class Intake:
         self.restored_step = None
         for group in batch:
             self.trained_groups.add(group.group_id)
+            self.training.discard(group.group_id)

@@ -39,6 +39,23 @@ def test_groups_fill_then_train_once() -> None:
     assert intake.offer(traj("g1", 0)) == ("committed", "already trained")
 
 
+def test_a_copy_arriving_while_its_group_trains_is_not_trained_again() -> None:
+    """CI, standby rollout chaos test: a rollout sent a group and died before it completed
+    its lease; the group was leased again, made again, and its copy arrived while the first
+    trained. It became a new group and the next step trained it a second time."""
+    intake = Intake("j", max_staleness=2)
+    intake.offer(traj("g1", 0))
+    intake.offer(traj("g1", 1))
+    batch, _ = intake.take_batch(0, 1)
+    # The step is under way: the copy, made with newer weights, arrives.
+    assert intake.offer(traj("g1", 0, version=1)) == ("committed", "in the step under way")
+    assert intake.offer(traj("g1", 1, version=1))[0] == "committed"
+    intake.mark_trained(batch)
+    assert intake.take_batch(1, 1) == ([], [])
+    assert intake.offer(traj("g1", 0, version=1)) == ("committed", "already trained")
+    assert not intake.training
+
+
 def test_batches_wait_for_enough_groups() -> None:
     intake = Intake("j", max_staleness=0)
     for i in range(2):
