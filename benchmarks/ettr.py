@@ -88,9 +88,18 @@ def step_rows(metrics: Path) -> list[dict[str, float]]:
 
 
 def injections(out: str) -> list[dict[str, Any]]:
-    """What `robustrl chaos --json` injected (its JSON list follows its commentary)."""
-    start = out.rfind("\n[")
-    return list(json.loads(out[start + 1 if start >= 0 else 0 :] or "[]"))
+    """What `robustrl chaos --json` injected: its JSON list, among its commentary (stderr,
+    merged: a line may come after the list too). ValueError, with the output, if none."""
+    decoder = json.JSONDecoder()
+    starts = [i for i in range(len(out)) if out[i] == "[" and (i == 0 or out[i - 1] == "\n")]
+    for start in reversed(starts):
+        try:
+            found, _ = decoder.raw_decode(out, start)
+        except ValueError:
+            continue
+        if isinstance(found, list):
+            return found
+    raise ValueError(f"no injection list in chaos's output: {out[-2000:]!r}")
 
 
 def with_failure_times(

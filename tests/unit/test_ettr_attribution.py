@@ -79,6 +79,10 @@ def test_an_incident_takes_its_failure_time_from_the_last_injection_before_it(
     injected = ettr.injections(out)
     assert [i["at"] for i in injected] == [4.0, 9.0]
     assert ettr.injections("nothing injected\n[]\n") == []
+    # Commentary may follow the list (stderr is merged), or start with a bracket.
+    assert ettr.injections("[12:00] note\n" + listed + "stopped by SIGTERM\n")[1]["at"] == 9.0
+    with pytest.raises(ValueError, match="no injection list"):
+        ettr.injections("Traceback: chaos failed\n")
     incidents = [
         {"instance_id": "t", "detected_at": 5.0},
         {"instance_id": "t", "detected_at": 9.5},
