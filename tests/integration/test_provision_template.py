@@ -16,8 +16,8 @@ from robustrl.cli.stack import Proc, is_running
 from robustrl.contracts.keys import KeySpace
 from robustrl.contracts.provisioning import ProvisionedRecord
 from robustrl.core.config import EtcdSettings
+from robustrl.core.processes import running
 from robustrl.core.registry import Registry
-from robustrl.generation.vllm_engine import running
 from services.coordinator.provisioner import LocalProvisioner
 from tests.support import eventually
 

@@ -20,6 +20,7 @@ import torch
 from safetensors.torch import save_file
 
 from robustrl.contracts.keys import KeySpace
+from robustrl.core.processes import running
 from robustrl.generation.engine import SamplingParams, SourceGone, TorchEngine
 from robustrl.generation.modelgen import ModelShape, init_model
 from robustrl.generation.vllm_engine import (
@@ -27,7 +28,6 @@ from robustrl.generation.vllm_engine import (
     VLLMEngine,
     descendants,
     process_name,
-    running,
 )
 from robustrl.weights.ucx.holder import HolderFaults
 from robustrl.weights.ucx.transport import UcxTransport
