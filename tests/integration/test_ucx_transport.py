@@ -981,6 +981,33 @@ async def test_a_stopped_source_is_left_once_its_holder_record_goes(peers: Any) 
     assert waited < 10, f"the pull waited {waited:.1f}s on a stopped source"
 
 
+async def test_a_connect_to_a_frozen_source_is_left_once_its_holder_record_goes(
+    peers: Any,
+) -> None:
+    """A holder that froze (or died) before the pull connected: the connect's handshake would
+    wait out its timeout (a minute here), but the pull moves on once the holder's record is
+    deleted (here its 2 s lease expires; a fence withdraws a dead trainer's at once)."""
+    trainer, relay, puller = await peers(
+        ("trainer",), ("relay",), ("puller", "--connect-timeout", "60", "--stall-timeout", "60")
+    )
+    await trainer.call("publish", version=1, seed=12)
+    await relay.call("pull", version=1)
+    await _sees(puller, 1, "relay")
+    stop_process(relay.proc.pid)  # frozen before the puller ever connected to it
+    try:
+        began = time.monotonic()
+        result = await puller.call("pull", version=1, timeout=60)  # prefers the relay
+        waited = time.monotonic() - began
+    finally:
+        relay.kill()
+
+    assert result["ok"] and result["digest"] == tensors_digest(make_tensors(12))
+    counters = result["counters"]
+    assert counters["buckets_by_source"] == {"trainer": N_BUCKETS}
+    assert counters["source_failures"] == 1
+    assert waited < 10, f"the pull waited {waited:.1f}s on a connect to a frozen source"
+
+
 async def test_fencing_withdraws_only_the_fenced_instances_holder_records(
     peers: Any, etcd_client: Any, etcd_settings: EtcdSettings
 ) -> None:

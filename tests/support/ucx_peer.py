@@ -103,6 +103,7 @@ def _parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--stall-after", type=int, default=None)
     parser.add_argument("--pull-timeout", type=float, default=30.0)
     parser.add_argument("--stall-timeout", type=float, default=15.0)
+    parser.add_argument("--connect-timeout", type=float, default=5.0)
     parser.add_argument("--record-delay", type=float, default=PULLERS_RECORD_DELAY_S)
     parser.add_argument("--max-pullers", type=int, default=0, help="0: no limit")
     parser.add_argument("--park-seconds", type=float, default=PARK_SECONDS)
@@ -292,6 +293,7 @@ def _transport(args: argparse.Namespace, client: Any, keys: KeySpace) -> UcxTran
         session_ttl=2,
         pull_timeout=args.pull_timeout,
         stall_timeout=args.stall_timeout,
+        connect_timeout=args.connect_timeout,
         record_delay=args.record_delay,
         max_pullers=args.max_pullers,
         park_seconds=args.park_seconds,

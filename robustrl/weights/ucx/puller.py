@@ -218,6 +218,29 @@ class Puller:
             if len(pending) < left:
                 source = choice.instance_id
 
+    async def _connect(self, holder: HolderRecord, gone: asyncio.Event) -> HolderConnection:
+        """An endpoint to the holder, or SourceLeft once its record goes while connecting: a
+        connect to a dead or frozen holder otherwise waits out the connect timeout (5 s) after
+        the coordinator has already withdrawn the holder's records (a trainer just fenced)."""
+        connecting = asyncio.ensure_future(self._endpoints.connect(holder.address))
+        left = asyncio.ensure_future(gone.wait())
+        try:
+            await asyncio.wait({connecting, left}, return_when=asyncio.FIRST_COMPLETED)
+        except BaseException:
+            connecting.cancel()
+            raise
+        finally:
+            left.cancel()
+        if not connecting.done():
+            # Cancelled as a connect timeout would end it: the handshake's buffers stay kept
+            # until UCX is done with them (progress.exchange_peer_info).
+            connecting.cancel()
+            await asyncio.wait({connecting})
+            if not connecting.cancelled() and connecting.exception() is None:
+                await connecting.result().close()  # connected as it was cancelled
+            raise SourceLeft(f"holder {holder.instance_id} left the holders while connecting")
+        return connecting.result()
+
     async def _pull_from(
         self,
         holder: HolderRecord,
@@ -238,7 +261,7 @@ class Puller:
         TimeoutError."""
         checks = LandedChecks(manifest.checksum_algorithm, self._pool)
         started = time.perf_counter()
-        conn = await self._endpoints.connect(holder.address)
+        conn = await self._connect(holder, gone)
         guard = SourceGuard(
             conn, holder.instance_id, gone, self.stall_timeout, self.transfer_errors
         )
