@@ -10,7 +10,7 @@ import asyncio
 import contextlib
 import time
 
-from robustrl.contracts.errors import FailedPrecondition
+from robustrl.contracts.errors import FailedPrecondition, NotFound
 from robustrl.contracts.incidents import new_incident
 from robustrl.contracts.members import MemberRecord
 from robustrl.core.aio import cancel_and_wait
@@ -87,12 +87,20 @@ class Supervisor:
                 log.warning("coordinator.etcd_space_check_failed", error=repr(exc))
         records, _ = await self.jobs.store.list_all()
         members, _ = await self.jobs.members.list()
-        for record, _ in records:
+        for listed, _ in records:
             try:
-                async with self.jobs.lock(record.job_id):
+                async with self.jobs.lock(listed.job_id):
+                    # Read again under the lock: a recovery that held it while this round
+                    # waited has changed the record, and a round acting on the listed copy
+                    # wrote its members back (a rollout just fenced was bound again, and no
+                    # replacement came for it until the next loss).
+                    try:
+                        record, _ = await self.jobs.store.get(listed.job_id)
+                    except NotFound:
+                        continue  # deleted meanwhile
                     await self._tick_job(record, members)
             except Exception as exc:  # one job's trouble must not hold up the others
-                log.warning("coordinator.job_tick_failed", job=record.job_id, error=repr(exc))
+                log.warning("coordinator.job_tick_failed", job=listed.job_id, error=repr(exc))
         self.binder.prepare_standbys([r for r, _ in records], members)
 
     async def _tick_job(self, record: JobRecord, members: list[MemberRecord]) -> None:

@@ -341,6 +341,43 @@ async def test_a_job_whose_supervision_fails_does_not_hold_up_the_jobs_after_it(
         assert "aaa" not in driver.ledgers
 
 
+async def test_a_round_supervises_the_job_record_as_it_is_once_it_holds_the_lock(
+    etcd_settings: EtcdSettings, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A real leader and etcd. A round lists the jobs, then waits for a job's lock held by a
+    recovery that unbinds a rollout. The round must act on the record as the recovery left
+    it: acting on the copy it listed, it wrote the rollout back into the job's members (seen
+    in the ETTR benchmark: a rollout fenced while a trainer's replacement was bound stayed
+    unreplaced for 18 s, then was reported lost a second time)."""
+    async with lone_leader(etcd_settings, "fresh") as (_, leadership, driver):
+        record = transition(new_job("fr", {"name": "fr"}, 0.0), Phase.RUNNING, "x", now=0.0)
+        record = record.model_copy(
+            update={
+                "members": ["t", "r0", "r1"],
+                "member_roles": {"t": "trainer", "r0": "rollout", "r1": "rollout"},
+            }
+        )
+        await driver.store.create(record, leadership.guard())
+        driver.ledgers["fr"] = work.WorkLedger(job_id="fr")
+        seen: list[JobRecord] = []
+
+        async def noting(record: JobRecord, members: list[MemberRecord]) -> None:
+            seen.append(record)
+
+        monkeypatch.setattr(driver.supervisor, "supervise", noting)
+        async with driver.lock("fr"):
+            round_ = asyncio.create_task(driver.tick())
+            await asyncio.sleep(0.5)  # it has listed the jobs and waits for the lock
+            assert not round_.done()
+            # What a rollout's recovery does under the lock: r1 leaves the job.
+            await driver.jobs.update(
+                "fr", {"members": ["t", "r0"], "member_roles": {"t": "trainer", "r0": "rollout"}}
+            )
+        await round_
+
+        assert [r.members for r in seen] == [["t", "r0"]]
+
+
 async def test_a_new_leader_does_not_ask_again_for_replacements_already_asked_for(
     etcd_settings: EtcdSettings,
 ) -> None:
