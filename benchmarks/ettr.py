@@ -196,6 +196,7 @@ def run_mode(
     standbys: int,
     standby_rollouts: int,
     template: bool,
+    standby_nice: int | None,
     keep: Path | None = None,
 ) -> dict[str, Any]:
     name = mode if faults else "fault_free"
@@ -212,6 +213,7 @@ def run_mode(
             "2",
             "--standby-rollouts",
             str(standby_rollouts),
+            *([] if standby_nice is None else ["--standby-nice", str(standby_nice)]),
         )
         try:
             job = f"ettr-{name.replace('_', '-')}"
@@ -325,6 +327,13 @@ def main() -> None:
         "provision_template off), to measure what the warm template saves",
     )
     parser.add_argument(
+        "--standby-nice",
+        type=int,
+        default=None,
+        help="`robustrl up --standby-nice`: how much nicer standbys run until bound (default: "
+        "up's own, 10 where they may go back); 0 measures standbys competing as equals",
+    )
+    parser.add_argument(
         "--keep", type=Path, default=None, help="copy each run's logs and run folder here"
     )
     args = parser.parse_args()
@@ -350,6 +359,7 @@ def main() -> None:
                     standbys=args.standby_trainers,
                     standby_rollouts=args.standby_rollouts,
                     template=args.template,
+                    standby_nice=args.standby_nice,
                     keep=keep,
                 )
             )

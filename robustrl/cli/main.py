@@ -64,6 +64,17 @@ def _monitors(text: str) -> int:
     return count
 
 
+def _niceness(text: str) -> int:
+    """--standby-nice: a Linux niceness step, 0 to 19."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a whole number: {text!r}") from None
+    if not 0 <= value <= 19:
+        raise argparse.ArgumentTypeError("from 0 (standbys compete as equals) to 19")
+    return value
+
+
 def _history_retention(text: str) -> str:
     try:
         return stack.history_retention(text)
@@ -101,6 +112,14 @@ def build_parser() -> argparse.ArgumentParser:
         default=0,
         help="warm standby rollouts: each keeps a running job's engine and weights ready and "
         "replaces a rollout the job loses (default 0)",
+    )
+    up.add_argument(
+        "--standby-nice",
+        type=_niceness,
+        default=None,
+        help="how much nicer standbys run until bound, those started here and the refills "
+        "the coordinators start (default 10 where the standbys may go back when bound, "
+        "else 0; see MemberSettings.standby_nice)",
     )
     up.add_argument(
         "--provisioner",

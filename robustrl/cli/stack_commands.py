@@ -17,6 +17,7 @@ from robustrl.cli.context import UsageError, home_dir, with_client
 from robustrl.cli.formatting import console
 from robustrl.cli.inspect_commands import print_members
 from robustrl.cli.job_commands import cmd_submit
+from robustrl.core.processes import may_raise_priority
 
 
 def cmd_up(args: argparse.Namespace) -> int:
@@ -30,6 +31,7 @@ def cmd_up(args: argparse.Namespace) -> int:
         state.etcd_client_port = previous.etcd_client_port
         state.etcd_peer_port = previous.etcd_peer_port
     state.save()
+    nice = standby_nice(args.standby_nice)
     try:
         etcd = stack.start_etcd(state, args.etcd_history)
         wait_for_etcd(state, etcd)
@@ -41,17 +43,18 @@ def cmd_up(args: argparse.Namespace) -> int:
             extra = {
                 "ROBUSTRL_COORDINATOR_PROVISION_LOG_DIR": str(home / "logs"),
                 "ROBUSTRL_COORDINATOR_PROVISIONER": args.provisioner,
+                **nice,  # the local provisioner's members inherit it (only standbys use it)
             }
             services.append(stack.start_service(state, "coordinator", f"coordinator-{i}", extra))
         for i in range(args.trainers):
             services.append(stack.start_service(state, "trainer", f"trainer-{i}"))
         for i in range(args.standby_trainers):
-            standby = {"ROBUSTRL_TRAINER_STANDBY": "true"}
+            standby = {"ROBUSTRL_TRAINER_STANDBY": "true", **nice}
             services.append(stack.start_service(state, "trainer", f"standby-{i}", standby))
         for i in range(args.rollouts):
             services.append(stack.start_service(state, "rollout", f"rollout-{i}"))
         for i in range(args.standby_rollouts):
-            standby = {"ROBUSTRL_ROLLOUT_STANDBY": "true"}
+            standby = {"ROBUSTRL_ROLLOUT_STANDBY": "true", **nice}
             services.append(stack.start_service(state, "rollout", f"standby-rollout-{i}", standby))
         wait_for_members(state, services, timeout=args.timeout)
     except (stack.StackError, KeyboardInterrupt):
@@ -64,6 +67,24 @@ def cmd_up(args: argparse.Namespace) -> int:
             argparse.Namespace(**{**vars(args), "file": args.job, "overrides": [], "id": ""})
         )
     return rc
+
+
+DEFAULT_STANDBY_NICE = 10
+
+
+def standby_nice(asked: int | None) -> dict[str, str]:
+    """The environment that makes this stack's standbys run `asked` nicer until bound (None:
+    DEFAULT_STANDBY_NICE where they may go back, else 0). UsageError if asked for where they
+    may not: each standby would refuse to start."""
+    may = may_raise_priority(os.nice(0))
+    if asked is None:
+        asked = DEFAULT_STANDBY_NICE if may else 0
+    elif asked and not may:
+        raise UsageError(
+            f"--standby-nice {asked}: standbys started here could not raise their priority "
+            "back when bound (no CAP_SYS_NICE, RLIMIT_NICE too low); use --standby-nice 0"
+        )
+    return {f"ROBUSTRL_{role}_STANDBY_NICE": str(asked) for role in ("TRAINER", "ROLLOUT")}
 
 
 def wait_for_etcd(state: stack.StackState, etcd: stack.Proc) -> None:

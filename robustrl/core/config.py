@@ -12,8 +12,10 @@ import secrets
 import socket
 import sys
 
-from pydantic import Field, field_validator
+from pydantic import Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from robustrl.core.processes import may_raise_priority
 
 _INCARNATION = secrets.token_hex(3)
 """Drawn once per process: part of a default instance id (ServiceSettings.instance_id)."""
@@ -123,6 +125,22 @@ class MemberSettings(ServiceSettings):
     leader prepares it for a running job (a trainer builds the model, a rollout also starts its
     engine and keeps pulling the job's weights, serving them as a relay) and binds it at once
     to replace that job's failed member of its role."""
+
+    standby_nice: int = Field(default=0, ge=0, le=19)
+    """How far a standby yields the CPU: it runs this much nicer (Linux niceness, every thread
+    and every process it starts) from its start until it is bound, and at its start niceness
+    from then on. A standby started beside a job's members (the local stack, a refill) then
+    builds its model and pulls weights with what CPU the job leaves. Going back needs
+    CAP_SYS_NICE (or RLIMIT_NICE): without it a non-zero value is refused at start."""
+
+    @model_validator(mode="after")
+    def _standby_may_go_back(self) -> MemberSettings:
+        if self.standby and self.standby_nice and not may_raise_priority(os.nice(0)):
+            raise ValueError(
+                f"standby_nice={self.standby_nice}: this process may not raise its priority "
+                "back when bound (no CAP_SYS_NICE, RLIMIT_NICE too low); set it to 0"
+            )
+        return self
 
     def labels(self) -> dict[str, str]:
         """The member's registry labels its settings decide."""

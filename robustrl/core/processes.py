@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
+import os
+import resource
 from pathlib import Path
+
+CAP_SYS_NICE = 23
+"""The capability's bit in /proc/<pid>/status CapEff (linux/capability.h)."""
 
 
 def running(pid: int) -> bool:
@@ -12,3 +17,61 @@ def running(pid: int) -> bool:
     except OSError:
         return False
     return stat[stat.rindex(")") + 2 :].split(" ", 1)[0] not in ("Z", "X")
+
+
+def descendants(pid: int) -> list[int]:
+    """The processes below `pid` (its children, theirs, ...), as /proc shows them now."""
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+        except OSError:
+            continue  # exited meanwhile
+        parent = int(stat[stat.rindex(")") + 2 :].split(" ", 2)[1])
+        children.setdefault(parent, []).append(int(entry.name))
+    out: list[int] = []
+    todo = [pid]
+    while todo:
+        below = children.get(todo.pop(), [])
+        out += below
+        todo += below
+    return out
+
+
+def set_niceness(pid: int, niceness: int) -> int:
+    """Give every thread of `pid` and of the processes below it this niceness (Linux keeps it
+    per thread, and a thread or process inherits its creator's). Returns how many threads
+    changed; threads and processes that exit meanwhile are passed over. PermissionError where
+    the niceness is lower than a thread's and the caller may not raise priority
+    (`may_raise_priority`)."""
+    changed = 0
+    for proc in (pid, *descendants(pid)):
+        try:
+            tids = [int(t) for t in os.listdir(f"/proc/{proc}/task")]
+        except OSError:
+            continue
+        for tid in tids:
+            try:
+                os.setpriority(os.PRIO_PROCESS, tid, niceness)
+            except ProcessLookupError:
+                continue
+            changed += 1
+    return changed
+
+
+def may_raise_priority(niceness: int) -> bool:
+    """Whether this process may set a thread's niceness back down to `niceness`: with
+    CAP_SYS_NICE, or within RLIMIT_NICE (which allows down to 20 - its soft limit)."""
+    try:
+        status = Path("/proc/self/status").read_text()
+        effective = int(
+            next(ln for ln in status.splitlines() if ln.startswith("CapEff:")).split()[1], 16
+        )
+    except (OSError, StopIteration, ValueError):
+        effective = 0
+    if effective & (1 << CAP_SYS_NICE):
+        return True
+    soft, _ = resource.getrlimit(resource.RLIMIT_NICE)
+    return soft == resource.RLIM_INFINITY or 20 - soft <= niceness

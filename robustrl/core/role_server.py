@@ -32,7 +32,9 @@ from robustrl.contracts.binding import Binding, apply_control
 from robustrl.contracts.errors import FailedPrecondition, InvalidArgument, describe_validation_error
 from robustrl.contracts.jobspec import JobSpec
 from robustrl.contracts.roles import ROLE_TO_PROTO
+from robustrl.core.config import MemberSettings
 from robustrl.core.logs import get_logger
+from robustrl.core.processes import set_niceness
 from robustrl.core.runtime import ServiceRuntime
 from robustrl.v1 import trainer_pb2
 
@@ -161,6 +163,12 @@ class RoleControl:
         self.prepared: Prepared | None = None
         self._fencing: asyncio.Task[None] | None = None
         self._discarding: set[asyncio.Task[None]] = set()
+        self._niceness_when_bound: int | None = None
+        """Set while a standby runs nicer than it started (MemberSettings.standby_nice)."""
+        settings = runtime.settings
+        if isinstance(settings, MemberSettings) and settings.standby and settings.standby_nice:
+            self._niceness_when_bound = os.nice(0)
+            set_niceness(os.getpid(), min(19, self._niceness_when_bound + settings.standby_nice))
 
     def status(self) -> trainer_pb2.RoleStatus:
         progress = self.runtime.progress
@@ -203,6 +211,7 @@ class RoleControl:
             if self.worker is not None:
                 raise FailedPrecondition(f"already working on job {self.worker.job_id}")
             spec = spec_from_args(dict(request.args))
+            self._stop_yielding()
             worker = await self._take_prepared(request.job_id, spec)
             if worker is None:
                 worker = self.make_worker(request.job_id, request.epoch, spec)
@@ -239,6 +248,19 @@ class RoleControl:
             if request.args.get(EXIT_ARG) == "true":
                 await self._exit_soon()
         return trainer_pb2.ControlResponse(status=self.status())
+
+    def _stop_yielding(self) -> None:
+        """A standby being bound: back to its start niceness, with whatever it started (an
+        engine's processes), before it loads and works for its job."""
+        if self._niceness_when_bound is None:
+            return
+        threads = set_niceness(os.getpid(), self._niceness_when_bound)
+        log.info(
+            f"{self.runtime.role}.priority_restored",
+            niceness=self._niceness_when_bound,
+            threads=threads,
+        )
+        self._niceness_when_bound = None
 
     async def prepare(self, job_id: str, spec: JobSpec) -> None:
         """Build `job_id`'s worker ahead of a BIND (see the module doc); idempotent."""

@@ -20,8 +20,10 @@ from typing import Any
 import pytest
 
 from robustrl.cli.stack import StackState
+from robustrl.cli.stack_commands import DEFAULT_STANDBY_NICE
 from robustrl.contracts.binding import FIRST_EPOCH
 from robustrl.core.config import member_argv, member_env
+from robustrl.core.processes import may_raise_priority
 from services.trainer import checkpoint
 from tests.support import eventually_sync, process_state
 from tests.support.accounting import assert_nothing_lost_or_trained_twice
@@ -34,6 +36,7 @@ from tests.support.detection import (
     wait_for_incident,
 )
 from tests.support.paths import EXAMPLE, REPO
+from tests.support.processes import thread_niceness
 
 STEPS = 80
 # Jobs that must outlast a recovery: at 80 steps the surviving rollout finished the job before
@@ -244,8 +247,11 @@ def test_a_killed_trainer_is_taken_over_by_a_standby_that_built_the_model_ahead(
         eventually_sync(
             lambda: member(cli, "standby-0")["labels"].get("prepared") == "tw", timeout=120
         )
-        before = pids(cli, "trainer-0", "rollout-0", "rollout-1")
-        trainer = before.pop("trainer-0")
+        before = pids(cli, "trainer-0", "rollout-0", "rollout-1", "standby-0")
+        trainer, standby = before.pop("trainer-0"), before.pop("standby-0")
+        # It built the model at `up`'s standby niceness (where it may go back, as here).
+        yielding = DEFAULT_STANDBY_NICE if may_raise_priority(0) else 0
+        assert thread_niceness(standby) == {yielding}
         eventually_sync(lambda: step_of(cli, "tw") >= 8, timeout=180)
         os.kill(trainer, signal.SIGKILL)
         incident = wait_for_incident(cli, "MEMBER_LOST", "trainer-0", timeout=15)
@@ -258,6 +264,8 @@ def test_a_killed_trainer_is_taken_over_by_a_standby_that_built_the_model_ahead(
         log = (tmp_path / "home" / "logs" / "standby-0.log").read_text()
         assert "trainer.prepared" in log and "trainer.took_prepared" in log
         assert "trainer.restored" in log
+        assert thread_niceness(standby) == {0}  # bound: back to its start niceness
+        assert ("trainer.priority_restored" in log) == bool(yielding)
         # Only the trainer was replaced: the same rollout processes served the whole job.
         assert pids(cli, "rollout-0", "rollout-1") == before
         assert_nothing_lost_or_trained_twice(cli, "tw", tmp_path / "runs" / "tw", STANDBY_STEPS)

@@ -53,3 +53,15 @@ def stopped(pid: int) -> Iterator[None]:
         yield
     finally:
         os.kill(pid, signal.SIGCONT)
+
+
+def thread_niceness(pid: int) -> set[int]:
+    """The niceness of each thread of pid (field 19 of /proc/<pid>/task/<tid>/stat), as a set:
+    {n} when every thread runs at n."""
+    found = set()
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        try:
+            found.add(int((task / "stat").read_text().rsplit(")", 1)[-1].split()[16]))
+        except (OSError, IndexError):
+            continue  # the thread ended meanwhile
+    return found
