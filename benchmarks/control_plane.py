@@ -49,7 +49,8 @@ much).
 
 The verdicts at the end are printed as measured (the exit status does not depend on them):
 RPC p99 under 50 ms at the top level; killed members reported within TTL + 1 s at p99; no
-false incident; each monitor's RSS after everyone left within 10% of before the ramp.
+false incident; each monitor's RSS after everyone left within 10% of before the ramp; the
+generator kept every lease (else the load was not the one measured).
 
     python benchmarks/control_plane.py                                # 500,1000,2000
     python benchmarks/control_plane.py --levels 2000 --window 10 --json cp.json
@@ -170,6 +171,7 @@ class Bench:
                 *("--child", str(n), "--endpoints", self.state.etcd_endpoints),
                 *("--prefix", self.state.prefix, "--ttl", str(self.args.ttl)),
                 *("--beat", str(self.args.beat)),
+                *("--generator-nice", str(self.args.generator_nice)),
                 cwd=REPO,
                 stdin=asyncio.subprocess.PIPE,
                 stdout=asyncio.subprocess.PIPE,
@@ -530,6 +532,12 @@ def verdicts(result: dict[str, Any]) -> dict[str, dict[str, Any]]:
             "measured": growth,
             "target": "each monitor's RSS after everyone left within 10% of before the ramp",
         },
+        "steady_load": {
+            "ok": result["generator_leases_lost"] == 0,
+            "measured": result["generator_leases_lost"],
+            "target": "the generator kept every member's lease (a lost one re-registers: the "
+            "load was not the one measured)",
+        },
         "monitor_rss_churn": {
             "ok": all(abs(r - 1) <= RSS_GROWTH_BOUND for r in churned.values()),
             "measured": churned,
@@ -547,7 +555,8 @@ def report(result: dict[str, Any], args: argparse.Namespace) -> None:
         f"host: {os.cpu_count()} cpus, load average {os.getloadavg()[0]:.1f}; TTL {args.ttl} s, "
         f"beat {args.beat} s, {args.rate}/s of each read for {args.window:.0f} s, "
         f"{args.repeats} windows a level (p50/p99: their medians), "
-        f"generator in {args.procs} process(es). ms: p50/p99; CPU: % of one core"
+        f"generator in {args.procs} process(es) at nice {args.generator_nice}. "
+        "ms: p50/p99; CPU: % of one core"
     )
     head = (
         f"{'members':>7} | {'ListJobs':>11} | {'GetJob':>11} | {'ListMembers':>11} | "
@@ -677,6 +686,13 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         default=MonitorSettings.model_fields["allocator"].default,
         help="ROBUSTRL_MONITOR_ALLOCATOR of the monitors (default: the monitor's own default)",
     )
+    parser.add_argument(
+        "--generator-nice",
+        type=int,
+        default=5,
+        help="niceness of the generator processes: the members they stand for run on other "
+        "hosts, so they take what CPU the control plane leaves (0: compete as equals)",
+    )
     parser.add_argument("--kill-fraction", type=float, default=0.1)
     parser.add_argument("--retention-wait", type=float, default=70.0)
     parser.add_argument("--cli-repeat", type=int, default=3)
@@ -702,6 +718,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 if __name__ == "__main__":
     arguments = parse_args(sys.argv[1:])
     if arguments.child >= 0:
+        os.nice(arguments.generator_nice)
         asyncio.run(generator_main(arguments))
         sys.exit(0)
     figures = asyncio.run(main(arguments))

@@ -54,6 +54,13 @@ def test_the_control_plane_benchmark_measures_every_level_and_reports_each_kill(
     for phase in ("memory", "churn_memory"):  # after the first leave, after the second
         assert set(figures[phase]) == MONITORS
         assert all(m["ratio"] > 0 for m in figures[phase].values())
-    verdicts = ("rpc_p99", "kill_p99", "no_false_incident", "monitor_rss", "monitor_rss_churn")
+    verdicts = (
+        "rpc_p99",
+        "kill_p99",
+        "no_false_incident",
+        "monitor_rss",
+        "steady_load",
+        "monitor_rss_churn",
+    )
     for verdict in verdicts:
         assert f"verdict {verdict}: " in done.stdout, done.stdout
