@@ -16,6 +16,7 @@ import argparse
 import os
 import signal
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import grpc
@@ -53,26 +54,24 @@ def cmd_model_init(args: argparse.Namespace) -> int:
     return modelgen.main(argv)
 
 
-def _monitors(text: str) -> int:
-    """--monitors: a whole number, at least one (nothing detects failures without one)."""
-    try:
-        count = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a whole number: {text!r}") from None
-    if count < 1:
-        raise argparse.ArgumentTypeError("at least 1: nothing detects failures without a monitor")
-    return count
+def _whole_number(low: int, high: int | None, why: str) -> Callable[[str], int]:
+    """An argparse type: a whole number from `low` to `high` (None: no upper bound), else the
+    error `why`."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"not a whole number: {text!r}") from None
+        if value < low or (high is not None and value > high):
+            raise argparse.ArgumentTypeError(why)
+        return value
+
+    return parse
 
 
-def _niceness(text: str) -> int:
-    """--standby-nice: a Linux niceness step, 0 to 19."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a whole number: {text!r}") from None
-    if not 0 <= value <= 19:
-        raise argparse.ArgumentTypeError("from 0 (standbys compete as equals) to 19")
-    return value
+_monitors = _whole_number(1, None, "at least 1: nothing detects failures without a monitor")
+_niceness = _whole_number(0, 19, "from 0 (standbys compete as equals) to 19")
 
 
 def _history_retention(text: str) -> str:

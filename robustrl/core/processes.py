@@ -20,24 +20,33 @@ def running(pid: int) -> bool:
 
 
 def descendants(pid: int) -> list[int]:
-    """The processes below `pid` (its children, theirs, ...), as /proc shows them now."""
-    children: dict[int, list[int]] = {}
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
+    """Every process below `pid`, breadth first (from /proc's children lists)."""
+    found: list[int] = []
+    frontier = [pid]
+    while frontier:
+        parent = frontier.pop(0)
         try:
-            stat = (entry / "stat").read_text()
+            tasks = os.listdir(f"/proc/{parent}/task")
         except OSError:
-            continue  # exited meanwhile
-        parent = int(stat[stat.rindex(")") + 2 :].split(" ", 2)[1])
-        children.setdefault(parent, []).append(int(entry.name))
-    out: list[int] = []
-    todo = [pid]
-    while todo:
-        below = children.get(todo.pop(), [])
-        out += below
-        todo += below
-    return out
+            continue
+        for task in tasks:
+            try:
+                children = Path(f"/proc/{parent}/task/{task}/children").read_text().split()
+            except OSError:
+                continue
+            for child in map(int, children):
+                if child not in found:
+                    found.append(child)
+                    frontier.append(child)
+    return found
+
+
+def process_name(pid: int) -> str:
+    """The process's name (/proc/<pid>/comm; vLLM names its own VLLM::...), '' if gone."""
+    try:
+        return Path(f"/proc/{pid}/comm").read_text().strip()
+    except OSError:
+        return ""
 
 
 def set_niceness(pid: int, niceness: int) -> int:

@@ -42,7 +42,7 @@ from typing import Any, Literal, TypeVar
 import torch
 from transformers import AutoConfig, AutoTokenizer
 
-from robustrl.core.processes import running
+from robustrl.core.processes import descendants, process_name, running
 from robustrl.generation.engine import (
     Completion,
     Engine,
@@ -451,14 +451,6 @@ def _stage(tensors: dict[str, torch.Tensor], version: int) -> Path:
     return path
 
 
-def process_name(pid: int) -> str:
-    """The process's name (/proc/<pid>/comm; vLLM names its own VLLM::...), '' if gone."""
-    try:
-        return Path(f"/proc/{pid}/comm").read_text().strip()
-    except OSError:
-        return ""
-
-
 def _end(pids: Sequence[int], grace_s: float) -> None:
     """Wait for the engine's processes to exit after its shutdown; kill what is left.
 
@@ -478,25 +470,3 @@ def _end(pids: Sequence[int], grace_s: float) -> None:
     deadline = time.monotonic() + 5.0
     while any(running(pid) for pid in left) and time.monotonic() < deadline:
         time.sleep(0.05)
-
-
-def descendants(pid: int) -> list[int]:
-    """Every process below `pid`, breadth first (from /proc's children lists)."""
-    found: list[int] = []
-    frontier = [pid]
-    while frontier:
-        parent = frontier.pop(0)
-        try:
-            tasks = os.listdir(f"/proc/{parent}/task")
-        except OSError:
-            continue
-        for task in tasks:
-            try:
-                children = Path(f"/proc/{parent}/task/{task}/children").read_text().split()
-            except OSError:
-                continue
-            for child in map(int, children):
-                if child not in found:
-                    found.append(child)
-                    frontier.append(child)
-    return found

@@ -16,8 +16,8 @@ from typing import Any
 import pytest
 
 from robustrl.contracts.members import ENGINE_PID_LABEL
+from robustrl.core.processes import descendants, process_name
 from robustrl.generation.modelgen import ModelShape, init_model
-from robustrl.generation.vllm_engine import descendants, process_name
 from tests.support import eventually_sync, process_state
 from tests.support.accounting import assert_nothing_lost_or_trained_twice
 from tests.support.cli import Cli, chaos

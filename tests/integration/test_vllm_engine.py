@@ -20,15 +20,10 @@ import torch
 from safetensors.torch import save_file
 
 from robustrl.contracts.keys import KeySpace
-from robustrl.core.processes import running
+from robustrl.core.processes import descendants, process_name, running
 from robustrl.generation.engine import SamplingParams, SourceGone, TorchEngine
 from robustrl.generation.modelgen import ModelShape, init_model
-from robustrl.generation.vllm_engine import (
-    EngineStartError,
-    VLLMEngine,
-    descendants,
-    process_name,
-)
+from robustrl.generation.vllm_engine import EngineStartError, VLLMEngine
 from robustrl.weights.ucx.holder import HolderFaults
 from robustrl.weights.ucx.transport import UcxTransport
 from tests.support import eventually

@@ -56,12 +56,9 @@ def stopped(pid: int) -> Iterator[None]:
 
 
 def thread_niceness(pid: int) -> set[int]:
-    """The niceness of each thread of pid (field 19 of /proc/<pid>/task/<tid>/stat), as a set:
-    {n} when every thread runs at n."""
+    """The niceness of each thread of pid, as a set: {n} when every thread runs at n."""
     found = set()
     for task in Path(f"/proc/{pid}/task").iterdir():
-        try:
-            found.add(int((task / "stat").read_text().rsplit(")", 1)[-1].split()[16]))
-        except (OSError, IndexError):
-            continue  # the thread ended meanwhile
+        with contextlib.suppress(ProcessLookupError):  # the thread ended meanwhile
+            found.add(os.getpriority(os.PRIO_PROCESS, int(task.name)))
     return found

@@ -15,13 +15,13 @@ from robustrl.core import config, processes
 from services.trainer.config import TrainerSettings
 from tests.support.processes import thread_niceness
 
-# A child with a second thread that starts a grandchild, then waits to be killed.
+# A child with a second thread that starts a grandchild, then all wait until killed.
 TREE = """
-import subprocess, sys, threading, time
-threading.Thread(target=time.sleep, args=(60,), daemon=True).start()
-child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+import signal, subprocess, sys, threading
+threading.Thread(target=threading.Event().wait, daemon=True).start()
+child = subprocess.Popen([sys.executable, "-c", "import signal; signal.pause()"])
 print(child.pid, flush=True)
-time.sleep(60)
+signal.pause()
 """
 
 
