@@ -80,5 +80,11 @@ def describe_validation_error(exc: pydantic.ValidationError) -> str:
     for err in exc.errors():
         where = ".".join(str(p) for p in err["loc"]) or "<root>"
         msg = "unknown field" if err["type"] == "extra_forbidden" else err["msg"]
+        if err["type"] == "value_error":
+            # A validator across fields says which one it refuses: "dtype: ..." under trainer.
+            msg = msg.removeprefix("Value error, ")
+            field, sep, rest = msg.partition(": ")
+            if sep and field.isidentifier():
+                where, msg = f"{where}.{field}" if where != "<root>" else field, rest
         parts.append(f"{where}: {msg}")
     return "; ".join(parts)

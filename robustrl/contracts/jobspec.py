@@ -17,6 +17,7 @@ from pydantic import (
     NonNegativeInt,
     PositiveInt,
     ValidationError,
+    model_validator,
 )
 
 from robustrl.contracts.errors import InvalidArgument, describe_validation_error
@@ -84,8 +85,33 @@ class TrainerSpec(_Strict):
     eval_every: int = Field(default=5, ge=1)
 
     world_size: int = Field(default=1, ge=1, le=64)
-    """Data-parallel trainer ranks on gloo. Rank 0 is the bound trainer; it starts ranks
-    1..N-1 on its own host and every rank streams its own heartbeat."""
+    """Data-parallel trainer ranks (gloo on CPU, NCCL on CUDA). Rank 0 is the bound trainer;
+    it starts ranks 1..N-1 on its own host and every rank streams its own heartbeat."""
+
+    strategy: Literal["ddp", "fsdp"] = "ddp"
+    """How the ranks hold the model. ddp: every rank a whole copy, gradients summed in one
+    all-reduce. fsdp: FSDP2 (`fully_shard`, each decoder layer and the root), every rank holds
+    1/world_size of the parameters, gradients and optimizer state; checkpoints are written by
+    every rank through torch.distributed.checkpoint and restore at any world size. An fsdp
+    job runs in a process group even at world_size 1."""
+
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    """Where the trainer computes: auto takes CUDA where the trainer's host has it, else the
+    CPU. cuda on a host without it fails the job, naming this field."""
+
+    dtype: Literal["auto", "fp32", "bf16"] = "auto"
+    """Compute precision. bf16: mixed precision (fp32 master weights and optimizer state,
+    forward and backward under bf16 autocast), CUDA only. auto: bf16 on CUDA, fp32 on CPU."""
+
+    @model_validator(mode="after")
+    def _supported(self) -> TrainerSpec:
+        if self.dtype == "bf16" and self.device == "cpu":
+            raise ValueError("dtype: bf16 needs device cuda (or auto on a CUDA host), not cpu")
+        if self.strategy == "fsdp" and self.kl_coef > 0:
+            raise ValueError(
+                "kl_coef: the KL reference model is not sharded; use strategy ddp with kl_coef > 0"
+            )
+        return self
 
 
 class RolloutSpec(_Strict):

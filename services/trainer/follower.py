@@ -41,6 +41,8 @@ from robustrl.core.runtime import ServiceRuntime, long_lived_objects
 from services.trainer.config import TrainerSettings
 
 if TYPE_CHECKING:
+    import torch
+
     from services.trainer.grpo import GRPOTrainer, Sample
 
 log = get_logger(__name__)
@@ -77,18 +79,33 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def load_trainer(spec: JobSpec) -> GRPOTrainer:
-    """The policy from `model.path` and its GRPO trainer, loaded as rank 0 loads them."""
+def load_model(spec: JobSpec, rank: int) -> tuple[torch.nn.Module, int]:
+    """The policy from `model.path` on this rank's device, loaded as rank 0 loads it, and the
+    tokenizer's pad id."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from services.trainer.grpo import GRPOTrainer, grpo_config
+    from services.trainer.devices import compute_for
 
+    compute = compute_for(spec.trainer, rank)
     path = Path(spec.model.path)
     torch.manual_seed(spec.seed)
     tokenizer = AutoTokenizer.from_pretrained(path)
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
-    return GRPOTrainer(model, grpo_config(spec), pad_id=int(tokenizer.pad_token_id))
+    model: torch.nn.Module = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    model.to(compute.device)
+    return model, int(tokenizer.pad_token_id)
+
+
+def make_trainer(spec: JobSpec, rank: int, model: torch.nn.Module, pad_id: int) -> GRPOTrainer:
+    """The GRPO trainer of `model`; an fsdp job's shards it first (the group must be up)."""
+    from services.trainer.devices import compute_for
+    from services.trainer.grpo import GRPOTrainer, grpo_config
+    from services.trainer.ranks.sharding import shard_model
+
+    if spec.trainer.strategy == "fsdp":
+        model = shard_model(model)
+    autocast = compute_for(spec.trainer, rank).autocast
+    return GRPOTrainer(model, grpo_config(spec), pad_id=pad_id, autocast=autocast)
 
 
 def _nan_injector(
@@ -119,24 +136,50 @@ def _count_nonfinite(progress: Progress, where: str, step: int) -> None:
 def run_rank(args: argparse.Namespace, spec: JobSpec, progress: Progress, threads: int) -> int:
     """The follower's work, on a thread of its own; returns the exit code."""
     progress.enter("loading")
+    sharded = spec.trainer.strategy == "fsdp"
     with long_lived_objects(start=True):
         import torch
 
         from services.trainer import ranks
+        from services.trainer.devices import compute_for
 
         torch.set_num_threads(threads)
-        trainer = load_trainer(spec)
-    group = ranks.RankGroup(args.rank, args.world_size, args.master, progress, args.timeout)
+        compute = compute_for(spec.trainer, args.rank)
+        if compute.device.type == "cuda":
+            torch.cuda.set_device(compute.device)
+        # Loaded before the group forms: rank 0 waits in the first collective meanwhile.
+        model, pad_id = load_model(spec, args.rank)
+    group = ranks.RankGroup(
+        args.rank,
+        args.world_size,
+        args.master,
+        progress,
+        args.timeout,
+        backend=compute.backend,
+        sharded=sharded,
+    )
+    written = None
     try:
         progress.enter("starting_ranks")
         group.init()
-        group.broadcast_state(trainer.model, trainer.optimizer)
+        with long_lived_objects(start=True):
+            trainer = make_trainer(spec, args.rank, model, pad_id)
+        if sharded:
+            ranks.start_sharded(group, trainer, "", {})
+        else:
+            group.broadcast_state(trainer.model, trainer.optimizer)
         while True:
             progress.enter("waiting_data")
             order = group.broadcast_batch(None)
             if order is None:
+                if written is not None:
+                    written.result()  # this rank's part of the last checkpoint is on disk
                 log.info("trainer.follower_done", job=args.job, rank=args.rank)
                 return 0
+            if isinstance(order, ranks.SaveOrder):
+                progress.enter("checkpoint")
+                written = ranks.save_rank(group, trainer, order, written)
+                continue
             if order.step + 1 == args.stop_at_step:
                 progress.enter("forward_backward")
                 log.warning("trainer.fault_injected", step=order.step + 1, fault="sigstop")
@@ -150,6 +193,9 @@ def run_rank(args: argparse.Namespace, spec: JobSpec, progress: Progress, thread
             outcome = ranks.run_step(
                 group, trainer, order, inject=_nan_injector(spec, args.rank, order.step)
             )
+            if sharded:
+                with group.collective("gather_weights"):
+                    ranks.gather_full(trainer.model)  # rank 0 keeps the whole weights
             if outcome.metrics.nonfinite_where:
                 _count_nonfinite(progress, outcome.metrics.nonfinite_where, order.step + 1)
             progress.set_counter("step", float(order.step + 1))

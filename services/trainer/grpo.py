@@ -11,6 +11,7 @@ Logprobs here follow the engine's convention (robustrl/generation/engine.py):
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import math
 from collections.abc import Callable, Sequence
@@ -216,10 +217,21 @@ def policy_loss(
 class GRPOTrainer:
     """Policy, AdamW and (when kl_coef > 0) a frozen reference copy; one ``step`` per batch."""
 
-    def __init__(self, model: torch.nn.Module, config: GRPOConfig, pad_id: int) -> None:
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        config: GRPOConfig,
+        pad_id: int,
+        *,
+        autocast: torch.dtype | None = None,
+    ) -> None:
+        """``model`` on its device (its parameters may be FSDP2 shards); ``autocast``: the
+        forward's and backward's autocast dtype (bf16 mixed precision), None for fp32."""
         self.model = model
         self.config = config
         self.pad_id = pad_id
+        self.autocast = autocast
+        self.device = next(model.parameters()).device
         self.ref_model: torch.nn.Module | None = None
         if config.kl_coef > 0:
             self.ref_model = copy.deepcopy(model).eval()
@@ -249,6 +261,7 @@ class GRPOTrainer:
         *,
         token_normaliser: int | None = None,
         before_optimizer: Callable[[bool], bool] | None = None,
+        passes: int | None = None,
     ) -> StepMetrics:
         """One optimizer step on ``samples``; skips the update when anything is non-finite.
 
@@ -259,6 +272,11 @@ class GRPOTrainer:
         clipping, with whether this rank saw a non-finite loss or gradient; it sums the
         gradients over the ranks and returns whether any rank saw one. A shard may then be
         empty: the rank still joins the sum with zero gradients.
+
+        ``passes``: FSDP2 ranks gather and reduce their shards in every forward and backward,
+        so each rank runs exactly this many forward/backward passes (`passes_for`, the most any
+        rank needs), the missing ones on a one-token input with a zero loss, and runs the
+        backward of a non-finite loss too (the step is then skipped on every rank).
         """
         if not samples and before_optimizer is None:
             raise ValueError("cannot train on an empty batch")
@@ -270,13 +288,21 @@ class GRPOTrainer:
         size = cfg.micro_batch_size or max(1, len(samples))
         loss_total, ratio_sum, clipped, kl_sum = 0.0, 0.0, 0.0, 0.0
         where = ""
-        for start in range(0, len(samples), size):
-            chunk = samples[start : start + size]
-            input_ids, attention, mask, old, adv = batch_tensors(chunk, self.pad_id)
-            logp = token_logprobs(self.model, input_ids, attention, cfg.temperature)
+        chunks = [samples[start : start + size] for start in range(0, len(samples), size)]
+        if passes is not None:
+            chunks += [[]] * (passes - len(chunks))
+        for chunk in chunks:
+            if not chunk:
+                self._idle_pass()
+                continue
+            input_ids, attention, mask, old, adv = (
+                t.to(self.device) for t in batch_tensors(chunk, self.pad_id)
+            )
+            with self._precision():
+                logp = token_logprobs(self.model, input_ids, attention, cfg.temperature)
             ref_logp = None
             if self.ref_model is not None:
-                with torch.no_grad():
+                with torch.no_grad(), self._precision():
                     ref_logp = token_logprobs(self.ref_model, input_ids, attention, cfg.temperature)
             parts = policy_loss(
                 logp,
@@ -291,7 +317,12 @@ class GRPOTrainer:
             )
             if not torch.isfinite(parts.loss):
                 where = "loss"
-                break
+                if passes is None:
+                    break
+                # The other ranks' collectives wait for this backward: a zero loss through
+                # the same graph (the step is skipped on every rank anyway).
+                (torch.nan_to_num(logp, nan=0.0, posinf=0.0, neginf=0.0) * 0.0).sum().backward()
+                continue
             parts.loss.backward()
             loss_total += float(parts.loss.detach())
             ratio_sum += parts.ratio_sum
@@ -339,10 +370,35 @@ class GRPOTrainer:
             nonfinite_where=where,
         )
 
+    def passes_for(self, samples: int) -> int:
+        """Forward/backward passes a step over `samples` samples takes."""
+        size = self.config.micro_batch_size or max(1, samples)
+        return -(-samples // size)
+
+    def _idle_pass(self) -> None:
+        """A forward and backward that change no gradient: an FSDP2 rank with nothing (more)
+        to train still joins its group's gathers and reductions."""
+        ids = torch.full((1, 2), self.pad_id, dtype=torch.long, device=self.device)
+        with self._precision():
+            logits = self.model(input_ids=ids, use_cache=False).logits
+        (logits.float().sum() * 0.0).backward()
+
+    def _precision(self) -> contextlib.AbstractContextManager[object]:
+        if self.autocast is None:
+            return contextlib.nullcontext()
+        return torch.autocast(self.device.type, dtype=self.autocast)
+
 
 def _grads_finite(model: torch.nn.Module) -> bool:
-    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    """This rank's gradients are finite (an FSDP2 rank looks at its own shard of each)."""
+    grads = [_local(p.grad) for p in model.parameters() if p.grad is not None]
     return not grads or bool(torch.stack([torch.isfinite(g).all() for g in grads]).all())
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor's shard on this rank; any other tensor itself."""
+    to_local = getattr(t, "to_local", None)
+    return to_local() if callable(to_local) else t
 
 
 def grpo_config(spec: JobSpec) -> GRPOConfig:

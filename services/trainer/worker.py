@@ -38,6 +38,7 @@ from services.trainer import checkpoint, grpo
 from services.trainer.acks import RolloutAcks
 from services.trainer.batches import InjectedError, step_inputs, step_metrics
 from services.trainer.config import TrainerSettings
+from services.trainer.devices import Compute, compute_for
 from services.trainer.evaluation import Evaluation
 from services.trainer.intake import Group, Intake, TrainedGroups
 from services.trainer.publishing import open_transport, publish_weights
@@ -88,7 +89,13 @@ class TrainerWorker:
         self.data_arrived = asyncio.Event()
         self.transport: WeightTransport | None = None
         self.ranks: LeaderRanks | None = None
-        """Ranks 1..N-1 (spec.trainer.world_size > 1); this process is rank 0."""
+        """Ranks 1..N-1 (spec.trainer.world_size > 1, or an fsdp job); this process is rank 0."""
+        self.sharded = spec.trainer.strategy == "fsdp"
+        """FSDP2 ranks: `self.model` is then the whole weights rank 0 gathers after each step
+        (to publish and evaluate), and the ranks train their shards."""
+        self.restore_from: Path | None = None
+        """The sharded checkpoint the FSDP2 ranks read at their start."""
+        self.compute: Compute | None = None
         self.fences: FenceSet | None = None
         assert runtime.client is not None
         self.coordinator = CoordinatorClient(runtime.client, runtime.keys)
@@ -122,6 +129,9 @@ class TrainerWorker:
 
         torch.set_num_threads(self.settings.torch_threads)
         spec = self.spec
+        self.compute = compute_for(spec.trainer)
+        if self.compute.device.type == "cuda":
+            torch.cuda.set_device(self.compute.device)
         path = Path(spec.model.path)
         if not (path / "config.json").exists():
             raise InvalidArgument(
@@ -132,8 +142,12 @@ class TrainerWorker:
         with long_lived_objects():
             self.tokenizer = AutoTokenizer.from_pretrained(path)
             self.model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+            self.model.to(self.compute.device)
         self.trainer = grpo.GRPOTrainer(
-            self.model, grpo.grpo_config(spec), pad_id=int(self.tokenizer.pad_token_id)
+            self.model,
+            grpo.grpo_config(spec),
+            pad_id=int(self.tokenizer.pad_token_id),
+            autocast=self.compute.autocast,
         )
         if spec.trainer.weight_transport == "ucx":
             warm_up_ucxx()
@@ -156,8 +170,19 @@ class TrainerWorker:
         )
         self.run_logs.owner = self.checkpoints
         restored = checkpoint.load_latest(self.run_dir / "checkpoints")
+        if restored is not None and self.sharded:
+            if not restored.sharded:
+                raise InvalidArgument(
+                    f"trainer.strategy: fsdp restores sharded checkpoints, and {restored.path} "
+                    "holds a whole model (a ddp job's)"
+                )
+            # Every rank reads its own part when the ranks start (ranks/sharding.py).
+            self.restore_from = restored.path
+            checkpoint.restore_rng(restored.rng)
         if restored is not None:
-            self.step = checkpoint.restore(restored, self.model, self.trainer.optimizer)
+            if not self.sharded:
+                checkpoint.restore(restored, self.model, self.trainer.optimizer)
+            self.step = restored.step
             self.durable_step = self.restored_step = self.step
             self.intake.trained_groups = TrainedGroups.from_json(
                 restored.extra.get("trained_groups", [])
@@ -215,7 +240,7 @@ class TrainerWorker:
             self.fences.start()
             self.transport = await open_transport(self.runtime, spec, self.job_id, self.epoch)
             log.info("trainer.weights_transport", kind=self.transport.name)
-            if spec.trainer.world_size > 1:
+            if spec.trainer.world_size > 1 or self.sharded:
                 await self._start_ranks()
             await self._publish()
             if self.step == 0:
@@ -283,11 +308,12 @@ class TrainerWorker:
             )
 
     async def _start_ranks(self) -> None:
-        """Start ranks 1..N-1 on this host and give them this rank's (maybe restored) state."""
-        assert self.trainer is not None
+        """Start ranks 1..N-1 on this host and give them this rank's (maybe restored) state
+        (FSDP2 ranks read their parts of the restored checkpoint)."""
+        assert self.trainer is not None and self.compute is not None
         spec_path = self.run_dir / "spec.json"
         spec_path.write_text(self.spec.model_dump_json())
-        self.ranks = LeaderRanks(self.progress)
+        self.ranks = LeaderRanks(self.progress, backend=self.compute.backend, sharded=self.sharded)
         await asyncio.to_thread(
             self.ranks.start,
             self.trainer,
@@ -298,6 +324,7 @@ class TrainerWorker:
             instance_id=self.runtime.instance_id,
             settings=self.runtime.settings,
             torch_threads=self.settings.torch_threads,
+            restore_from=self.restore_from,
         )
         log.info("trainer.ranks_started", job=self.job_id, world_size=self.spec.trainer.world_size)
 
@@ -374,12 +401,19 @@ class TrainerWorker:
         self.progress.enter("checkpoint")
         self.acks.checkpointing(self.step)
         trainer, step = self.trainer, self.step
+        extra = {"trained_groups": self.intake.trained_groups.to_json(), "job_id": self.job_id}
+        if self.ranks is not None and self.ranks.is_sharded:
+            # Every rank copies its shards off and writes them in the background.
+            folder = checkpoint.new_tmp(self.run_dir / "checkpoints", step, self.epoch)
+            written = await asyncio.to_thread(self.ranks.save, step, folder)
+            self.checkpoints.save(
+                checkpoint.ShardedSnapshot(
+                    step, folder, written, checkpoint.capture_rng(), checkpoint.json_copy(extra)
+                )
+            )
+            return
 
         def snapshot() -> checkpoint.Snapshot:
-            extra = {
-                "trained_groups": self.intake.trained_groups.to_json(),
-                "job_id": self.job_id,
-            }
             return checkpoint.to_host(
                 self.model, trainer.optimizer, step, checkpoint.capture_rng(), extra
             )

@@ -26,7 +26,7 @@ from services.monitor import progress_detectors
 from services.monitor.config import MonitorSettings
 from services.monitor.server import serve as serve_monitor
 from services.trainer.config import TrainerSettings
-from services.trainer.follower import EXIT_FAILED, load_trainer
+from services.trainer.follower import EXIT_FAILED, load_model, make_trainer
 from services.trainer.grpo import GRPOTrainer, Sample, StepMetrics, completion_logprobs
 from services.trainer.ranks import LeaderRanks, RankExited, fingerprint
 from services.trainer.worker import JOB_ERRORS
@@ -82,7 +82,12 @@ async def _rank_0(etcd_settings: EtcdSettings, model_dir: Path, tmp_path: Path) 
     await runtime.start()
     runtime.progress.job_id = JOB
     await runtime.update_member(job_id=JOB)
-    return runtime, load_trainer(spec), LeaderRanks(runtime.progress, timeout_s=60), spec_path
+    return (
+        runtime,
+        make_trainer(spec, 0, *load_model(spec, 0)),
+        LeaderRanks(runtime.progress, timeout_s=60),
+        spec_path,
+    )
 
 
 async def _start_rank_1(rank_0: RankZero, etcd_settings: EtcdSettings, *args: str) -> None:
@@ -222,7 +227,8 @@ async def test_ranks_train_alike_and_a_rank_stopped_in_a_step_is_named(
 async def test_a_follower_that_dies_before_joining_fails_the_start_at_once(
     etcd_settings: EtcdSettings, tiny_model_dir: Path, tmp_path: Path
 ) -> None:
-    trainer = load_trainer(JobSpec(name="ranks", model=ModelSpec(path=str(tiny_model_dir))))
+    spec = JobSpec(name="ranks", model=ModelSpec(path=str(tiny_model_dir)))
+    trainer = make_trainer(spec, 0, *load_model(spec, 0))
     progress = Progress(phase="loading")
     leader = LeaderRanks(progress, timeout_s=60)
     started = time.monotonic()

@@ -117,7 +117,7 @@ def test_latest_pointer_and_pruning(tmp_path: Path) -> None:
     assert writer.durable_step == 4
     assert written == [(s, {"step": s}) for s in range(1, 5)]
     meta = json.loads((tmp_path / "step-4" / "meta.json").read_text())
-    assert meta == {"format": 1, "step": 4, "extra": {"step": 4}}
+    assert meta == {"format": 1, "step": 4, "extra": {"step": 4}, "sharded": False}
     ckpt = load_latest(tmp_path)
     assert ckpt is not None and ckpt.step == 4
     assert load_checkpoint(tmp_path / "step-3").step == 3

@@ -18,11 +18,18 @@ from robustrl.core.heartbeat import Progress
 from services.trainer.grpo import GRPOConfig, GRPOTrainer, Sample, completion_logprobs
 from services.trainer.ranks import (
     RankGroup,
+    SaveOrder,
     StepOrder,
     fingerprint,
+    gather_full,
+    local_numel,
+    optimizer_numel,
     run_step,
+    save_rank,
     shard,
+    start_sharded,
 )
+from services.trainer.ranks.sharding import load_sharded, shard_model
 
 PAD = 0
 CONFIG = GRPOConfig(lr=1e-2)
@@ -181,3 +188,106 @@ def test_two_gloo_ranks_take_the_single_rank_step(tiny_model_dir: Path, tmp_path
     for name, value in ranks[0]["state"].items():
         assert torch.equal(value, ranks[1]["state"][name]), name
     assert fingerprint(single.model) == pytest.approx(ranks[0]["results"][-1]["fingerprints"][0])
+
+
+# --- FSDP2 ranks: the same step, half the state each, checkpoints across world sizes ----------
+
+
+def _fsdp_rank_main(
+    rank: int,
+    world_size: int,
+    master: str,
+    tiny_model_dir: Path,
+    out: Path,
+    check: Callable[[], None] | None = None,
+) -> None:
+    """An FSDP2 group of `world_size`: world 1 takes the first step alone and writes a sharded
+    checkpoint; world 2 starts from it, trains the batches and writes its own."""
+    torch.set_num_threads(1)
+    group = RankGroup(rank, world_size, master, Progress(), timeout_s=30, sharded=True)
+    group.init(check)
+    try:
+        plain = _trainer(tiny_model_dir)
+        before, batches = _batches(plain)
+        trainer = GRPOTrainer(shard_model(_trainer(tiny_model_dir).model), CONFIG, pad_id=PAD)
+        restore = str(out / "one") if world_size == 2 else ""
+        started = start_sharded(group, trainer, restore, plain.model.state_dict())
+        todo = [before] if world_size == 1 else batches
+        results = [run_step(group, trainer, StepOrder(s, b)).metrics for s, b in enumerate(todo)]
+        held = {
+            "params": local_numel(trainer.model.parameters()),
+            "optimizer": optimizer_numel(trainer.optimizer),
+        }
+        name = "one" if world_size == 1 else "two"
+        save_rank(group, trainer, SaveOrder(len(todo), str(out / name)), None).result()
+        with group.collective("gather_weights"):
+            full = gather_full(trainer.model)
+        torch.save(
+            {"started": started, "full": full, "results": results, "held": held},
+            out / f"{name}-rank{rank}.pt",
+        )
+    finally:
+        group.close()
+
+
+@pytest.mark.timeout(120)
+def test_fsdp_ranks_take_the_single_rank_step_hold_half_and_restore_at_any_size(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    # World 1: this process alone, the first step, a sharded checkpoint ("one").
+    _fsdp_rank_main(0, 1, f"127.0.0.1:{free_port()}", tiny_model_dir, tmp_path)
+    # World 2: this process and a spawned one, from "one", then the batches, then "two".
+    master = f"127.0.0.1:{free_port()}"
+    peer = mp.get_context("spawn").Process(
+        target=_fsdp_rank_main, args=(1, 2, master, tiny_model_dir, tmp_path)
+    )
+    peer.start()
+
+    def peer_alive() -> None:
+        assert peer.exitcode is None, f"rank 1 exited with {peer.exitcode}"
+
+    try:
+        _fsdp_rank_main(0, 2, master, tiny_model_dir, tmp_path, peer_alive)
+        peer.join(30)
+        assert peer.exitcode == 0
+    finally:
+        if peer.is_alive():
+            peer.kill()
+            peer.join()
+    one = torch.load(tmp_path / "one-rank0.pt", weights_only=False)
+    ranks = [torch.load(tmp_path / f"two-rank{r}.pt", weights_only=False) for r in range(2)]
+
+    # Written by 1 rank, read by 2: bitwise the weights world 1 ended with.
+    for name, value in one["full"].items():
+        assert torch.equal(ranks[0]["started"][name], value), name
+    assert ranks[1]["full"] == {}  # only rank 0 holds the whole weights
+
+    single = _trainer(tiny_model_dir)
+    before, batches = _batches(single)
+    single.step(before)
+    expected = [single.step(batch) for batch in batches]
+    for name, value in single.model.state_dict().items():
+        assert torch.allclose(ranks[0]["full"][name], value, atol=1e-5, rtol=0), name
+    for got in ranks:
+        for step, (m, want) in enumerate(zip(got["results"], expected, strict=True)):
+            assert m.nonfinite == want.nonfinite and m.stepped == want.stepped, step
+            if want.stepped:  # the batch's metrics, summed over the ranks
+                assert m.loss == pytest.approx(want.loss, rel=1e-4, abs=1e-6)
+                assert m.grad_norm == pytest.approx(want.grad_norm, rel=1e-4)
+                assert m.ratio_mean == pytest.approx(want.ratio_mean, rel=1e-5)
+    # Each rank names only its own NaN (step 3: rank 1's shard holds it); both skipped it.
+    assert [got["results"][2].nonfinite_where for got in ranks] == ["", "loss"]
+
+    # Each rank holds about half of the parameters and of Adam's moments.
+    total = sum(p.numel() for p in single.model.parameters())
+    for got in ranks:
+        assert abs(got["held"]["params"] - total / 2) <= total * 0.05, got["held"]
+        assert abs(got["held"]["optimizer"] - total) <= total * 0.1, got["held"]
+    assert sum(got["held"]["params"] for got in ranks) == total
+
+    # Written by 2 ranks, read by 1 (a whole model, no process group): bitwise.
+    alone = _trainer(tiny_model_dir)
+    load_sharded(alone.model, alone.optimizer, tmp_path / "two", alone=True)
+    for name, value in alone.model.state_dict().items():
+        assert torch.equal(value, ranks[0]["full"][name]), name
+    assert alone.steps_taken == single.steps_taken == 4

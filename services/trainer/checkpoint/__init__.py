@@ -15,7 +15,12 @@ A write error is not swallowed: it is raised by the next :meth:`CheckpointWriter
 the weights it belongs to (the trainer keeps its committed-trajectory watermark there).
 
 Layout of a checkpoint folder: ``model.safetensors``, ``optimizer.pt``, ``rng.pt`` and
-``meta.json`` (``{"format": 1, "step": N, "extra": {...}}``). Which trainer epoch owns the
+``meta.json`` (``{"format": 1, "step": N, "extra": {...}, "sharded": false}``). FSDP2 ranks
+(``trainer.strategy: fsdp``) write a sharded one instead: every rank its shards through
+torch.distributed.checkpoint (``__<rank>_0.distcp`` and DCP's ``.metadata``) into the
+temporary folder, asynchronously (:class:`ShardedSnapshot`); the writer adds ``rng.pt`` and
+``meta.json`` (``"sharded": true``) and publishes it the same way. It restores at any world
+size, and into a single whole model. Which trainer epoch owns the
 directory, and the names that keep a fenced writer from overwriting its replacement's, are
 ``folder.py``'s; reading a checkpoint back and restoring it, ``reader.py``'s.
 """
@@ -24,6 +29,7 @@ from services.trainer.checkpoint.folder import (
     CheckpointError,
     Superseded,
     claim,
+    new_tmp,
     newer_owner,
     owner_epoch,
     pointer_name,
@@ -33,8 +39,10 @@ from services.trainer.checkpoint.folder import (
 from services.trainer.checkpoint.reader import Checkpoint, load_checkpoint, load_latest, restore
 from services.trainer.checkpoint.snapshot import (
     RngState,
+    ShardedSnapshot,
     Snapshot,
     capture_rng,
+    json_copy,
     restore_rng,
     to_host,
 )
@@ -45,12 +53,15 @@ __all__ = [
     "CheckpointError",
     "CheckpointWriter",
     "RngState",
+    "ShardedSnapshot",
     "Snapshot",
     "Superseded",
     "capture_rng",
     "claim",
+    "json_copy",
     "load_checkpoint",
     "load_latest",
+    "new_tmp",
     "newer_owner",
     "owner_epoch",
     "pointer_name",

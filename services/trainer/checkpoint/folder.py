@@ -110,6 +110,15 @@ def step_name(step: int, epoch: int | None) -> str:
     return f"step-{step}" if epoch is None else f"step-{step}.e{epoch}"
 
 
+def new_tmp(directory: Path, step: int, epoch: int | None) -> Path:
+    """A fresh folder to write step `step`'s checkpoint into before it is renamed into place
+    (a writer that dies leaves it; the next writer of the directory clears it)."""
+    directory.mkdir(parents=True, exist_ok=True)
+    tmp = directory / f".tmp-{step_name(step, epoch)}-{uuid.uuid4().hex[:8]}"
+    tmp.mkdir()
+    return tmp
+
+
 def pointer_name(epoch: int | None) -> str:
     """The pointer file of trainer ``epoch``'s writer."""
     return LATEST if epoch is None else f"{LATEST}.e{epoch}"

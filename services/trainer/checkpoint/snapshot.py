@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import json
 import random
+from concurrent.futures import Future
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -81,6 +83,20 @@ class Snapshot:
     extra: dict[str, Any]
 
 
+@dataclass(frozen=True)
+class ShardedSnapshot:
+    """A checkpoint FSDP2 ranks are writing (torch.distributed.checkpoint) into `folder`, a
+    temporary folder of the checkpoint directory (`folder.new_tmp`): the model and optimizer
+    shards of every rank are copied off already, and `written` completes once every rank's
+    part and DCP's metadata are on disk. The writer then adds rank 0's RNG and the meta."""
+
+    step: int
+    folder: Path
+    written: Future[Any]
+    rng: RngState
+    extra: dict[str, Any]
+
+
 def _to_cpu(obj: Any) -> Any:
     if isinstance(obj, torch.Tensor):
         return obj.detach().to("cpu", copy=True)
@@ -91,6 +107,18 @@ def _to_cpu(obj: Any) -> Any:
     if isinstance(obj, tuple):
         return tuple(_to_cpu(v) for v in obj)
     return obj
+
+
+def json_copy(extra: dict[str, Any] | None) -> dict[str, Any]:
+    """`extra` copied through JSON (later changes by the caller do not leak into a snapshot);
+    ValueError unless it is a JSON object."""
+    try:
+        copied = json.loads(json.dumps(extra or {}, allow_nan=False))
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"checkpoint extra must be JSON-serialisable: {e}") from e
+    if not isinstance(copied, dict):
+        raise ValueError("checkpoint extra must be a JSON object")
+    return copied
 
 
 def to_host(
@@ -105,12 +133,7 @@ def to_host(
     ``rng_state`` defaults to the generators' state now. ``extra`` must be JSON-serialisable;
     it is copied, so later changes by the caller do not leak into the snapshot.
     """
-    try:
-        extra_copy = json.loads(json.dumps(extra or {}, allow_nan=False))
-    except (TypeError, ValueError) as e:
-        raise ValueError(f"checkpoint extra must be JSON-serialisable: {e}") from e
-    if not isinstance(extra_copy, dict):
-        raise ValueError("checkpoint extra must be a JSON object")
+    extra_copy = json_copy(extra)
     return Snapshot(
         step=step,
         model_state={

@@ -18,12 +18,12 @@ from safetensors.torch import save_file
 
 from services.trainer.checkpoint import folder
 from services.trainer.checkpoint.folder import CheckpointError, Superseded
-from services.trainer.checkpoint.snapshot import Snapshot, rng_to_plain
+from services.trainer.checkpoint.snapshot import ShardedSnapshot, Snapshot, rng_to_plain
 
 
 def write_snapshot(
     directory: str | Path,
-    snapshot: Snapshot,
+    snapshot: Snapshot | ShardedSnapshot,
     *,
     keep: int,
     epoch: int | None = None,
@@ -39,15 +39,26 @@ def write_snapshot(
     its own epoch's names, which its replacement's pointer outranks.
     """
     directory = Path(directory)
-    directory.mkdir(parents=True, exist_ok=True)
     name = folder.step_name(snapshot.step, epoch)
-    tmp = directory / f".tmp-{name}-{uuid.uuid4().hex[:8]}"
-    tmp.mkdir()
+    sharded = isinstance(snapshot, ShardedSnapshot)
+    if isinstance(snapshot, ShardedSnapshot):
+        tmp = snapshot.folder
+    else:
+        tmp = folder.new_tmp(directory, snapshot.step, epoch)
     try:
-        save_file(snapshot.model_state, str(tmp / "model.safetensors"))
-        torch.save(snapshot.optimizer_state, tmp / "optimizer.pt")
+        if isinstance(snapshot, ShardedSnapshot):
+            # Every rank's shards (`__<rank>_0.distcp`) and DCP's `.metadata`.
+            snapshot.written.result()
+        else:
+            save_file(snapshot.model_state, str(tmp / "model.safetensors"))
+            torch.save(snapshot.optimizer_state, tmp / "optimizer.pt")
         torch.save(rng_to_plain(snapshot.rng), tmp / "rng.pt")
-        meta = {"format": folder.FORMAT_VERSION, "step": snapshot.step, "extra": snapshot.extra}
+        meta = {
+            "format": folder.FORMAT_VERSION,
+            "step": snapshot.step,
+            "extra": snapshot.extra,
+            "sharded": sharded,
+        }
         (tmp / "meta.json").write_text(json.dumps(meta, indent=2) + "\n")
         for f in tmp.iterdir():
             folder.fsync_file(f)
@@ -102,6 +113,15 @@ def _prune(directory: Path, *, keep: int, epoch: int | None, current: Path) -> N
             shutil.rmtree(path, ignore_errors=True)
 
 
+def _drop(snapshot: Snapshot | ShardedSnapshot) -> None:
+    """A snapshot that will not be written: a sharded one's folder goes once the ranks are
+    done writing into it."""
+    if isinstance(snapshot, ShardedSnapshot):
+        snapshot.written.add_done_callback(
+            lambda _: shutil.rmtree(snapshot.folder, ignore_errors=True)
+        )
+
+
 class CheckpointWriter:
     """Writes snapshots from one background thread.
 
@@ -138,7 +158,7 @@ class CheckpointWriter:
         self.on_written = on_written
         self.durable_step: int | None = None
         """Step of the newest checkpoint known to be complete on disk."""
-        self._pending: Snapshot | None = None
+        self._pending: Snapshot | ShardedSnapshot | None = None
         self._busy = False
         self._error: BaseException | None = None
         self._closed = False
@@ -149,7 +169,7 @@ class CheckpointWriter:
         self._thread = threading.Thread(target=self._run, name="checkpoint-writer", daemon=True)
         self._thread.start()
 
-    def save(self, snapshot: Snapshot) -> None:
+    def save(self, snapshot: Snapshot | ShardedSnapshot) -> None:
         """Queue ``snapshot`` for writing and return at once; raises an earlier write's error,
         and Superseded once a newer epoch has claimed the directory."""
         with self._cond:
@@ -158,7 +178,10 @@ class CheckpointWriter:
             if self._closed:
                 raise CheckpointError("checkpoint writer is closed")
             if self._abandoned:
+                _drop(snapshot)
                 return
+            if self._pending is not None:
+                _drop(self._pending)
             self._pending = snapshot
             self._cond.notify_all()
 
@@ -180,6 +203,8 @@ class CheckpointWriter:
         longer raised (the newer trainer clearing the unfinished write it found is one)."""
         with self._cond:
             self._abandoned = True
+            if self._pending is not None:
+                _drop(self._pending)
             self._pending = None
             self._error = None
             self._cond.notify_all()

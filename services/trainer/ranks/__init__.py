@@ -52,22 +52,40 @@ from services.trainer.ranks.leader import (
     LeaderRanks,
     RankExited,
     RanksDiverged,
+    save_rank,
+    start_sharded,
 )
-from services.trainer.ranks.step import StepOrder, StepOutcome, fingerprint, run_step, shard
+from services.trainer.ranks.sharding import gather_full, local_numel, optimizer_numel
+from services.trainer.ranks.step import (
+    Order,
+    SaveOrder,
+    StepOrder,
+    StepOutcome,
+    fingerprint,
+    run_step,
+    shard,
+)
 
 __all__ = [
     "IDLE_WAIT",
     "RANK_EXIT_GRACE",
     "LeaderRanks",
+    "Order",
     "RankExited",
     "RankGroup",
     "RanksDiverged",
+    "SaveOrder",
     "StepOrder",
     "StepOutcome",
     "fingerprint",
     "follower_instance_id",
+    "gather_full",
+    "local_numel",
+    "optimizer_numel",
     "run_step",
+    "save_rank",
     "shard",
     "spawn_followers",
+    "start_sharded",
     "stop_followers",
 ]

@@ -16,7 +16,7 @@ import torch.distributed as dist
 
 from robustrl.core.heartbeat import Progress
 from robustrl.core.logs import get_logger
-from services.trainer.ranks.step import StepOrder
+from services.trainer.ranks.step import Order, SaveOrder, StepOrder
 
 log = get_logger(__name__)
 
@@ -40,7 +40,12 @@ class RankGroup:
         timeout_s: float,
         *,
         warn_after: float | None = None,
+        backend: str = "gloo",
+        sharded: bool = False,
     ) -> None:
+        """`backend`: the process group's (gloo; "cpu:gloo,cuda:nccl" for CUDA ranks).
+        `sharded`: an FSDP2 group (`sharding.py`), which also opens a second gloo group for
+        the checkpoint writes."""
         host, _, port = master.rpartition(":")
         if not host or not port.isdigit():
             raise ValueError(f"master {master!r} is not host:port")
@@ -53,6 +58,10 @@ class RankGroup:
         self.progress = progress
         self.timeout = timedelta(seconds=timeout_s)
         self.warn_after = warn_after if warn_after is not None else min(30.0, timeout_s / 2)
+        self.backend = backend
+        self.sharded = sharded
+        self.checkpoint_group: dist.ProcessGroup | None = None
+        """An FSDP2 group's second gloo group, for DCP's writes in their own thread."""
         self.seq = 0
         self.broken = False
         """A collective failed: the group cannot be used again (close it)."""
@@ -120,9 +129,15 @@ class RankGroup:
             store.set(_JOINED.format(rank=self.rank), "1")
             self._store = store
         dist.init_process_group(
-            "gloo", store=store, rank=self.rank, world_size=self.world_size, timeout=self.timeout
+            self.backend,
+            store=store,
+            rank=self.rank,
+            world_size=self.world_size,
+            timeout=self.timeout,
         )
         self._initialised = True
+        if self.sharded:
+            self.checkpoint_group = dist.new_group(backend="gloo", timeout=self.timeout)
         self._watchdog = threading.Thread(target=self._watch, name="collective-watchdog")
         self._watchdog.daemon = True
         self._watchdog.start()
@@ -136,6 +151,7 @@ class RankGroup:
             with contextlib.suppress(Exception):  # after a peer died; nothing left to do
                 dist.destroy_process_group()
         self._store = self._signals = None
+        self.checkpoint_group = None
         counters = {k: v for k, v in self.progress.counters.items() if k != "collective_seq"}
         self.progress.counters = counters
 
@@ -193,8 +209,8 @@ class RankGroup:
     # ------------------------------------------------------------------ collectives
 
     def broadcast_batch(
-        self, order: StepOrder | None, *, timeout_s: float | None = None
-    ) -> StepOrder | None:
+        self, order: Order | None, *, timeout_s: float | None = None
+    ) -> Order | None:
         """Rank 0 sends `order` (None: stop) to every rank; every rank returns it.
 
         Followers pass None and first wait, idle and without a timeout, until rank 0 is
@@ -214,7 +230,7 @@ class RankGroup:
             assert self._store is not None
             # Every rank waited for this key before it could join the broadcast just done.
             self._store.delete_key(go)
-        return received if isinstance(received, StepOrder) else None
+        return received if isinstance(received, StepOrder | SaveOrder) else None
 
     def broadcast_state(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
         """Every rank takes rank 0's parameters, buffers and optimizer state."""
@@ -269,6 +285,20 @@ class RankGroup:
             else:
                 p.grad = summed.to(p.dtype).clone()
         return bool(flags[-1] > 0)
+
+    def share_start(self, restore_from: str) -> str:
+        """Rank 0's checkpoint to restore at the start (a sharded one, read by every rank; ""
+        for none), on every rank."""
+        with self.collective("share_start"):
+            received = self._broadcast_object(restore_from if self.rank == 0 else None)
+        assert isinstance(received, str)
+        return received
+
+    def any_rank(self, flag: bool) -> bool:
+        """Whether `flag` is true on any rank (unwatched: call it inside a watched step)."""
+        t = torch.tensor([1.0 if flag else 0.0])
+        dist.all_reduce(t)
+        return bool(t.item() > 0)
 
     def gather_step(self, values: Sequence[float]) -> list[list[float]]:
         """Every rank's `values` (same length everywhere), in rank order."""

@@ -39,19 +39,34 @@ class StepOrder:
 
 
 @dataclass(frozen=True)
+class SaveOrder:
+    """What rank 0 broadcasts for a sharded checkpoint (FSDP2): every rank writes its shards
+    of the state after step `step` into `path` (`sharding.save_sharded`)."""
+
+    step: int
+    path: str
+
+
+Order = StepOrder | SaveOrder
+
+
+@dataclass(frozen=True)
 class StepOutcome:
     metrics: StepMetrics
     """The batch's metrics (summed over ranks), except `nonfinite_where`: this rank's."""
     fingerprints: list[tuple[float, float]]
-    """Per rank, after the step: (sum, sum of squares) of its parameters, in float64."""
+    """Per rank, after the step: (sum, sum of squares) of the parameters it holds (an FSDP2
+    rank: its shards), in float64."""
 
 
 def fingerprint(model: torch.nn.Module) -> tuple[float, float]:
-    """(sum, sum of squares) of every parameter in float64: equal on ranks that agree."""
+    """(sum, sum of squares) of every parameter this rank holds, in float64: equal on ddp
+    ranks that agree."""
     total, squares = 0.0, 0.0
     with torch.no_grad():
         for p in model.parameters():
-            flat = p.detach().double()
+            to_local = getattr(p, "to_local", None)
+            flat = (to_local() if callable(to_local) else p).detach().double()
             total += float(flat.sum())
             squares += float((flat * flat).sum())
     return total, squares
@@ -65,6 +80,7 @@ def run_step(
     inject: Callable[[list[Sample]], list[Sample]] | None = None,
 ) -> StepOutcome:
     """This rank's part of one data-parallel step; every rank calls it with the same order.
+    `trainer.model` is a whole copy (ddp) or this rank's FSDP2 shards (`group.sharded`).
 
     `inject` may change this rank's shard before it trains (deterministic failure
     injection, e.g. a NaN sample).
@@ -75,13 +91,26 @@ def run_step(
         mine = inject(mine)
     tokens = sum(len(s.completion_ids) for s in order.samples)
 
-    def before_optimizer(nonfinite: bool) -> bool:
-        anywhere = group.sync_gradients(trainer.model, nonfinite=nonfinite)
-        progress.enter("optimizer")
-        return anywhere
-
     progress.enter("forward_backward")
-    local = trainer.step(mine, token_normaliser=tokens, before_optimizer=before_optimizer)
+    if group.sharded:
+        # FSDP2 gathers each layer's shards in forward and backward and reduce-scatters its
+        # gradients: collectives all through the step, so the step is one watched collective.
+        passes = max(
+            trainer.passes_for(len(shard(order.samples, r, group.world_size)))
+            for r in range(group.world_size)
+        )
+        with group.collective("fsdp_step"):
+            local = trainer.step(
+                mine, token_normaliser=tokens, before_optimizer=group.any_rank, passes=passes
+            )
+    else:
+
+        def before_optimizer(nonfinite: bool) -> bool:
+            anywhere = group.sync_gradients(trainer.model, nonfinite=nonfinite)
+            progress.enter("optimizer")
+            return anywhere
+
+        local = trainer.step(mine, token_normaliser=tokens, before_optimizer=before_optimizer)
     rows = group.gather_step(
         [
             local.loss,

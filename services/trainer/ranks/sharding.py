@@ -1,0 +1,116 @@
+"""FSDP2 ranks (`trainer.strategy: fsdp`): the model sharded across the group, its full
+weights gathered for rank 0 (which publishes and evaluates them), and the sharded
+checkpoints every rank writes through torch.distributed.checkpoint (DCP).
+
+Every function here that takes a sharded model is a collective: every rank of the group
+calls it, in the same order.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from concurrent.futures import Future
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_state_dict,
+    set_model_state_dict,
+    set_state_dict,
+)
+from torch.distributed.fsdp import FSDPModule, fully_shard
+
+
+def shard_model(model: torch.nn.Module) -> torch.nn.Module:
+    """Shard `model` in place over the default process group: each decoder layer is one FSDP
+    unit (gathered for its forward and backward only), the root holds the rest (embeddings,
+    final norm, head). Build the optimizer afterwards: it must hold the shards.
+
+    Gradients are summed over the ranks, not averaged: each rank's loss is already divided by
+    the whole batch's token count (ranks/step.py). Summed by plain SUM collectives, which gloo
+    has (FSDP would otherwise pre-multiply, which gloo lacks).
+    """
+    units: list[FSDPModule] = []
+    for layer in decoder_layers(model):
+        units.append(fully_shard(layer))
+    units.append(fully_shard(model))
+    for unit in units:
+        unit.set_gradient_divide_factor(1.0)
+        unit.set_force_sum_reduction_for_comms(True)
+    return model
+
+
+def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The repeated blocks of a Hugging Face causal LM (`model.model.layers`)."""
+    inner = getattr(model, "model", None)
+    layers = getattr(inner, "layers", None)
+    if not isinstance(layers, torch.nn.ModuleList):
+        raise ValueError(f"{type(model).__name__} has no model.layers to shard")
+    return list(layers)
+
+
+def local_numel(tensors: Iterable[torch.Tensor]) -> int:
+    """Elements this rank holds of `tensors` (a DTensor's own shard only)."""
+    total = 0
+    for t in tensors:
+        to_local = getattr(t, "to_local", None)
+        total += (to_local() if callable(to_local) else t).numel()
+    return total
+
+
+def optimizer_numel(optimizer: torch.optim.Optimizer) -> int:
+    """Elements of the optimizer state this rank holds (Adam's moments, its shard of them)."""
+    return local_numel(
+        v for state in optimizer.state.values() for v in state.values() if torch.is_tensor(v)
+    )
+
+
+def gather_full(model: torch.nn.Module) -> dict[str, Any]:
+    """The whole model's weights, on the CPU of rank 0; an empty dict on the other ranks."""
+    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    return get_model_state_dict(model, options=options)
+
+
+def broadcast_full(model: torch.nn.Module, state: dict[str, Any]) -> None:
+    """Every rank's shards from rank 0's whole `state` (the other ranks pass {})."""
+    options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
+    set_model_state_dict(model, state, options=options)
+
+
+def save_sharded(
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    path: Path,
+    group: dist.ProcessGroup,
+) -> Future[Any]:
+    """Start writing this rank's shards of the model and optimizer to `path`; returns once
+    they are copied off (DCP stages them), with the write going on in DCP's thread over
+    `group` (its own gloo group, so the write's collectives never meet a step's). The future
+    completes on rank 0 once every rank has written and DCP's `.metadata` is in place."""
+    model_state, optimizer_state = get_state_dict(model, optimizer)
+    future = dcp.async_save(
+        {"model": model_state, "optimizer": optimizer_state},
+        checkpoint_id=str(path),
+        process_group=group,
+    )
+    assert isinstance(future, Future)
+    return future
+
+
+def load_sharded(
+    model: torch.nn.Module, optimizer: torch.optim.Optimizer, path: Path, *, alone: bool
+) -> None:
+    """Read a DCP checkpoint into `model` and `optimizer`, whatever world size wrote it: DCP
+    reads each rank's part of every tensor. `alone`: no process group (a single-rank job
+    reading an FSDP job's checkpoint into a whole model)."""
+    model_state, optimizer_state = get_state_dict(model, optimizer)
+    dcp.load(
+        {"model": model_state, "optimizer": optimizer_state}, checkpoint_id=str(path), no_dist=alone
+    )
+    # DCP loaded in place into these dicts' tensors.
+    set_state_dict(model, optimizer, model_state_dict=model_state, optim_state_dict=optimizer_state)
