@@ -41,7 +41,8 @@ def shard_model(model: torch.nn.Module) -> torch.nn.Module:
     units.append(fully_shard(model))
     for unit in units:
         unit.set_gradient_divide_factor(1.0)
-        unit.set_force_sum_reduction_for_comms(True)
+        if hasattr(unit, "set_force_sum_reduction_for_comms"):  # not in torch 2.11 (NCCL's)
+            unit.set_force_sum_reduction_for_comms(True)
     return model
 
 
