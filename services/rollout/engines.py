@@ -20,7 +20,10 @@ def build_engine(spec: JobSpec, settings: RolloutSettings) -> Engine:
     start (the model, or the host)."""
     path = Path(spec.model.path)
     if spec.rollout.engine == "torch":
-        return TorchEngine.from_pretrained(str(path))
+        # On the host's GPU where it has one, in fp32 as on the CPU.
+        return TorchEngine.from_pretrained(
+            str(path), device="cuda" if torch.cuda.is_available() else "cpu"
+        )
     from robustrl.generation.vllm_engine import VLLMEngine
 
     on_cpu = not torch.cuda.is_available()

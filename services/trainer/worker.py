@@ -268,6 +268,9 @@ class TrainerWorker:
                 last = time.monotonic()
                 metrics["tokens_per_s"] = metrics["tokens"] / max(elapsed, 1e-6)
                 metrics["step_seconds"] = elapsed
+                if self.compute is not None and self.compute.device.type == "cuda":
+                    peak = torch.cuda.max_memory_allocated(self.compute.device)
+                    metrics["gpu_peak_mib"] = peak / 2**20
                 await self._publish()
                 await self._checkpoint()
                 if self.step % spec.trainer.eval_every == 0 or self.step == spec.trainer.steps:

@@ -360,6 +360,7 @@ class UcxTransport(WeightTransport):
 
         Fenced if a newer trainer epoch already published this version or announced.
         """
+        started = time.perf_counter()
         manifest, buffer = await self.publisher.pack(version, tensors)
         revision = await self.publisher.write(manifest, self.address, self.name)
         self.directory.saw_epoch(self.epoch)
@@ -374,6 +375,7 @@ class UcxTransport(WeightTransport):
             bytes=manifest.total_bytes,
             buckets=len(manifest.buckets),
             epoch=self.epoch,
+            seconds=round(time.perf_counter() - started, 6),
         )
 
     async def hold(self, version: int, tensors: NamedTensors) -> None:
