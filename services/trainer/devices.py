@@ -40,6 +40,12 @@ def compute_for(spec: TrainerSpec, rank: int = 0) -> Compute:
             "trainer.dtype: bf16 is mixed precision on CUDA; this trainer computes on the CPU "
             "(device auto found no CUDA device)"
         )
+    if on_cuda and spec.world_size > torch.cuda.device_count():
+        # Every rank starts on rank 0's host today (ranks/followers.py), one GPU each.
+        raise InvalidArgument(
+            f"trainer.world_size: {spec.world_size} CUDA ranks need as many GPUs on the "
+            f"trainer's host, which has {torch.cuda.device_count()}"
+        )
     device = torch.device("cuda", rank % torch.cuda.device_count()) if on_cuda else None
     return Compute(
         device=device or torch.device("cpu"),

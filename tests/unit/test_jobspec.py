@@ -58,6 +58,15 @@ def test_overrides_do_not_mutate_the_input() -> None:
         ("name: a\n", ["trainer.weight_checksum=crc32"], "trainer.weight_checksum"),
         ("name: a\n", ["trainer.weight_bucket_mib=0"], "trainer.weight_bucket_mib"),
         ("name: a\n", ["trainer.weight_bucket_mib=8192"], "trainer.weight_bucket_mib"),
+        ("name: a\n", ["trainer.strategy=zero3"], "trainer.strategy"),
+        ("name: a\n", ["trainer.device=tpu"], "trainer.device"),
+        ("name: a\n", ["trainer.dtype=fp16"], "trainer.dtype"),
+        ("name: a\n", ["trainer.dtype=bf16", "trainer.device=cpu"], "trainer.dtype: bf16"),
+        (
+            "name: a\n",
+            ["trainer.strategy=fsdp", "trainer.kl_coef=0.1"],
+            "trainer.kl_coef: the KL reference model is not sharded",
+        ),
     ],
 )
 def test_bad_specs_name_the_field(text: str, overrides: list[str], names: str) -> None:

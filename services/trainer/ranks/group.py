@@ -5,7 +5,12 @@ inside one (the package docstring tells how the monitor reads them)."""
 from __future__ import annotations
 
 import contextlib
+import fcntl
+import ipaddress
+import os
 import pickle
+import socket
+import struct
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -42,10 +47,13 @@ class RankGroup:
         warn_after: float | None = None,
         backend: str = "gloo",
         sharded: bool = False,
+        address: str = "",
     ) -> None:
         """`backend`: the process group's (gloo; "cpu:gloo,cuda:nccl" for CUDA ranks).
         `sharded`: an FSDP2 group (`sharding.py`), which also opens a second gloo group for
-        the checkpoint writes."""
+        the checkpoint writes. `address`: this rank's own address, where the other ranks
+        reach it (default: the address its host name resolves to, as gloo and NCCL take it;
+        often 127.0.0.1, which another host cannot reach)."""
         host, _, port = master.rpartition(":")
         if not host or not port.isdigit():
             raise ValueError(f"master {master!r} is not host:port")
@@ -60,6 +68,7 @@ class RankGroup:
         self.warn_after = warn_after if warn_after is not None else min(30.0, timeout_s / 2)
         self.backend = backend
         self.sharded = sharded
+        self.address = address
         self.checkpoint_group: dist.ProcessGroup | None = None
         """An FSDP2 group's second gloo group, for DCP's writes in their own thread."""
         self.seq = 0
@@ -128,6 +137,11 @@ class RankGroup:
             )
             store.set(_JOINED.format(rank=self.rank), "1")
             self._store = store
+        if self.address:
+            # gloo and NCCL pick the interface to listen on by name, not by address.
+            interface = interface_for(self.address)
+            os.environ.setdefault("GLOO_SOCKET_IFNAME", interface)
+            os.environ.setdefault("NCCL_SOCKET_IFNAME", interface)
         dist.init_process_group(
             self.backend,
             store=store,
@@ -328,3 +342,20 @@ class RankGroup:
             work.wait()
         else:
             work.wait(timedelta(seconds=timeout_s))
+
+
+def interface_for(address: str) -> str:
+    """The name of this host's network interface that holds IPv4 `address`; ValueError if
+    none does."""
+    wanted = ipaddress.IPv4Address(address)
+    siocgifaddr = 0x8915
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+        for _, name in socket.if_nameindex():
+            request = struct.pack("256s", name.encode()[:15])
+            try:
+                reply = fcntl.ioctl(probe.fileno(), siocgifaddr, request)
+            except OSError:  # no IPv4 address on it
+                continue
+            if ipaddress.IPv4Address(reply[20:24]) == wanted:
+                return name
+    raise ValueError(f"no network interface of this host holds {address}")

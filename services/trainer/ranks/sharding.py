@@ -16,6 +16,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -24,6 +25,11 @@ from torch.distributed.checkpoint.state_dict import (
     set_state_dict,
 )
 from torch.distributed.fsdp import FSDPModule, fully_shard
+
+
+class CheckpointMismatch(ValueError):
+    """A sharded checkpoint that does not fit the model it is read into (another model's, or
+    not a DCP checkpoint at all)."""
 
 
 def shard_model(model: torch.nn.Module) -> torch.nn.Module:
@@ -110,8 +116,16 @@ def load_sharded(
     reads each rank's part of every tensor. `alone`: no process group (a single-rank job
     reading an FSDP job's checkpoint into a whole model)."""
     model_state, optimizer_state = get_state_dict(model, optimizer)
-    dcp.load(
-        {"model": model_state, "optimizer": optimizer_state}, checkpoint_id=str(path), no_dist=alone
-    )
+    try:
+        dcp.load(
+            {"model": model_state, "optimizer": optimizer_state},
+            checkpoint_id=str(path),
+            no_dist=alone,
+        )
+    except (Exception, CheckpointException) as exc:  # the latter is a BaseException
+        # DCP's error ends with the ranks' own, which names the key and shapes that differ.
+        lines = [line for line in str(exc).splitlines() if line.strip()]
+        why = lines[-1].strip() if lines else repr(exc)
+        raise CheckpointMismatch(f"{path}: not a checkpoint of this model: {why}") from exc
     # DCP loaded in place into these dicts' tensors.
     set_state_dict(model, optimizer, model_state_dict=model_state, optim_state_dict=optimizer_state)
