@@ -118,6 +118,28 @@ def test_kubernetes_manifests_are_well_formed(path: Path) -> None:
                 assert mount["name"] in volumes, f"{mount['name']} is no volume of the pod"
 
 
+def test_every_trainer_pod_sees_the_same_checkpoints() -> None:
+    # A standby, rescheduled or other trainer pod restores what the lost trainer wrote: one
+    # ReadWriteMany claim for the runs, mounted where the trainer writes them.
+    docs = [d for d in yaml.safe_load_all((REPO / "deploy/k8s/workers.yaml").read_text()) if d]
+    claims = {d["metadata"]["name"]: d for d in docs if d["kind"] == "PersistentVolumeClaim"}
+    trainers = [
+        d
+        for d in docs
+        if d["kind"] != "PersistentVolumeClaim"
+        and d["spec"]["template"]["spec"]["containers"][0]["args"] == ["services.trainer"]
+    ]
+    assert len(trainers) == 2  # the trainers and the standby trainers
+    for doc in trainers:
+        pod = doc["spec"]["template"]["spec"]
+        assert "volumeClaimTemplates" not in doc["spec"], "a claim of its own per pod"
+        volumes = {v["name"]: v for v in pod["volumes"]}
+        [mount] = [m for m in pod["containers"][0]["volumeMounts"] if m["name"] == "runs"]
+        assert mount["mountPath"] == "/app/.robustrl/runs" and not mount.get("readOnly")
+        claim = volumes["runs"]["persistentVolumeClaim"]["claimName"]
+        assert claims[claim]["spec"]["accessModes"] == ["ReadWriteMany"]
+
+
 def test_dockerfile_passes_hadolint() -> None:
     hadolint = Path(sys.executable).with_name("hadolint")
     result = subprocess.run(
