@@ -25,9 +25,10 @@ from tests.support.detection import (
     wait_for_incident,
 )
 
-STEPS = 90
-"""Long enough to outlast two recoveries (about 8 s each here: a new trainer process and
-its rank start, then restore) at about 3 steps a second; each step past that adds time."""
+STEPS = 60
+"""Long enough to outlast two recoveries (about 8 s each here, longer on a loaded machine: a
+new trainer process and its rank start, then restore) at about 3 steps a second; each step
+past that adds time."""
 
 pytestmark = [pytest.mark.chaos, pytest.mark.slow, pytest.mark.timeout(420)]
 
@@ -75,7 +76,7 @@ def test_fsdp_ranks_are_members_a_stopped_one_is_named_and_a_killed_one_is_recov
     replaced = found[-1]
 
     # kill -9 of the new group's rank 1: its member is lost, and the group with it.
-    eventually_sync(lambda: step_of(stack, "fs") >= 20, timeout=180)
+    eventually_sync(lambda: step_of(stack, "fs") >= 12, timeout=180)
     killed = member(stack, f"{replaced}-rank1")
     assert (killed["job_id"], killed["rank"]) == ("fs", 1)
     os.kill(int(killed["pid"]), signal.SIGKILL)

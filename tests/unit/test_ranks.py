@@ -139,26 +139,28 @@ def _rank_main(
         group.close()
 
 
-@pytest.mark.timeout(90)
-def test_two_gloo_ranks_take_the_single_rank_step(tiny_model_dir: Path, tmp_path: Path) -> None:
-    # Rank 1 is a spawned process, rank 0 this one (a second child would cost its imports).
-    master = f"127.0.0.1:{free_port()}"
-    peer = mp.get_context("spawn").Process(
-        target=_rank_main, args=(1, master, tiny_model_dir, tmp_path)
-    )
+def _two_ranks(main: Callable[..., None], *args: object) -> None:
+    """`main(1, *args)` in a spawned process and `main(0, *args, check)` in this one (a second
+    child would cost its imports); `check` fails rank 0's wait for rank 1 once it has exited."""
+    peer = mp.get_context("spawn").Process(target=main, args=(1, *args))
     peer.start()
 
     def peer_alive() -> None:
         assert peer.exitcode is None, f"rank 1 exited with {peer.exitcode}"
 
     try:
-        _rank_main(0, master, tiny_model_dir, tmp_path, peer_alive)
+        main(0, *args, peer_alive)
         peer.join(30)
         assert peer.exitcode == 0
     finally:
         if peer.is_alive():
             peer.kill()
             peer.join()
+
+
+@pytest.mark.timeout(90)
+def test_two_gloo_ranks_take_the_single_rank_step(tiny_model_dir: Path, tmp_path: Path) -> None:
+    _two_ranks(_rank_main, f"127.0.0.1:{free_port()}", tiny_model_dir, tmp_path)
     ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(2)]
 
     single = _trainer(tiny_model_dir)
@@ -237,23 +239,7 @@ def test_fsdp_ranks_take_the_single_rank_step_hold_half_and_restore_at_any_size(
     # World 1: this process alone, the first step, a sharded checkpoint ("one").
     _fsdp_rank_main(0, 1, f"127.0.0.1:{free_port()}", tiny_model_dir, tmp_path)
     # World 2: this process and a spawned one, from "one", then the batches, then "two".
-    master = f"127.0.0.1:{free_port()}"
-    peer = mp.get_context("spawn").Process(
-        target=_fsdp_rank_main, args=(1, 2, master, tiny_model_dir, tmp_path)
-    )
-    peer.start()
-
-    def peer_alive() -> None:
-        assert peer.exitcode is None, f"rank 1 exited with {peer.exitcode}"
-
-    try:
-        _fsdp_rank_main(0, 2, master, tiny_model_dir, tmp_path, peer_alive)
-        peer.join(30)
-        assert peer.exitcode == 0
-    finally:
-        if peer.is_alive():
-            peer.kill()
-            peer.join()
+    _two_ranks(_fsdp_rank_main, 2, f"127.0.0.1:{free_port()}", tiny_model_dir, tmp_path)
     one = torch.load(tmp_path / "one-rank0.pt", weights_only=False)
     ranks = [torch.load(tmp_path / f"two-rank{r}.pt", weights_only=False) for r in range(2)]
 
