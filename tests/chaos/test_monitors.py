@@ -49,9 +49,10 @@ def job_watched_with(instance_id: str) -> str:
     raise AssertionError("no such job id")  # 1000 tries at a coin flip each
 
 
-def beats_to(cli: Cli, monitor_id: str, instance_id: str, since: float) -> bool:
-    """Whether `monitor_id` watches `instance_id` and had a beat from it after `since`."""
-    address = member(cli, monitor_id)["address"]
+def beats_to(address: object, instance_id: str, since: float) -> bool:
+    """Whether the monitor at `address` watches `instance_id` and had a beat from it after
+    `since`. The address is read once, before the wait: a `robustrl members` per poll is a cold
+    process start (seconds on a loaded machine), which the measured wait would count."""
     with grpc.insecure_channel(str(address)) as channel:
         reply = monitor_pb2_grpc.MonitorStub(channel).GetHealth(
             monitor_pb2.GetHealthRequest(page_size=1000), timeout=5
@@ -74,8 +75,9 @@ def test_a_monitor_killed_mid_job_hands_its_members_over_and_misses_nothing(
         [survivor] = [m for m in MONITORS if m != victim]
         submit(stack, model_dir, job, f"trainer.steps={MONITOR_KILLED_STEPS}")
         started = pids(stack, victim, "rollout-0")
+        addresses = {m: member(stack, m)["address"] for m in MONITORS}
         before = time.time()
-        eventually_sync(lambda: beats_to(stack, victim, "rollout-0", before), timeout=30)
+        eventually_sync(lambda: beats_to(addresses[victim], "rollout-0", before), timeout=30)
         eventually_sync(lambda: step_of(stack, job) >= 3, timeout=180)
 
         os.kill(started[victim], signal.SIGKILL)
@@ -88,7 +90,9 @@ def test_a_monitor_killed_mid_job_hands_its_members_over_and_misses_nothing(
         )
         left_at = time.time()
         # Its members move as soon as it is out of the registry (they ask etcd each retry).
-        moved = eventually_sync(lambda: beats_to(stack, survivor, "rollout-0", left_at), timeout=10)
+        moved = eventually_sync(
+            lambda: beats_to(addresses[survivor], "rollout-0", left_at), timeout=10
+        )
 
         os.kill(started["rollout-0"], signal.SIGSTOP)
         stopped_at = time.time()
