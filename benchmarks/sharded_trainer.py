@@ -151,10 +151,7 @@ def checkpoint_and_restore(
     measured["checkpoint_stage_s"] = time.perf_counter() - started
     written.result()
     measured["checkpoint_write_s"] = time.perf_counter() - started
-    from services.trainer.ranks import gather_full
-
-    with group.collective("gather_weights"):
-        full = gather_full(trainer.model)
+    full = group.gather_weights(trainer.model)
     if group.rank == 0:
         torch.save(full, out / f"weights-{world}.pt")
     if world == 2:

@@ -194,8 +194,7 @@ def run_rank(args: argparse.Namespace, spec: JobSpec, progress: Progress, thread
                 group, trainer, order, inject=_nan_injector(spec, args.rank, order.step)
             )
             if sharded:
-                with group.collective("gather_weights"):
-                    ranks.gather_full(trainer.model)  # rank 0 keeps the whole weights
+                group.gather_weights(trainer.model)  # rank 0 keeps the whole weights
             if outcome.metrics.nonfinite_where:
                 _count_nonfinite(progress, outcome.metrics.nonfinite_where, order.step + 1)
             progress.set_counter("step", float(order.step + 1))

@@ -391,11 +391,11 @@ class GRPOTrainer:
 
 def _grads_finite(model: torch.nn.Module) -> bool:
     """This rank's gradients are finite (an FSDP2 rank looks at its own shard of each)."""
-    grads = [_local(p.grad) for p in model.parameters() if p.grad is not None]
+    grads = [local_shard(p.grad) for p in model.parameters() if p.grad is not None]
     return not grads or bool(torch.stack([torch.isfinite(g).all() for g in grads]).all())
 
 
-def _local(t: torch.Tensor) -> torch.Tensor:
+def local_shard(t: torch.Tensor) -> torch.Tensor:
     """A DTensor's shard on this rank; any other tensor itself."""
     to_local = getattr(t, "to_local", None)
     return to_local() if callable(to_local) else t

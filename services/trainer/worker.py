@@ -405,7 +405,7 @@ class TrainerWorker:
         self.acks.checkpointing(self.step)
         trainer, step = self.trainer, self.step
         extra = {"trained_groups": self.intake.trained_groups.to_json(), "job_id": self.job_id}
-        if self.ranks is not None and self.ranks.is_sharded:
+        if self.ranks is not None and self.sharded:
             # Every rank copies its shards off and writes them in the background.
             folder = checkpoint.new_tmp(self.run_dir / "checkpoints", step, self.epoch)
             written = await asyncio.to_thread(self.ranks.save, step, folder)

@@ -26,7 +26,6 @@ from services.trainer.ranks import (
     RankGroup,
     SaveOrder,
     StepOrder,
-    gather_full,
     run_step,
     save_rank,
     start_sharded,
@@ -104,8 +103,7 @@ def main() -> int:
         for step in range(2):
             run_step(group, trainer, StepOrder(step, batch(step)))
         save_rank(group, trainer, SaveOrder(2, str(args.dir / "checkpoint")), None).result()
-        with group.collective("gather_weights"):
-            full = gather_full(trainer.model)
+        full = group.gather_weights(trainer.model)
         if args.rank == 0:
             torch.save(full, args.dir / "full.pt")
         dist.barrier()  # the checkpoint and full.pt are written

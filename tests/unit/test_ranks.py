@@ -21,7 +21,6 @@ from services.trainer.ranks import (
     SaveOrder,
     StepOrder,
     fingerprint,
-    gather_full,
     local_numel,
     optimizer_numel,
     run_step,
@@ -222,8 +221,7 @@ def _fsdp_rank_main(
         }
         name = "one" if world_size == 1 else "two"
         save_rank(group, trainer, SaveOrder(len(todo), str(out / name)), None).result()
-        with group.collective("gather_weights"):
-            full = gather_full(trainer.model)
+        full = group.gather_weights(trainer.model)
         torch.save(
             {"started": started, "full": full, "results": results, "held": held},
             out / f"{name}-rank{rank}.pt",

@@ -15,12 +15,14 @@ import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from datetime import timedelta
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from robustrl.core.heartbeat import Progress
 from robustrl.core.logs import get_logger
+from services.trainer.ranks.sharding import gather_full
 from services.trainer.ranks.step import Order, SaveOrder, StepOrder
 
 log = get_logger(__name__)
@@ -307,6 +309,11 @@ class RankGroup:
             received = self._broadcast_object(restore_from if self.rank == 0 else None)
         assert isinstance(received, str)
         return received
+
+    def gather_weights(self, model: torch.nn.Module) -> dict[str, Any]:
+        """An FSDP2 model's whole weights on the CPU of rank 0 ({} on the others)."""
+        with self.collective("gather_weights"):
+            return gather_full(model)
 
     def any_rank(self, flag: bool) -> bool:
         """Whether `flag` is true on any rank (unwatched: call it inside a watched step)."""

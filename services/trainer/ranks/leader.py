@@ -21,7 +21,6 @@ from services.trainer.ranks.followers import spawn_followers, stop_followers
 from services.trainer.ranks.group import RankGroup
 from services.trainer.ranks.sharding import (
     broadcast_full,
-    gather_full,
     load_sharded,
     save_sharded,
     shard_model,
@@ -155,8 +154,7 @@ class LeaderRanks:
     def _gather_into(self, group: RankGroup, trainer: GRPOTrainer) -> None:
         """The whole weights of the shards into rank 0's `trainer.model` (every rank joins)."""
         assert self.sharded is not None
-        with group.collective("gather_weights"):
-            full = gather_full(self.sharded.model)
+        full = group.gather_weights(self.sharded.model)
         trainer.model.load_state_dict(full)
 
     def _check_followers(self) -> None:
@@ -264,8 +262,7 @@ def start_sharded(
             load_sharded(trainer.model, trainer.optimizer, Path(restore_from), alone=False)
         else:
             broadcast_full(trainer.model, state if group.rank == 0 else {})
-    with group.collective("gather_weights"):
-        return gather_full(trainer.model)
+    return group.gather_weights(trainer.model)
 
 
 def save_rank(

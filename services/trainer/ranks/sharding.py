@@ -26,6 +26,8 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.fsdp import FSDPModule, fully_shard
 
+from services.trainer.grpo import local_shard
+
 
 class CheckpointMismatch(ValueError):
     """A sharded checkpoint that does not fit the model it is read into (another model's, or
@@ -63,11 +65,7 @@ def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
 
 def local_numel(tensors: Iterable[torch.Tensor]) -> int:
     """Elements this rank holds of `tensors` (a DTensor's own shard only)."""
-    total = 0
-    for t in tensors:
-        to_local = getattr(t, "to_local", None)
-        total += (to_local() if callable(to_local) else t).numel()
-    return total
+    return sum(local_shard(t).numel() for t in tensors)
 
 
 def optimizer_numel(optimizer: torch.optim.Optimizer) -> int:

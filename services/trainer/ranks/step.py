@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, TypeVar
 
 import torch
 
-from services.trainer.grpo import GRPOTrainer, Sample, StepMetrics
+from services.trainer.grpo import GRPOTrainer, Sample, StepMetrics, local_shard
 
 if TYPE_CHECKING:
     from services.trainer.ranks.group import RankGroup
@@ -65,8 +65,7 @@ def fingerprint(model: torch.nn.Module) -> tuple[float, float]:
     total, squares = 0.0, 0.0
     with torch.no_grad():
         for p in model.parameters():
-            to_local = getattr(p, "to_local", None)
-            flat = (to_local() if callable(to_local) else p).detach().double()
+            flat = local_shard(p).detach().double()
             total += float(flat.sum())
             squares += float((flat * flat).sum())
     return total, squares
