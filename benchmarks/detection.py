@@ -139,7 +139,7 @@ def collective_hang(stack: Stack, model: Path) -> Result:
     rank1 = next(
         m
         for m in stack.json("members")
-        if m["role"] == "trainer" and m["job_id"] == "ranks" and m["instance_id"] != "trainer-0"
+        if m["role"] == "trainer" and m["job_id"] == "ranks" and m["rank"] == 1
     )
     pid = int(rank1["pid"])
     os.kill(pid, signal.SIGSTOP)
@@ -209,7 +209,8 @@ def main() -> None:
             continue
         with tempfile.TemporaryDirectory(prefix="robustrl-detect-") as tmp:
             stack = Stack(Path(tmp) / "home", Path(tmp) / "runs", DETECTION_ENV)
-            stack.cli("up", "--trainers", "1", "--rollouts", "2")
+            trainers = "2" if name == "collective" else "1"  # a group of two ranks
+            stack.cli("up", "--trainers", trainers, "--rollouts", "2")
             print(f"[{name}] running", flush=True)
             try:
                 outcome = scenario(stack)

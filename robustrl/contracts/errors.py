@@ -84,7 +84,7 @@ def describe_validation_error(exc: pydantic.ValidationError) -> str:
             # A validator across fields says which one it refuses: "dtype: ..." under trainer.
             msg = msg.removeprefix("Value error, ")
             field, sep, rest = msg.partition(": ")
-            if sep and field.isidentifier():
+            if sep and all(part.isidentifier() for part in field.split(".")):
                 where, msg = f"{where}.{field}" if where != "<root>" else field, rest
         parts.append(f"{where}: {msg}")
     return "; ".join(parts)

@@ -85,8 +85,10 @@ class TrainerSpec(_Strict):
     eval_every: int = Field(default=5, ge=1)
 
     world_size: int = Field(default=1, ge=1, le=64)
-    """Data-parallel trainer ranks (gloo on CPU, NCCL on CUDA). Rank 0 is the bound trainer;
-    it starts ranks 1..N-1 on its own host and every rank streams its own heartbeat."""
+    """Trainer ranks (gloo on CPU, NCCL on CUDA): the leader binds this many free trainer
+    members, each its own process on any host, as ranks 0..N-1; they meet through a rendezvous
+    in etcd. Rank 0 takes the trajectories, publishes the weights and reports; losing any rank
+    replaces the whole group from the last checkpoint."""
 
     strategy: Literal["ddp", "fsdp"] = "ddp"
     """How the ranks hold the model. ddp: every rank a whole copy, gradients summed in one
@@ -159,12 +161,17 @@ class FaultSpec(_Strict):
     would: the step is skipped and the monitor reports NON_FINITE in that step."""
 
     nan_rank: int = Field(default=0, ge=0)
+    """The trainer rank whose loss `nan_loss_steps` poisons (below `trainer.world_size`)."""
 
     error_steps: list[PositiveInt] = Field(default_factory=list)
     """Steps (1-based) at which the trainer stops with an error, every trainer of the job alike,
     as a bug in the job would: the first is recovered on another trainer, and the same step
     failing again there fails the job (a fault that one trainer alone has is injected with
     `robustrl chaos --fault error`)."""
+
+    error_rank: int = Field(default=0, ge=0)
+    """The trainer rank that stops with the error at `error_steps` (below
+    `trainer.world_size`); its group fails with it."""
 
     crash_groups: list[NonNegativeInt] = Field(default_factory=list)
     """Prompt group indices (0-based, in lease order) whose lease makes the rollout that holds
@@ -184,6 +191,17 @@ class JobSpec(_Strict):
     rollout: RolloutSpec = RolloutSpec()
     recovery: RecoverySpec = RecoverySpec()
     faults: FaultSpec = FaultSpec()
+
+    @model_validator(mode="after")
+    def _ranks_exist(self) -> JobSpec:
+        for name in ("nan_rank", "error_rank"):
+            rank = getattr(self.faults, name)
+            if rank >= self.trainer.world_size:
+                raise ValueError(
+                    f"faults.{name}: rank {rank} does not exist in a group of "
+                    f"trainer.world_size {self.trainer.world_size}"
+                )
+        return self
 
 
 def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any]:

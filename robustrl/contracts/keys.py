@@ -16,6 +16,8 @@
 <prefix>/provisioned/<instance_id>        a process a local provisioner started (pid, host)
 <prefix>/provisioning/<job_id>            when the leader last asked for the job's replacements
 <prefix>/ettr/<job_id>                    the job's ETTR account (kept time, wall time, incidents)
+<prefix>/rendezvous/<job_id>              where the job's trainer ranks meet (rank 0's store, the
+                                          epoch), under rank 0's lease
 """
 
 from __future__ import annotations
@@ -77,6 +79,9 @@ class KeySpace:
 
     def ettr(self, job_id: str) -> bytes:
         return f"{self.prefix}/ettr/{job_id}".encode()
+
+    def rendezvous(self, job_id: str) -> bytes:
+        return f"{self.prefix}/rendezvous/{job_id}".encode()
 
     def provisioned(self, instance_id: str = "") -> bytes:
         return f"{self.prefix}/provisioned/{instance_id}".encode()

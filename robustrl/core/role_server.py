@@ -6,6 +6,10 @@ error instead of failing later. RELEASE and FENCE stop the worker. INJECT_NAN (c
 trainer's worker to make one step's loss non-finite; INJECT_ERROR, to stop with an error at one
 step.
 
+BIND may carry args["rank"]: a trainer's rank in its job's group (`trainer.world_size` > 1).
+The member labels itself rank=<r> and follower=true for r > 0 while bound (rollouts stream to
+rank 0 only), and drops both labels when it leaves the job.
+
 RELEASE or FENCE with args["exit"] == "true" also ends the process once it has answered, as
 SIGTERM would (the full-restart baseline restarts every role as a new process).
 
@@ -75,6 +79,35 @@ class FaultTarget(Protocol):
     def inject_nan(self, step: int) -> None: ...
 
     def inject_error(self, step: int) -> None: ...
+
+
+@runtime_checkable
+class Ranked(Protocol):
+    """A worker with a rank in its job's group (the trainer's), set at BIND before `load`."""
+
+    rank: int
+
+
+RANK_ARG = "rank"
+"""BIND's args[RANK_ARG]: the bound trainer's rank in its group (default 0)."""
+
+RANK_LABEL = "rank"
+FOLLOWER_LABEL = "follower"
+"""Registry labels of a trainer bound as rank r > 0: rank=<r>, follower=true."""
+
+
+def rank_labels(rank: int) -> dict[str, str | None]:
+    """The labels a member bound at `rank` carries (None: removed)."""
+    if rank == 0:
+        return {RANK_LABEL: None, FOLLOWER_LABEL: None}
+    return {RANK_LABEL: str(rank), FOLLOWER_LABEL: "true"}
+
+
+def rank_from_args(args: dict[str, str]) -> int:
+    raw = args.get(RANK_ARG, "0")
+    if not raw.isdigit():
+        raise InvalidArgument(f"args['rank'] must be a rank (0, 1, ...), not {raw!r}")
+    return int(raw)
 
 
 @runtime_checkable
@@ -207,15 +240,22 @@ class RoleControl:
                 await self._exit_soon()
             return trainer_pb2.ControlResponse(status=self.status())
         worker: Worker | None = None
+        labels: dict[str, str | None] | None = None
         if request.action == Action.ACTION_BIND:
             if self.worker is not None:
                 raise FailedPrecondition(f"already working on job {self.worker.job_id}")
             spec = spec_from_args(dict(request.args))
+            rank = rank_from_args(dict(request.args))
             self._stop_yielding()
             worker = await self._take_prepared(request.job_id, spec)
             if worker is None:
                 worker = self.make_worker(request.job_id, request.epoch, spec)
             worker.epoch = request.epoch
+            if isinstance(worker, Ranked):
+                worker.rank = rank
+            elif rank:
+                raise InvalidArgument(f"a {self.runtime.role} has no rank; BIND it at rank 0")
+            labels = rank_labels(rank)
             try:
                 await asyncio.to_thread(worker.load)
             except BaseException:
@@ -225,7 +265,11 @@ class RoleControl:
         if after != before:
             self._report(after)
             try:
-                await self.runtime.update_member(job_id=after.job_id, epoch=after.epoch)
+                if not after.job_id:
+                    labels = rank_labels(0)
+                await self.runtime.update_member(
+                    job_id=after.job_id, epoch=after.epoch, labels=labels
+                )
             except BaseException:
                 # Not in the registry (etcd refused it): not bound here either, or this
                 # instance would refuse every other job while the leader takes it for free.
@@ -326,6 +370,11 @@ class RoleControl:
     def inject(self, fault: str, asked: str | None) -> trainer_pb2.ControlResponse:
         """INJECT_NAN or INJECT_ERROR (`fault`: nan or error) into a step of a bound trainer."""
         worker = self.worker
+        if isinstance(worker, Ranked) and worker.rank > 0:
+            raise FailedPrecondition(
+                f"{self.runtime.instance_id} is rank {worker.rank} of its group, which runs no "
+                f"step loop; INJECT_{fault.upper()} goes to rank 0"
+            )
         if self.runtime.role != "trainer" or not isinstance(worker, FaultTarget):
             raise FailedPrecondition(
                 f"{self.runtime.instance_id} is a {self.runtime.role} without a running trainer "
@@ -362,7 +411,7 @@ class RoleControl:
         # Off the job in the registry first: it no longer serves it, whatever it believed, and
         # the leader must not wait on it while its work unwinds (which a frozen peer can stall).
         self.runtime.progress.job_id = ""
-        await self._relabel({"fenced": "true"}, job_id="")
+        await self._relabel({"fenced": "true", **rank_labels(0)}, job_id="")
         log.info(f"{self.runtime.role}.left_job", job=self.binding.job_id)
         await self.stop_worker()
         if self.runtime.settings.exit_when_fenced:

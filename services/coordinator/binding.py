@@ -1,8 +1,9 @@
 """Member binding: the leader binds a pending job to free members (Control BIND with the job's
-spec and an epoch), binds replacements for the roles a running job lost, has free warm
-standby trainers build a running job's model ahead (PREPARE), and releases the members of a
-job that ended. Which members it picks is policy.replacement's choice; this module carries it
-out over gRPC and records it in the job record."""
+spec and an epoch; a trainer also with its rank in the job's group), binds replacements for
+the roles a running job lost (a trainer group as a whole, every rank at the new epoch), has
+free warm standby trainers build a running job's model ahead (PREPARE), and releases the
+members of a job that ended. Which members it picks is policy.replacement's choice; this
+module carries it out over gRPC and records it in the job record."""
 
 from __future__ import annotations
 
@@ -21,7 +22,7 @@ from robustrl.contracts.members import MemberRecord
 from robustrl.core.aio import cancel_and_wait
 from robustrl.core.fences import FenceSet
 from robustrl.core.logs import get_logger
-from robustrl.core.role_server import PREPARED_LABEL
+from robustrl.core.role_server import PREPARED_LABEL, RANK_ARG
 from robustrl.core.runtime import ServiceRuntime
 from services.coordinator import policy
 from services.coordinator.asks import ProvisioningAsks
@@ -116,7 +117,11 @@ class Binder:
     async def start_job(self, record: JobRecord, members: list[MemberRecord]) -> None:
         """Bind a pending job to its first members (`policy.start_members`) and run it."""
         spec = self.jobs.spec(record)
-        start = policy.start_members(self.free_for(record.job_id, members), spec.rollout.replicas)
+        start = policy.start_members(
+            self.free_for(record.job_id, members),
+            spec.rollout.replicas,
+            spec.trainer.world_size,
+        )
         if not start.members:
             if record.message != start.waiting:
                 await self.jobs.update(record.job_id, {"message": start.waiting})
@@ -136,7 +141,7 @@ class Binder:
                     BIND,
                     record.job_id,
                     FIRST_EPOCH,
-                    {"spec_json": spec_json},
+                    _bind_args(spec_json, start.ranks.get(member.instance_id)),
                     timeout=START_BIND_DEADLINE,
                 )
                 for member in start.members
@@ -167,6 +172,7 @@ class Binder:
             {
                 "members": [m.instance_id for m in start.members],
                 "member_roles": {m.instance_id: m.role for m in start.members},
+                "member_ranks": start.ranks,
                 "epoch": FIRST_EPOCH,
             },
             Phase.RUNNING,
@@ -182,9 +188,11 @@ class Binder:
         """Bind replacements for roles the job lost (recovery fenced them): a free member if
         there is one (`policy.replacement_order`, `policy.replacement_step`: one not prepared
         for this job is sent PREPARE and bound once it answers, the answer waking the next
-        round), else ask the provisioner. A new trainer comes with a new epoch."""
+        round), else ask the provisioner. A new trainer comes with a new epoch; the ranks of a
+        trainer group are bound together, once every one of them is prepared
+        (`_bind_group`)."""
         spec = self.jobs.spec(record)
-        missing = policy.roles_missing(record, spec.rollout.replicas)
+        missing = policy.roles_missing(record, spec.rollout.replicas, spec.trainer.world_size)
         if not missing:
             return
         epoch = policy.replacement_epoch(record.epoch, missing)
@@ -195,6 +203,8 @@ class Binder:
         }
         shortfall = Counter(missing)
         bound: list[MemberRecord] = []
+        group: list[MemberRecord] = []
+        """Trainers prepared for the job, bound together once the whole group is."""
         for role in list(shortfall):
             while shortfall[role] and free[role]:
                 member = free[role].pop(0)
@@ -209,6 +219,10 @@ class Binder:
                 if step is not policy.Step.BIND:
                     shortfall[role] -= 1  # it will be bound when prepared
                     continue
+                if role == "trainer":
+                    group.append(member)
+                    shortfall[role] -= 1
+                    continue
                 try:
                     await control(
                         member, BIND, record.job_id, epoch, {"spec_json": json.dumps(record.spec)}
@@ -220,6 +234,10 @@ class Binder:
                     continue
                 bound.append(member)
                 shortfall[role] -= 1
+        ranks: dict[str, int] = {}
+        if group and len(group) == missing.count("trainer"):
+            ranks = await self._bind_group(record, group, epoch)
+            bound += [m for m in group if m.instance_id in ranks]
         for role, short in shortfall.items():
             if short:
                 await self.asks.ask(record.job_id, role, short)
@@ -230,7 +248,7 @@ class Binder:
         for member in bound:
             if policy.is_standby(member):
                 await self.asks.replace_standby(record.job_id, member)
-        done = policy.filled(record, bound, epoch)
+        done = policy.filled(record, bound, epoch, ranks)
         await self.jobs.update(record.job_id, done.change, done.phase, done.message)
         for member in bound:
             log.warning(
@@ -241,6 +259,33 @@ class Binder:
                 epoch=epoch,
             )
             await self.on_bound(record.job_id, member.role, member.instance_id)
+
+    async def _bind_group(
+        self, record: JobRecord, group: list[MemberRecord], epoch: int
+    ) -> dict[str, int]:
+        """BIND every trainer of a group at `epoch` with its rank, all at once (each then
+        waits for the others in the rendezvous); their ranks, or {} if any refused (those
+        bound are released, and the next round tries again)."""
+        ranks = policy.group_ranks(group)
+        spec_json = json.dumps(record.spec)
+        answers = await asyncio.gather(
+            *(
+                control(m, BIND, record.job_id, epoch, _bind_args(spec_json, ranks[m.instance_id]))
+                for m in group
+            ),
+            return_exceptions=True,
+        )
+        refused = [
+            (m, a) for m, a in zip(group, answers, strict=True) if isinstance(a, BaseException)
+        ]
+        if not refused:
+            return ranks
+        for member, error in refused:
+            log.info("coordinator.bind_failed", member=member.instance_id, error=repr(error)[:300])
+        for member, answer in zip(group, answers, strict=True):
+            if not isinstance(answer, BaseException):
+                await control_quietly(member, RELEASE, record.job_id, epoch)
+        return {}
 
     def prepare_standbys(self, records: list[JobRecord], members: list[MemberRecord]) -> None:
         """Have each free warm standby build a running job's worker ahead (PREPARE), so that
@@ -298,11 +343,15 @@ class Binder:
         await self.asks.replace_standby(job_id, member)
 
     async def release(self, job_id: str, members: list[MemberRecord]) -> None:
-        """Release the members still bound to an ended job. Follower ranks are started and
-        stopped by their rank 0, not bound by the leader."""
+        """Release the members still bound to an ended job (every rank of its trainer group)."""
         for member in members:
-            if member.job_id == job_id and member.labels.get("follower") != "true":
+            if member.job_id == job_id:
                 await control_quietly(member, RELEASE, job_id, member.epoch)
 
     def forget(self, job_id: str) -> None:
         self.barred.pop(job_id, None)
+
+
+def _bind_args(spec_json: str, rank: int | None) -> dict[str, str]:
+    """BIND's args: the job's spec, and a trainer's rank in its group."""
+    return {"spec_json": spec_json} | ({RANK_ARG: str(rank)} if rank is not None else {})

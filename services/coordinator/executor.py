@@ -243,17 +243,21 @@ class RecoveryExecutor:
                 await self._full_restart(record, action.reason, entry)
                 return
         members = [m for m in record.members if m not in fenced]
+        ranks = {m: r for m, r in record.member_ranks.items() if m not in fenced}
         for gone in fenced:
             roles.pop(gone, None)
+        change: dict[str, object] = {
+            "members": members,
+            "member_roles": roles,
+            "member_ranks": ranks,
+        }
         if failure:
-            await coordinator.fail(
-                record.job_id, failure, {"members": members, "member_roles": roles}
-            )
+            await coordinator.fail(record.job_id, failure, change)
             return
         message = f"recovering from {entry.kind} of {entry.instance_id}"
         await coordinator.update_job(
             record.job_id,
-            {"members": members, "member_roles": roles},
+            change,
             phase,
             message if phase else record.message,
         )
@@ -308,13 +312,13 @@ class RecoveryExecutor:
         entry.waiting_for = list(record.member_roles.values())
         await coordinator.update_job(
             record.job_id,
-            {"members": [], "member_roles": {}},
+            {"members": [], "member_roles": {}, "member_ranks": {}},
             Phase.RECOVERING,
             f"full restart after {entry.kind} of {entry.instance_id}",
         )
 
     async def _fence(self, record: JobRecord, instance_id: str, reason: str) -> None:
-        role = record.member_roles.get(instance_id, "trainer")  # follower ranks are trainers
+        role = record.member_roles.get(instance_id, "trainer")
         await self.fence(record.job_id, record.epoch, role, instance_id, reason)
 
     async def fence(

@@ -55,6 +55,9 @@ class JobRecord(BaseModel):
     """Binding epoch of the job's current members; a replacement is bound at a higher one."""
     member_roles: dict[str, str] = Field(default_factory=dict)
     """instance id -> role, for the members serving the job now."""
+    member_ranks: dict[str, int] = Field(default_factory=dict)
+    """trainer instance id -> its rank in the job's trainer group (rank 0 takes the
+    trajectories, publishes and reports), for the trainers serving the job now."""
 
 
 def new_job(job_id: str, spec: dict[str, object], now: float) -> JobRecord:

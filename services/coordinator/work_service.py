@@ -182,6 +182,12 @@ class WorkService:
             if record.phase in jobs.TERMINAL:
                 return False
             await self.bound_member(record, "trainer", request.instance_id)
+            rank = record.member_ranks.get(request.instance_id, 0)
+            if rank:
+                raise FailedPrecondition(
+                    f"trainer {request.instance_id} is rank {rank} of job {record.job_id}'s "
+                    "group; only rank 0 reports progress"
+                )
             if request.error:
                 await self._trainer_error(record, request)
                 return False

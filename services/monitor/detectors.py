@@ -121,12 +121,11 @@ def on_beat(
     )
     if goodbye:
         view.goodbye = True
-        if job_id and rank == 0:
+        if job_id:
             # A clean stop (SIGTERM: a pod deleted, a node drained, `robustrl down`) of a member
             # that still serves a job is that job's loss all the same; reported now instead of
-            # when the leader finds it missing from the registry. A trainer's follower rank is
-            # left out: rank 0 reports its exit itself, and at a job's end followers leave with
-            # the job still in their beats.
+            # when the leader finds it missing from the registry. Any rank of a trainer group:
+            # the leader releases every rank when the job ends, before they may leave.
             view.state = State.LOST
             view.lost_at = now
             view.evidence = (

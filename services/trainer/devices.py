@@ -25,8 +25,9 @@ class Compute:
 
 
 def compute_for(spec: TrainerSpec, rank: int = 0) -> Compute:
-    """The device and precision of trainer rank `rank` (CUDA ranks on one host take device
-    `rank % device_count`); InvalidArgument naming the field this host cannot honour."""
+    """The device and precision of trainer rank `rank` (a CUDA rank takes its host's device
+    `rank % device_count`: ranks are members on any host, and ranks sharing a host of G GPUs
+    are best bound G at a time); InvalidArgument naming the field this host cannot honour."""
     cuda = torch.cuda.is_available()
     if spec.device == "cuda" and not cuda:
         raise InvalidArgument(
@@ -39,12 +40,6 @@ def compute_for(spec: TrainerSpec, rank: int = 0) -> Compute:
         raise InvalidArgument(
             "trainer.dtype: bf16 is mixed precision on CUDA; this trainer computes on the CPU "
             "(device auto found no CUDA device)"
-        )
-    if on_cuda and spec.world_size > torch.cuda.device_count():
-        # Every rank starts on rank 0's host today (ranks/followers.py), one GPU each.
-        raise InvalidArgument(
-            f"trainer.world_size: {spec.world_size} CUDA ranks need as many GPUs on the "
-            f"trainer's host, which has {torch.cuda.device_count()}"
         )
     device = torch.device("cuda", rank % torch.cuda.device_count()) if on_cuda else None
     return Compute(

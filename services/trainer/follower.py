@@ -1,82 +1,43 @@
-"""`python -m services.trainer.follower`: trainer rank r > 0 of a data-parallel job.
+"""Trainer ranks 1..N-1: what a trainer member bound as rank r > 0 does. The worker
+(services/trainer/worker.py) finds rank 0's store through the rendezvous in etcd and runs
+`follow` in a thread of its own.
 
-Rank 0, the bound trainer, starts it (`spawn_followers`, services/trainer/ranks/followers.py)
-with the job id, its rank, the world size, the rendezvous address and the JobSpec as a JSON
-file.
-etcd and service settings come as ROBUSTRL_* env. The follower registers as a trainer
-member labelled `follower=true` and bound to the job, so the coordinator never binds it to
-another job. It serves only gRPC health and streams heartbeats like every member.
-
-Then it does what rank 0 says. It loads the model from `model.path` and takes rank 0's
-parameters and optimizer state. For every batch rank 0 broadcasts, it trains its shard and
-joins the gradient sum, in the same phases as rank 0 and with rank 0's `step` counter. A
-`None` batch ends the job: it says goodbye, deregisters and exits 0. If rank 0 goes away
-(a gloo or store error, or it is no longer our parent) it logs `trainer.follower_failed`
-and exits 1. SIGTERM exits 143 after the same goodbye.
-
-Settings are parsed before torch is imported, so a bad one fails fast.
+It loads the model from `model.path` as rank 0 does, joins the group and takes rank 0's
+parameters and optimizer state (an FSDP2 rank shards first and takes its shards, or reads its
+part of rank 0's sharded checkpoint). For every batch rank 0 broadcasts, it trains its shard
+and joins the gradient sum, in the same phases as rank 0 and with rank 0's `step` counter; a
+checkpoint order writes its part. A `None` order ends the job's work: `follow` returns, and
+the member stays bound until the leader releases it. A broken group (rank 0 gone, another
+rank failed) raises: the leader fences the whole group and binds a new one.
 """
 
 from __future__ import annotations
 
-import argparse
-import asyncio
-import contextlib
-import contextvars
 import dataclasses
-import os
-import signal
-import sys
-import threading
 from collections.abc import Callable
+from concurrent.futures import Future
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from robustrl.contracts.jobspec import JobSpec
-from robustrl.core.aio import run_process
-from robustrl.core.config import EtcdSettings
 from robustrl.core.heartbeat import Progress
 from robustrl.core.logs import get_logger
-from robustrl.core.runtime import ServiceRuntime, long_lived_objects
-from services.trainer.config import TrainerSettings
+from robustrl.core.runtime import long_lived_objects
 
 if TYPE_CHECKING:
     import torch
 
     from services.trainer.grpo import GRPOTrainer, Sample
+    from services.trainer.ranks import RankGroup, StepOrder
 
 log = get_logger(__name__)
 
-EXIT_FAILED = 1
-EXIT_TERMINATED = 128 + signal.SIGTERM
+StepHook = Callable[["StepOrder"], None]
+"""Called with each step's order before the rank trains it (failure injection)."""
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m services.trainer.follower")
-    parser.add_argument("--job", required=True, help="job id")
-    parser.add_argument("--rank", type=int, required=True)
-    parser.add_argument("--world-size", type=int, required=True)
-    parser.add_argument("--master", required=True, help="rank 0's rendezvous host:port")
-    parser.add_argument("--spec", type=Path, required=True, help="the JobSpec as JSON")
-    parser.add_argument("--timeout", type=float, default=300.0, help="gloo timeout, seconds")
-    parser.add_argument("--parent-pid", type=int, default=0, help="exit when it is gone")
-    parser.add_argument(
-        "--stop-at-step",
-        type=int,
-        default=0,
-        help="failure injection: SIGSTOP this process in step N's forward_backward (1-based)",
-    )
-    parser.add_argument(
-        "--fail-at-step",
-        type=int,
-        default=0,
-        help="failure injection: raise in step N's forward_backward (1-based), as a device "
-        "error would",
-    )
-    args = parser.parse_args(argv)
-    if not 0 < args.rank < args.world_size:
-        parser.error(f"--rank must be in 1..{args.world_size - 1}")
-    return args
+class RankFailed(RuntimeError):
+    """This rank stopped with an error (injected by `faults.error_steps` on `error_rank`)."""
 
 
 def load_model(spec: JobSpec, rank: int) -> tuple[torch.nn.Module, int]:
@@ -112,8 +73,8 @@ def _nan_injector(
     spec: JobSpec, rank: int, step: int
 ) -> Callable[[list[Sample]], list[Sample]] | None:
     """spec.faults on this rank: this step's first sample gets a NaN advantage."""
-    faults = getattr(spec, "faults", None)
-    if faults is None or faults.nan_rank != rank or step + 1 not in faults.nan_loss_steps:
+    faults = spec.faults
+    if faults.nan_rank != rank or step + 1 not in faults.nan_loss_steps:
         return None
 
     def poison(samples: list[Sample]) -> list[Sample]:
@@ -133,37 +94,26 @@ def _count_nonfinite(progress: Progress, where: str, step: int) -> None:
     progress.urge()
 
 
-def run_rank(args: argparse.Namespace, spec: JobSpec, progress: Progress, threads: int) -> int:
-    """The follower's work, on a thread of its own; returns the exit code."""
-    progress.enter("loading")
-    sharded = spec.trainer.strategy == "fsdp"
-    with long_lived_objects(start=True):
-        import torch
+def follow(
+    group: RankGroup,
+    spec: JobSpec,
+    model: torch.nn.Module,
+    pad_id: int,
+    progress: Progress,
+    *,
+    before_step: StepHook | None = None,
+) -> None:
+    """Join `group` as its rank and do what rank 0 says until it says the work is done; raises
+    if the group breaks. Leaves the group either way. Blocks."""
+    from services.trainer import ranks
 
-        from services.trainer import ranks
-        from services.trainer.devices import compute_for
-
-        torch.set_num_threads(threads)
-        compute = compute_for(spec.trainer, args.rank)
-        if compute.device.type == "cuda":
-            torch.cuda.set_device(compute.device)
-        # Loaded before the group forms: rank 0 waits in the first collective meanwhile.
-        model, pad_id = load_model(spec, args.rank)
-    group = ranks.RankGroup(
-        args.rank,
-        args.world_size,
-        args.master,
-        progress,
-        args.timeout,
-        backend=compute.backend,
-        sharded=sharded,
-    )
-    written = None
+    rank, sharded = group.rank, spec.trainer.strategy == "fsdp"
+    written: Future[Any] | None = None
     try:
         progress.enter("starting_ranks")
         group.init()
         with long_lived_objects(start=True):
-            trainer = make_trainer(spec, args.rank, model, pad_id)
+            trainer = make_trainer(spec, rank, model, pad_id)
         if sharded:
             ranks.start_sharded(group, trainer, "", {})
         else:
@@ -174,102 +124,26 @@ def run_rank(args: argparse.Namespace, spec: JobSpec, progress: Progress, thread
             if order is None:
                 if written is not None:
                     written.result()  # this rank's part of the last checkpoint is on disk
-                log.info("trainer.follower_done", job=args.job, rank=args.rank)
-                return 0
+                progress.enter("done")
+                log.info("trainer.rank_done", rank=rank)
+                return
             if isinstance(order, ranks.SaveOrder):
                 progress.enter("checkpoint")
                 written = ranks.save_rank(group, trainer, order, written)
                 continue
-            if order.step + 1 == args.stop_at_step:
-                progress.enter("forward_backward")
-                log.warning("trainer.fault_injected", step=order.step + 1, fault="sigstop")
-                os.kill(os.getpid(), signal.SIGSTOP)
-            if order.step + 1 == args.fail_at_step:
+            if before_step is not None:
+                before_step(order)
+            if rank == spec.faults.error_rank and order.step + 1 in spec.faults.error_steps:
                 progress.enter("forward_backward")
                 log.warning("trainer.fault_injected", step=order.step + 1, fault="error")
-                raise RuntimeError(
-                    f"failure injection: rank {args.rank} fails in step {order.step + 1}"
-                )
+                raise RankFailed(f"rank {rank} failed in step {order.step + 1} (injected fault)")
             outcome = ranks.run_step(
-                group, trainer, order, inject=_nan_injector(spec, args.rank, order.step)
+                group, trainer, order, inject=_nan_injector(spec, rank, order.step)
             )
             if sharded:
                 group.gather_weights(trainer.model)  # rank 0 keeps the whole weights
             if outcome.metrics.nonfinite_where:
                 _count_nonfinite(progress, outcome.metrics.nonfinite_where, order.step + 1)
             progress.set_counter("step", float(order.step + 1))
-    except Exception as exc:  # rank 0 is gone or the group broke: nothing to do but leave
-        log.error("trainer.follower_failed", job=args.job, rank=args.rank, error=repr(exc))
-        return EXIT_FAILED
     finally:
         group.close()
-
-
-async def serve(args: argparse.Namespace, settings: TrainerSettings, etcd: EtcdSettings) -> int:
-    spec = JobSpec.model_validate_json(args.spec.read_text())
-    runtime = ServiceRuntime(
-        "trainer",
-        settings,
-        etcd,
-        service_names=[],
-        heartbeats=True,
-        labels={"rank": str(args.rank), "follower": "true"},
-    )
-    progress = runtime.progress
-    progress.job_id, progress.rank = args.job, args.rank
-    progress.counters = {"step": 0.0, "collective_seq": 0.0}
-    loop = asyncio.get_running_loop()
-    done: asyncio.Future[int] = loop.create_future()
-
-    def finish(code: int) -> None:
-        if not done.done():
-            done.set_result(code)
-
-    await runtime.start(on_fenced=lambda: finish(EXIT_FAILED))
-    await runtime.update_member(job_id=args.job)
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, finish, EXIT_TERMINATED)
-
-    def work() -> None:
-        code = EXIT_FAILED
-        try:
-            code = run_rank(args, spec, progress, settings.torch_threads)
-        except BaseException as exc:
-            log.error("trainer.follower_failed", job=args.job, rank=args.rank, error=repr(exc))
-        finally:
-            with contextlib.suppress(RuntimeError):  # the loop is already gone
-                loop.call_soon_threadsafe(finish, code)
-
-    # A daemon thread: when rank 0 is gone the thread may sit in gloo until its timeout,
-    # and nothing should wait for it on the way out. It logs with this service's context.
-    context = contextvars.copy_context()
-    threading.Thread(target=context.run, args=(work,), name="rank", daemon=True).start()
-    orphan_watch = asyncio.create_task(_watch_parent(args.parent_pid, finish))
-    code = await done
-    orphan_watch.cancel()
-    await runtime.shutdown()
-    return code
-
-
-async def _watch_parent(parent_pid: int, finish: Callable[[int], None]) -> None:
-    while parent_pid:
-        if os.getppid() != parent_pid:
-            log.error("trainer.follower_failed", error=f"rank 0 (pid {parent_pid}) is gone")
-            finish(EXIT_FAILED)
-            return
-        await asyncio.sleep(1.0)
-
-
-def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
-    settings, etcd = TrainerSettings(), EtcdSettings()
-    return run_process(serve(args, settings, etcd))
-
-
-if __name__ == "__main__":
-    code = main()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    # Not sys.exit: the rank thread may still be inside gloo, and interpreter teardown
-    # around a live collective can hang.
-    os._exit(code)

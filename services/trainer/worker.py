@@ -1,6 +1,9 @@
 """One job on a trainer: load the model, take trajectories in, run GRPO steps, checkpoint,
 publish weight versions, evaluate, and report progress to the coordinator.
 
+A trainer bound as rank r > 0 of a group (`trainer.world_size` > 1) runs no step loop: it
+finds rank 0 through the rendezvous in etcd and does what rank 0 says (`follower.py`).
+
 This module is the step loop and the state it keeps; each step's parts are their own rooms:
 `batches` (samples and metrics), `publishing` (weights), `checkpoint` (the writer and the
 restore), `evaluation`, `reporting` (to the coordinator), `acks` (to the rollouts) and
@@ -12,9 +15,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import contextvars
 import dataclasses
+import ipaddress
 import math
+import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -34,7 +41,7 @@ from robustrl.generation.rewards import RewardError
 from robustrl.generation.tasks import UnknownTaskError
 from robustrl.v1 import coordinator_pb2, trainer_pb2
 from robustrl.weights import WeightTransport, warm_up_ucxx
-from services.trainer import checkpoint, grpo
+from services.trainer import checkpoint, follower, grpo
 from services.trainer.acks import RolloutAcks
 from services.trainer.batches import InjectedError, step_inputs, step_metrics
 from services.trainer.config import TrainerSettings
@@ -42,7 +49,7 @@ from services.trainer.devices import Compute, compute_for
 from services.trainer.evaluation import Evaluation
 from services.trainer.intake import Group, Intake, TrainedGroups
 from services.trainer.publishing import open_transport, publish_weights
-from services.trainer.ranks import LeaderRanks
+from services.trainer.ranks import GroupBroken, LeaderRanks, RankGroup, rendezvous
 from services.trainer.reporting import report_to_coordinator, report_until_heard
 from services.trainer.run_logs import RunLogs
 
@@ -54,6 +61,15 @@ WAITING_ETCD = "waiting_etcd"
 WAITING_COORDINATOR = "waiting_coordinator"
 STOPPED_ON_ERROR = "stopped_on_error"
 """Phase of a trainer whose step loop ended on an error: it waits to be fenced and replaced."""
+
+RANKS_TIMEOUT_S = 300.0
+"""How long ranks wait for each other: in the rendezvous, in the group's forming, in a
+collective (the monitor names a stuck rank long before, within its collective budget)."""
+
+GROUP_LOSS_GRACE_S = 10.0
+"""How long rank 0, its group broken, waits to be fenced before it reports the break as its own
+error: the rank that went away (killed, its host lost) is the likelier cause, and the monitor's
+report of it fences the whole group anyway, naming the right member."""
 
 JOB_ERRORS = (RewardError, InvalidArgument, UnknownTaskError, ContextExceeded)
 """Errors in the job itself (its reward plug-in, its spec, its prompts): another trainer would
@@ -84,12 +100,21 @@ class TrainerWorker:
         """Steps [0, durable_step) are in a durable checkpoint (written, or restored from)."""
         self.restored_step = 0
         """The step of the checkpoint this trainer restored (0: it started afresh)."""
+        self.rank = 0
+        """This trainer's rank in the job's group (set at BIND): rank 0 runs the step loop."""
         self.nan_steps: set[int] = set(spec.faults.nan_loss_steps)
-        self.error_steps: set[int] = set(spec.faults.error_steps)
+        self.error_steps: set[int] = (
+            set(spec.faults.error_steps) if spec.faults.error_rank == 0 else set()
+        )
         self.data_arrived = asyncio.Event()
         self.transport: WeightTransport | None = None
         self.ranks: LeaderRanks | None = None
-        """Ranks 1..N-1 (spec.trainer.world_size > 1, or an fsdp job); this process is rank 0."""
+        """Rank 0's side of the group (spec.trainer.world_size > 1, or an fsdp job)."""
+        self.meeting: rendezvous.Rendezvous | None = None
+        """Where rank 0's group meets, while it publishes that."""
+        self.rank_thread: threading.Thread | None = None
+        """A rank > 0's work (`follower.follow`), in a daemon thread: a rank stuck in a
+        collective is not waited for on the way out."""
         self.sharded = spec.trainer.strategy == "fsdp"
         """FSDP2 ranks: `self.model` is then the whole weights rank 0 gathers after each step
         (to publish and evaluate), and the ranks train their shards."""
@@ -157,9 +182,19 @@ class TrainerWorker:
         the restore from the job's latest checkpoint, read now. The writer is not made ahead:
         it claims the folder for this trainer's epoch (a fenced trainer's writer publishes
         nothing after that) and clears the unfinished writes it finds, and a standby's must
-        not do either while the trainer it stands by for still runs."""
+        not do either while the trainer it stands by for still runs. A rank > 0 needs only the
+        model, on its own device: rank 0 gives it the state to start from."""
         self.prepare()
         assert self.trainer is not None
+        if not 0 <= self.rank < self.spec.trainer.world_size:
+            raise InvalidArgument(
+                f"rank {self.rank} does not exist in a group of trainer.world_size "
+                f"{self.spec.trainer.world_size}"
+            )
+        if self.rank > 0:
+            self.compute = compute_for(self.spec.trainer, self.rank)
+            self.model.to(self.compute.device)
+            return
         if self.epoch == FIRST_EPOCH:
             self.run_logs.set_aside_earlier_run()
         self.checkpoints = checkpoint.CheckpointWriter(
@@ -198,7 +233,8 @@ class TrainerWorker:
 
     def start(self) -> None:
         self.loop = asyncio.get_running_loop()
-        self._task = asyncio.create_task(self._run(), name=f"train-{self.job_id}")
+        work = self._run() if self.rank == 0 else self._follow()
+        self._task = asyncio.create_task(work, name=f"train-{self.job_id}-rank{self.rank}")
 
     def abandon_checkpoints(self) -> None:
         """This trainer was fenced: it writes no more checkpoints (`CheckpointWriter.abandon`)."""
@@ -305,36 +341,129 @@ class TrainerWorker:
             # when the same error came back after a replacement (coordinator/policy/verdicts.py).
             log.error("trainer.failed", job=self.job_id, step=self.step, exc_info=exc)
             self.progress.enter(STOPPED_ON_ERROR)
+            if isinstance(exc, GroupBroken):
+                await asyncio.sleep(GROUP_LOSS_GRACE_S)  # fenced meanwhile: cancelled here
             error, in_job = f"{type(exc).__name__}: {exc}", isinstance(exc, JOB_ERRORS)
             await report_until_heard(
                 lambda: self._report({}, [], {}, error=error, error_in_job=in_job)
             )
 
     async def _start_ranks(self) -> None:
-        """Start ranks 1..N-1 on this host and give them this rank's (maybe restored) state
-        (FSDP2 ranks read their parts of the restored checkpoint)."""
+        """Host the group's rendezvous, publish where it meets for this epoch, wait for ranks
+        1..N-1 (trainer members the leader bound with this one) and give them this rank's
+        (maybe restored) state (FSDP2 ranks read their parts of the restored checkpoint)."""
         assert self.trainer is not None and self.compute is not None
-        spec_path = self.run_dir / "spec.json"
-        spec_path.write_text(self.spec.model_dump_json())
-        self.ranks = LeaderRanks(self.progress, backend=self.compute.backend, sharded=self.sharded)
+        assert self.runtime.client is not None and self.runtime.session is not None
+        world_size = self.spec.trainer.world_size
+        host = self.runtime.settings.resolved_advertise_host()
+        self.ranks = LeaderRanks(
+            self.progress,
+            world_size=world_size,
+            timeout_s=RANKS_TIMEOUT_S,
+            host=host,
+            backend=self.compute.backend,
+            sharded=self.sharded,
+            epoch=self.epoch,
+            address=_ipv4_or_empty(host),
+        )
+        master = await asyncio.to_thread(self.ranks.listen)
+        if world_size > 1:
+            self.meeting = rendezvous.Rendezvous(
+                job_id=self.job_id, epoch=self.epoch, master=master, world_size=world_size
+            )
+            await rendezvous.publish(
+                self.runtime.client, self.runtime.keys, self.meeting, self.runtime.session.lease_id
+            )
         await asyncio.to_thread(
             self.ranks.start,
             self.trainer,
-            spec_path=spec_path,
-            job_id=self.job_id,
-            world_size=self.spec.trainer.world_size,
-            etcd=self.runtime.etcd_settings,
-            instance_id=self.runtime.instance_id,
-            settings=self.runtime.settings,
-            torch_threads=self.settings.torch_threads,
+            check=self._check_starting,
             restore_from=self.restore_from,
         )
-        log.info("trainer.ranks_started", job=self.job_id, world_size=self.spec.trainer.world_size)
+        log.info("trainer.ranks_started", job=self.job_id, world_size=world_size, master=master)
+
+    def _check_starting(self) -> None:
+        if self._stopping:
+            raise RuntimeError("the trainer stopped while its ranks joined")
 
     async def _close_ranks(self) -> None:
         ranks, self.ranks = self.ranks, None
         if ranks is not None:
             await asyncio.to_thread(ranks.close)
+        meeting, self.meeting = self.meeting, None
+        if meeting is not None and self.runtime.client is not None:
+            with contextlib.suppress(Exception):  # etcd away: rank 0's lease takes it later
+                await rendezvous.withdraw(self.runtime.client, self.runtime.keys, meeting)
+
+    # ------------------------------------------------------------------ ranks 1..N-1
+
+    async def _follow(self) -> None:
+        """Rank > 0: meet rank 0 where it published this epoch's rendezvous, then follow it
+        (`follower.follow`) until it says the job's work is done. A broken group leaves this
+        rank stopped until the leader fences it (with the whole group)."""
+        assert self.runtime.client is not None and self.compute is not None
+        progress = self.progress
+        progress.rank = self.rank
+        progress.enter("starting_ranks")
+        try:
+            meeting = await rendezvous.meet(
+                self.runtime.client, self.runtime.keys, self.job_id, self.epoch, RANKS_TIMEOUT_S
+            )
+            host = self.runtime.settings.resolved_advertise_host()
+            group = RankGroup(
+                self.rank,
+                meeting.world_size,
+                meeting.master,
+                progress,
+                RANKS_TIMEOUT_S,
+                backend=self.compute.backend,
+                sharded=self.sharded,
+                address=_ipv4_or_empty(host),
+                epoch=self.epoch,
+            )
+            log.info("trainer.rank_joining", job=self.job_id, rank=self.rank, master=meeting.master)
+            pad_id = int(self.tokenizer.pad_token_id)
+            await self._in_rank_thread(
+                lambda: follower.follow(group, self.spec, self.model, pad_id, progress)
+            )
+            log.info("trainer.rank_finished", job=self.job_id, rank=self.rank)
+        except asyncio.CancelledError:
+            raise
+        except Fenced as exc:
+            log.warning("trainer.fenced_out", job=self.job_id, rank=self.rank, reason=str(exc))
+            progress.enter(STOPPED_ON_ERROR)
+        except Exception as exc:  # the group broke: the leader replaces it as a whole
+            log.error("trainer.rank_failed", job=self.job_id, rank=self.rank, error=repr(exc))
+            progress.enter(STOPPED_ON_ERROR)
+
+    async def _in_rank_thread(self, work: Callable[[], None]) -> None:
+        """Run `work` in a daemon thread (with this service's log context) and wait for it."""
+        loop = asyncio.get_running_loop()
+        done: asyncio.Future[None] = loop.create_future()
+
+        def settle(error: BaseException | None) -> None:
+            if done.done():
+                return
+            if error is None:
+                done.set_result(None)
+            else:
+                done.set_exception(error)
+
+        def run() -> None:
+            error: BaseException | None = None
+            try:
+                work()
+            except BaseException as exc:
+                error = exc
+            with contextlib.suppress(RuntimeError):  # the loop is gone already
+                loop.call_soon_threadsafe(settle, error)
+
+        context = contextvars.copy_context()
+        self.rank_thread = threading.Thread(
+            target=context.run, args=(run,), name=f"rank{self.rank}", daemon=True
+        )
+        self.rank_thread.start()
+        await done
 
     # ------------------------------------------------------------------ a step's parts
 
@@ -367,9 +496,7 @@ class TrainerWorker:
         self.progress.enter("forward_backward")
         result: grpo.StepMetrics | None = None
         if samples and self.ranks is not None:
-            result = await asyncio.to_thread(
-                self.ranks.step, self.trainer, samples, step=self.step + 1
-            )
+            result = await asyncio.to_thread(self.ranks.step, self.trainer, samples, step=self.step)
         elif samples:
             result = await asyncio.to_thread(self.trainer.step, samples)
         self.intake.mark_trained(batch)
@@ -481,3 +608,13 @@ class TrainerWorker:
     def inject_error(self, step: int) -> None:
         """Chaos (Control INJECT_ERROR): stop with an error at `step`, this trainer only."""
         self.error_steps.add(step)
+
+
+def _ipv4_or_empty(host: str) -> str:
+    """`host` if it is an IPv4 address (the ranks then listen on its interface), else "": gloo
+    and NCCL pick the interface the host name resolves to."""
+    try:
+        ipaddress.IPv4Address(host)
+    except ValueError:
+        return ""
+    return host

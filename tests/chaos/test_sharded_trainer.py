@@ -1,6 +1,7 @@
-"""FSDP2 trainer ranks (`trainer.strategy: fsdp`) against real processes: each rank its own
-member, a stopped rank named by a collective hang, a killed one failing its group, which is
-restored on a new trainer from the checkpoint every rank wrote its part of. The rollouts go
+"""FSDP2 trainer ranks (`trainer.strategy: fsdp`) against real processes: each rank a trainer
+member started on its own and bound by the leader, a stopped rank named by a collective hang,
+a killed one failing its group, which is restored on a new group (trainers the provisioner
+starts) from the checkpoint every rank wrote its part of. The rollouts go
 on throughout; the job succeeds; nothing is lost or trained twice."""
 
 from __future__ import annotations
@@ -19,7 +20,6 @@ from tests.support.accounting import assert_nothing_lost_or_trained_twice
 from tests.support.cli import Cli
 from tests.support.detection import (
     detection_stack,
-    member,
     step_of,
     submit,
     wait_for_incident,
@@ -35,8 +35,14 @@ pytestmark = [pytest.mark.chaos, pytest.mark.slow, pytest.mark.timeout(420)]
 
 @pytest.fixture
 def stack(tmp_path: Path) -> Iterator[Cli]:
-    with detection_stack(tmp_path) as cli:
+    with detection_stack(tmp_path, "--trainers", "2") as cli:
         yield cli
+
+
+def _ranks(cli: Cli, job: str) -> dict[int, dict[str, Any]]:
+    """The job's trainer members by rank."""
+    members: list[dict[str, Any]] = cli.members()
+    return {m["rank"]: m for m in members if m["role"] == "trainer" and m["job_id"] == job}
 
 
 def test_fsdp_ranks_are_members_a_stopped_one_is_named_and_a_killed_one_is_recovered(
@@ -52,43 +58,53 @@ def test_fsdp_ranks_are_members_a_stopped_one_is_named_and_a_killed_one_is_recov
         "trainer.world_size=2",
     )
     eventually_sync(lambda: step_of(stack, "fs") >= 4, timeout=180)
-    # Each rank is a member of its own, with its rank and its job.
-    ranks: dict[Any, Any] = {m["instance_id"]: m for m in stack.members() if m["role"] == "trainer"}
-    assert (ranks["trainer-0"]["job_id"], ranks["trainer-0"]["rank"]) == ("fs", 0)
-    rank1 = ranks["trainer-0-rank1"]
-    assert (rank1["job_id"], rank1["rank"], rank1["labels"]["rank"]) == ("fs", 1, "1")
+    # Each rank is a trainer member of its own, started on its own by `up` (neither is the
+    # other's child), bound by the leader with its rank.
+    ranks = _ranks(stack, "fs")
+    assert sorted(ranks) == [0, 1], ranks
+    assert {ranks[0]["instance_id"], ranks[1]["instance_id"]} == {"trainer-0", "trainer-1"}
+    assert ranks[1]["labels"]["rank"] == "1" and ranks[1]["labels"]["follower"] == "true"
+    assert _parent(int(ranks[1]["pid"])) != int(ranks[0]["pid"])
+    assert _parent(int(ranks[0]["pid"])) != int(ranks[1]["pid"])
+    first_group = {r["instance_id"] for r in ranks.values()}
 
     # SIGSTOP of rank 1: rank 0 waits for it in the next collective, which names it.
-    pid = int(rank1["pid"])
+    stopped = ranks[1]["instance_id"]
+    pid = int(ranks[1]["pid"])
     os.kill(pid, signal.SIGSTOP)
     try:
-        hang = wait_for_incident(stack, "COLLECTIVE_HANG", "trainer-0-rank1", timeout=30)
+        hang = wait_for_incident(stack, "COLLECTIVE_HANG", stopped, timeout=30)
     finally:
         os.kill(pid, signal.SIGCONT)
     assert hang["rank"] == 1 and "rank 1" in hang["evidence"], hang
-    found: list[str] = []
-
-    def replaced_once() -> bool:
-        found.append(_replacement(stack, 1))
-        return bool(found[-1])
-
-    eventually_sync(replaced_once, timeout=60)
-    replaced = found[-1]
+    eventually_sync(lambda: _recovered(stack, 1), timeout=120)
 
     # kill -9 of the new group's rank 1: its member is lost, and the group with it.
     eventually_sync(lambda: step_of(stack, "fs") >= 12, timeout=180)
-    killed = member(stack, f"{replaced}-rank1")
-    assert (killed["job_id"], killed["rank"]) == ("fs", 1)
-    os.kill(int(killed["pid"]), signal.SIGKILL)
-    wait_for_incident(stack, "MEMBER_LOST", f"{replaced}-rank1", timeout=15)
+    second = _ranks(stack, "fs")
+    assert sorted(second) == [0, 1] and not first_group & {
+        r["instance_id"] for r in second.values()
+    }
+    killed = second[1]["instance_id"]
+    os.kill(int(second[1]["pid"]), signal.SIGKILL)
+    wait_for_incident(stack, "MEMBER_LOST", killed, timeout=30)
     watch = stack.run("watch", "fs", check=False, timeout=360)
     assert watch.returncode == 0, watch.stdout + watch.stderr
     status = stack.json("status", "fs")
     assert isinstance(status, dict) and status["phase"] == "SUCCEEDED", status
-    first, second = status["recoveries"]
-    assert first["actions"] == ["FENCE trainer-0", "RESTORE_TRAINER trainer-0"], first
-    assert second["actions"] == [f"FENCE {replaced}", f"RESTORE_TRAINER {replaced}"], second
-    log = (tmp_path / "home" / "logs" / f"{second['replacements'][0]}.log").read_text()
+    first, again = status["recoveries"]
+    assert first["actions"] == [
+        *(f"FENCE {i}" for i in sorted(first_group)),
+        f"RESTORE_TRAINER {stopped}",
+    ], first
+    assert again["actions"] == [
+        *(
+            f"FENCE {second[r]['instance_id']}"
+            for r in sorted(second, key=lambda r: second[r]["instance_id"])
+        ),
+        f"RESTORE_TRAINER {killed}",
+    ], again
+    log = (tmp_path / "home" / "logs" / f"{again['replacements'][0]}.log").read_text()
     assert "trainer.restored" in log and "trainer.ranks_started" in log
 
     run = tmp_path / "runs" / "fs"
@@ -105,9 +121,14 @@ def test_fsdp_ranks_are_members_a_stopped_one_is_named_and_a_killed_one_is_recov
     assert_nothing_lost_or_trained_twice(stack, "fs", run, steps_run=STEPS)
 
 
-def _replacement(cli: Cli, recoveries: int) -> str:
-    """The trainer that took the job over in recovery number `recoveries`, once it is done."""
+def _recovered(cli: Cli, recoveries: int) -> bool:
+    """Whether recovery number `recoveries` is done (its whole new group bound)."""
     status = cli.json("status", "fs")
     assert isinstance(status, dict)
-    done = [r for r in status["recoveries"] if r["done_at"]]
-    return str(done[recoveries - 1]["replacements"][0]) if len(done) >= recoveries else ""
+    return len([r for r in status["recoveries"] if r["done_at"]]) >= recoveries
+
+
+def _parent(pid: int) -> int:
+    """The parent pid of `pid`, from /proc."""
+    stat = Path(f"/proc/{pid}/stat").read_text()
+    return int(stat.rsplit(")", 1)[1].split()[1])

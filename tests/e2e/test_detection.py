@@ -123,20 +123,27 @@ def test_a_nan_loss_is_reported_in_the_step_it_happens(
     assert [i["kind"] for i in incidents(stack, "nan")] == ["NON_FINITE"]
 
 
+@pytest.fixture
+def two_trainers(tmp_path: Path) -> Iterator[Cli]:
+    with detection_stack(tmp_path, "--trainers", "2") as cli:
+        yield cli
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_a_trainer_rank_stopped_mid_job_is_named_by_a_collective_hang(
-    stack: Cli, model_dir: Path
+    two_trainers: Cli, model_dir: Path
 ) -> None:
+    stack = two_trainers
     submit(stack, model_dir, "ranks", "trainer.steps=500", "trainer.world_size=2")
     eventually_sync(lambda: step_of(stack, "ranks") >= 2, timeout=180)
-    rank1 = member(stack, "trainer-0-rank1")
-    assert rank1["job_id"] == "ranks"
+    rank1 = member(stack, "trainer-1")
+    assert (rank1["job_id"], rank1["rank"]) == ("ranks", 1)
     pid = int(rank1["pid"])
     os.kill(pid, signal.SIGSTOP)
     stopped_at = time.time()
     try:
-        incident = wait_for_incident(stack, "COLLECTIVE_HANG", "trainer-0-rank1", timeout=TTL)
+        incident = wait_for_incident(stack, "COLLECTIVE_HANG", "trainer-1", timeout=TTL)
     finally:
         os.kill(pid, signal.SIGCONT)
     assert incident["rank"] == 1 and "rank 1" in incident["evidence"]

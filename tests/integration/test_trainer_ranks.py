@@ -1,7 +1,9 @@
-"""Two trainer ranks on gloo: rank 0 in this process (as the trainer worker runs it), rank 1 a
-real follower process. Both register in a real etcd and beat to a real monitor. They train
-alike, and when rank 1 is stopped (SIGSTOP) inside a step, the incident names rank 1 within
-the collective budget."""
+"""Two trainer ranks on gloo, each a trainer member of its own: rank 0 in this process, as the
+trainer worker runs it (registered, its store's address published as the rendezvous in etcd),
+rank 1 a real trainer service process that this test starts (not rank 0: neither is the
+other's child) and binds with Control BIND at rank 1, as the leader does. Both beat to a real
+monitor. They train alike; rank 1 stopped between steps is named by a collective hang; rank 1
+failing in a step fails rank 0's step at once; a rank never joins another epoch's group."""
 
 from __future__ import annotations
 
@@ -16,27 +18,37 @@ from pathlib import Path
 import grpc
 import pytest
 
-from robustrl.contracts.jobspec import JobSpec, ModelSpec
-from robustrl.core.config import EtcdSettings
+from robustrl.contracts.errors import Fenced
+from robustrl.contracts.jobspec import FaultSpec, JobSpec, ModelSpec, TrainerSpec
+from robustrl.contracts.members import MemberRecord
+from robustrl.core.config import EtcdSettings, member_argv, member_env
 from robustrl.core.heartbeat import Progress
 from robustrl.core.incident_log import IncidentLog
 from robustrl.core.runtime import ServiceRuntime
-from robustrl.v1 import monitor_pb2, monitor_pb2_grpc
-from services.monitor import progress_detectors
+from robustrl.v1 import monitor_pb2, monitor_pb2_grpc, trainer_pb2, trainer_pb2_grpc
 from services.monitor.config import MonitorSettings
 from services.monitor.server import serve as serve_monitor
 from services.trainer.config import TrainerSettings
-from services.trainer.follower import EXIT_FAILED, load_model, make_trainer
+from services.trainer.follower import load_model, make_trainer
 from services.trainer.grpo import GRPOTrainer, Sample, StepMetrics, completion_logprobs
-from services.trainer.ranks import LeaderRanks, RankExited, fingerprint
+from services.trainer.ranks import (
+    GroupBroken,
+    LeaderRanks,
+    RankGroup,
+    WrongGroup,
+    fingerprint,
+    rendezvous,
+)
 from services.trainer.worker import JOB_ERRORS
 from tests.support import eventually, process_state
+from tests.support.paths import REPO
 
 JOB = "ranks-job"
 BUDGET = 1.0
 """The monitor's collective budget here: the incident must come within it (plus a round)."""
-STOP_AT = 3
-"""The 1-based step inside which rank 1 is stopped."""
+RANK_1 = "trainer-1"
+
+Action = trainer_pb2.ControlRequest
 
 
 @pytest.fixture
@@ -46,6 +58,85 @@ async def fast_monitor(etcd_settings: EtcdSettings) -> AsyncIterator[ServiceRunt
     )
     yield runtime
     await runtime.shutdown()
+
+
+@pytest.fixture
+async def rank_0(etcd_settings: EtcdSettings) -> AsyncIterator[ServiceRuntime]:
+    """Rank 0's runtime: registered as trainer-0, bound to JOB, beating every 0.1 s."""
+    settings = TrainerSettings(instance_id="trainer-0", heartbeat_interval=0.1)
+    runtime = ServiceRuntime("trainer", settings, etcd_settings, service_names=[])
+    await runtime.start()
+    runtime.progress.job_id = JOB
+    await runtime.update_member(job_id=JOB, epoch=1)
+    yield runtime
+    await runtime.shutdown()
+
+
+@pytest.fixture
+async def trainer_1(etcd_settings: EtcdSettings, tmp_path: Path) -> AsyncIterator[MemberRecord]:
+    """A trainer service process of its own (`python -m services.trainer`), free; its record."""
+    env = {
+        **os.environ,
+        **member_env(etcd_settings.endpoints, etcd_settings.prefix, "trainer", RANK_1),
+        "ROBUSTRL_TRAINER_PORT": "0",
+        "ROBUSTRL_TRAINER_HEARTBEAT_INTERVAL": "0.1",
+        "ROBUSTRL_TRAINER_TORCH_THREADS": "1",
+        "ROBUSTRL_TRAINER_RUNS_DIR": str(tmp_path / "runs"),
+    }
+    log_path = tmp_path / "trainer-1.log"
+    with log_path.open("wb") as log:
+        proc = await asyncio.create_subprocess_exec(
+            *member_argv("trainer"), cwd=REPO, env=env, stdout=log, stderr=log
+        )
+    try:
+        from robustrl.contracts.keys import KeySpace
+        from robustrl.core.etcd_client import connect_etcd
+        from robustrl.core.registry import Registry
+
+        client = await connect_etcd(etcd_settings)
+        registry = Registry(client, KeySpace(etcd_settings.prefix))
+        found: list[MemberRecord] = []
+
+        async def registered() -> bool:
+            member = await registry.get("trainer", RANK_1)
+            found[:] = [member] if member is not None else []
+            return bool(found)
+
+        await eventually(registered, timeout=60)
+        await client.close()
+        yield found[0]
+    finally:
+        if proc.returncode is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(proc.pid, signal.SIGCONT)
+                proc.terminate()
+            try:
+                await asyncio.wait_for(proc.wait(), 15)
+            except TimeoutError:
+                proc.kill()
+                await proc.wait()
+        print(log_path.read_text()[-3000:])
+
+
+async def _control(
+    member: MemberRecord,
+    action: trainer_pb2.ControlRequest.Action.ValueType,
+    epoch: int,
+    args: dict[str, str] | None = None,
+) -> trainer_pb2.ControlResponse:
+    async with grpc.aio.insecure_channel(member.address) as channel:
+        return await trainer_pb2_grpc.TrainerStub(channel).Control(
+            trainer_pb2.ControlRequest(action=action, job_id=JOB, epoch=epoch, args=args or {}),
+            timeout=120,
+        )
+
+
+async def _health(monitor: ServiceRuntime) -> dict[str, monitor_pb2.MemberHealth]:
+    async with grpc.aio.insecure_channel(monitor.address) as channel:
+        reply = await monitor_pb2_grpc.MonitorStub(channel).GetHealth(
+            monitor_pb2.GetHealthRequest(job_id=JOB), timeout=5
+        )
+    return {m.instance_id: m for m in reply.members}
 
 
 def _batch(trainer: GRPOTrainer, step: int) -> list[Sample]:
@@ -60,99 +151,72 @@ def _batch(trainer: GRPOTrainer, step: int) -> list[Sample]:
     ]
 
 
-async def _health(monitor: ServiceRuntime) -> dict[str, monitor_pb2.MemberHealth]:
-    async with grpc.aio.insecure_channel(monitor.address) as channel:
-        reply = await monitor_pb2_grpc.MonitorStub(channel).GetHealth(
-            monitor_pb2.GetHealthRequest(job_id=JOB), timeout=5
-        )
-    return {m.instance_id: m for m in reply.members}
-
-
-RankZero = tuple[ServiceRuntime, GRPOTrainer, LeaderRanks, Path]
-
-
-async def _rank_0(etcd_settings: EtcdSettings, model_dir: Path, tmp_path: Path) -> RankZero:
-    """Rank 0 as the trainer worker runs it: its runtime (registered, bound to JOB, beating
-    every 0.1 s), its model, its LeaderRanks, and the spec file the followers load."""
-    spec = JobSpec(name="ranks", model=ModelSpec(path=str(model_dir)))
-    spec_path = tmp_path / "spec.json"
-    spec_path.write_text(spec.model_dump_json())
-    settings = TrainerSettings(instance_id="trainer-0", heartbeat_interval=0.1)
-    runtime = ServiceRuntime("trainer", settings, etcd_settings, service_names=[])
-    await runtime.start()
-    runtime.progress.job_id = JOB
-    await runtime.update_member(job_id=JOB)
-    return (
-        runtime,
-        make_trainer(spec, 0, *load_model(spec, 0)),
-        LeaderRanks(runtime.progress, timeout_s=60),
-        spec_path,
+async def _form_group(
+    runtime: ServiceRuntime, member: MemberRecord, spec: JobSpec, epoch: int = 1
+) -> tuple[GRPOTrainer, LeaderRanks]:
+    """Rank 0 hosts and publishes the rendezvous; rank 1 is bound (BIND, rank 1) and joins."""
+    trainer = make_trainer(spec, 0, *load_model(spec, 0))
+    leader = LeaderRanks(runtime.progress, world_size=2, timeout_s=60, epoch=epoch)
+    master = await asyncio.to_thread(leader.listen)
+    assert runtime.client is not None and runtime.session is not None
+    meeting = rendezvous.Rendezvous(job_id=JOB, epoch=epoch, master=master, world_size=2)
+    await rendezvous.publish(runtime.client, runtime.keys, meeting, runtime.session.lease_id)
+    await _control(
+        member, Action.ACTION_BIND, epoch, {"spec_json": spec.model_dump_json(), "rank": "1"}
     )
-
-
-async def _start_rank_1(rank_0: RankZero, etcd_settings: EtcdSettings, *args: str) -> None:
-    """Start rank 1 (a real follower process, with `args` for failure injection) and form
-    the group."""
-    runtime, trainer, leader, spec_path = rank_0
-    await asyncio.to_thread(
-        leader.start,
-        trainer,
-        spec_path=spec_path,
-        job_id=JOB,
-        world_size=2,
-        etcd=etcd_settings,
-        instance_id=runtime.instance_id,
-        settings=runtime.settings,
-        follower_args={1: list(args)},
-    )
+    await asyncio.to_thread(leader.start, trainer)
+    return trainer, leader
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(120)
-async def test_ranks_train_alike_and_a_rank_stopped_in_a_step_is_named(
-    etcd_settings: EtcdSettings, fast_monitor: ServiceRuntime, tiny_model_dir: Path, tmp_path: Path
+@pytest.mark.timeout(180)
+async def test_a_rank_member_bound_by_the_leader_trains_alike_and_is_named_when_stopped(
+    rank_0: ServiceRuntime,
+    trainer_1: MemberRecord,
+    fast_monitor: ServiceRuntime,
+    tiny_model_dir: Path,
 ) -> None:
-    rank_0 = await _rank_0(etcd_settings, tiny_model_dir, tmp_path)
-    runtime, trainer, leader, _ = rank_0
+    spec = JobSpec(
+        name="ranks", model=ModelSpec(path=str(tiny_model_dir)), trainer=TrainerSpec(world_size=2)
+    )
+    trainer, leader = await _form_group(rank_0, trainer_1, spec)
     stepping: asyncio.Task[StepMetrics] | None = None
-    follower_pid = 0
     try:
-        await _start_rank_1(rank_0, etcd_settings, f"--stop-at-step={STOP_AT}")
-        [follower] = leader.procs
-        follower_pid = follower.pid
-        assert runtime.registry is not None
-        member = await runtime.registry.get("trainer", "trainer-0-rank1")
-        assert member is not None and member.pid == follower.pid
-        assert member.job_id == JOB  # never taken for a free trainer
+        assert rank_0.registry is not None
+        member = await rank_0.registry.get("trainer", RANK_1)
+        assert member is not None and member.pid == trainer_1.pid
+        assert (member.job_id, member.epoch) == (JOB, 1)
         assert member.labels == {"rank": "1", "follower": "true"}
 
         # A few steps: the ranks' parameters stay identical (rank 0 checks every step).
-        for step in range(STOP_AT - 1):
+        for step in range(2):
             metrics = await asyncio.to_thread(
                 leader.step, trainer, _batch(trainer, step), step=step
             )
             assert metrics.stepped and metrics.num_samples == 4 and metrics.num_tokens == 8
             assert leader.fingerprints[0] == leader.fingerprints[1] == fingerprint(trainer.model)
 
-        async def follower_caught_up() -> bool:
-            rank1 = (await _health(fast_monitor)).get("trainer-0-rank1")
-            return rank1 is not None and rank1.counters["step"] == STOP_AT - 1
+        async def rank_1_waits_for_step_3() -> bool:
+            rank1 = (await _health(fast_monitor)).get(RANK_1)
+            return (
+                rank1 is not None
+                and rank1.counters["step"] == 2
+                and (rank1.phase == "waiting_data")
+            )
 
-        await eventually(follower_caught_up, timeout=10)
+        await eventually(rank_1_waits_for_step_3, timeout=10)
+        # Rank 1 stopped (SIGSTOP) while it waits for the next batch: rank 0 sends it and
+        # waits in the broadcast that rank 1 never enters.
+        os.kill(trainer_1.pid, signal.SIGSTOP)
 
-        # Step STOP_AT: rank 1 stops itself (SIGSTOP) in forward_backward; rank 0 goes on to
-        # the gradient sum and waits there.
-        batch = _batch(trainer, STOP_AT - 1)
-        stepping = asyncio.create_task(
-            asyncio.to_thread(leader.step, trainer, batch, step=STOP_AT - 1)
-        )
+        async def rank_1_stopped() -> bool:
+            return process_state(trainer_1.pid) in ("T", "t")
 
-        async def rank1_stopped() -> bool:
-            return process_state(follower.pid) in ("T", "t")
-
-        await eventually(rank1_stopped, timeout=10)
+        await eventually(rank_1_stopped, timeout=10)
         stopped_at = time.time()
-
+        stepping = asyncio.create_task(
+            asyncio.to_thread(leader.step, trainer, _batch(trainer, 2), step=2)
+        )
         assert fast_monitor.client is not None
         log = IncidentLog(fast_monitor.client, fast_monitor.keys)
 
@@ -163,132 +227,110 @@ async def test_ranks_train_alike_and_a_rank_stopped_in_a_step_is_named(
         await eventually(collective_hang_reported, timeout=BUDGET + 10)
         incidents, _ = await log.list(JOB)
         [hang] = [i for i in incidents if i.kind == "COLLECTIVE_HANG"]
-        assert (hang.instance_id, hang.rank) == ("trainer-0-rank1", 1)
+        assert (hang.instance_id, hang.rank, hang.epoch) == (RANK_1, 1, 1)
         assert "rank 1 has not entered it" in hang.evidence
-        # Named within the budget of rank 0's wait, give or take a beat and a monitor round.
-        waited_from = runtime.progress.phase_started_at
-        assert runtime.progress.phase == "collective"
-        assert BUDGET < hang.detected_at - waited_from < BUDGET + 1.5
         assert hang.detected_at - stopped_at < BUDGET + 5.0
 
-        # What the monitor saw, fed to the pure detector: rank 0 waits in a collective that
-        # rank 1 never entered.
-        health = await _health(fast_monitor)
-        rank0, rank1 = health["trainer-0"], health["trainer-0-rank1"]
-        assert rank0.phase == "collective"
-        assert rank0.counters["collective_seq"] > rank1.counters["collective_seq"]
-        signals = [
-            progress_detectors.Signals(
-                role="trainer",
-                instance_id=m.instance_id,
-                job_id=JOB,
-                rank=rank,
-                phase=m.phase,
-                phase_started_at=started,
-                counters=dict(m.counters),
-            )
-            for m, rank, started in (
-                (rank0, 0, runtime.progress.phase_started_at),
-                (rank1, 1, 0.0),
-            )
-        ]
-        [finding] = progress_detectors.collective_hangs(
-            signals, time.time(), progress_detectors.ProgressConfig(collective_budget=BUDGET)
-        )
-        assert (finding.instance_id, finding.rank) == ("trainer-0-rank1", 1)
-
         # Let it go: the step completes on both ranks, and they still agree.
-        follower.send_signal(signal.SIGCONT)
+        os.kill(trainer_1.pid, signal.SIGCONT)
         metrics = await asyncio.wait_for(stepping, 30)
         stepping = None
-        assert metrics.stepped and metrics.num_samples == 4
-        assert leader.fingerprints[0] == leader.fingerprints[1]
-        assert await asyncio.to_thread(leader.close) == [0]
+        assert metrics.stepped and leader.fingerprints[0] == leader.fingerprints[1]
 
-        async def follower_left() -> bool:
-            gone = (await _health(fast_monitor))["trainer-0-rank1"].state == "GONE"
-            assert runtime.registry is not None
-            return gone and await runtime.registry.get("trainer", "trainer-0-rank1") is None
+        # The end of the job's work: rank 1 is done and stays bound until released.
+        await asyncio.to_thread(leader.close)
 
-        await eventually(follower_left, timeout=10)
+        async def rank_1_done() -> bool:
+            return (await _health(fast_monitor))[RANK_1].phase == "done"
+
+        await eventually(rank_1_done, timeout=10)
+        await _control(trainer_1, Action.ACTION_RELEASE, 1)
+        member = await rank_0.registry.get("trainer", RANK_1)
+        assert member is not None and member.job_id == "" and member.labels == {}
     finally:
-        if follower_pid and leader.procs:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(follower_pid, signal.SIGCONT)
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(trainer_1.pid, signal.SIGCONT)
         if stepping is not None:
-            for proc in leader.procs:
-                proc.kill()
             with contextlib.suppress(Exception):
-                await asyncio.wait_for(stepping, 30)
+                await asyncio.wait_for(stepping, 60)
         await asyncio.to_thread(leader.close, 2.0)
-        await runtime.shutdown()
 
 
-async def test_a_follower_that_dies_before_joining_fails_the_start_at_once(
-    etcd_settings: EtcdSettings, tiny_model_dir: Path, tmp_path: Path
+@pytest.mark.timeout(180)
+async def test_a_rank_that_fails_in_a_step_fails_rank_0s_step_at_once(
+    rank_0: ServiceRuntime,
+    trainer_1: MemberRecord,
+    fast_monitor: ServiceRuntime,
+    tiny_model_dir: Path,
 ) -> None:
-    spec = JobSpec(name="ranks", model=ModelSpec(path=str(tiny_model_dir)))
-    trainer = make_trainer(spec, 0, *load_model(spec, 0))
-    progress = Progress(phase="loading")
-    leader = LeaderRanks(progress, timeout_s=60)
-    started = time.monotonic()
-    with pytest.raises(RankExited, match="rank 1 exited with code 1 before joining"):
-        await asyncio.to_thread(
-            leader.start,
-            trainer,
-            spec_path=tmp_path / "no-such-spec.json",
-            job_id=JOB,
-            world_size=2,
-            etcd=etcd_settings,
-            instance_id="trainer-0",
-        )
-    assert time.monotonic() - started < 30  # not the 60 s join timeout
-    assert progress.phase == "loading" and "collective_seq" not in progress.counters
-    assert await asyncio.to_thread(leader.close) == []
-
-
-@pytest.mark.timeout(120)
-async def test_a_follower_that_fails_in_a_step_fails_rank_0s_step_at_once(
-    etcd_settings: EtcdSettings, tiny_model_dir: Path, tmp_path: Path
-) -> None:
-    """Rank 1 raises inside step 2 (as a device error would): it logs why and exits, and rank
-    0's step fails as soon as rank 1's connections close, not at the 60 s collective timeout,
-    with an error that names rank 1 (gloo's own says only that a connection broke). It is the
-    trainer's machine failing, not the job's: the coordinator recovers the trainer elsewhere."""
-    rank_0 = await _rank_0(etcd_settings, tiny_model_dir, tmp_path)
-    runtime, trainer, leader, _ = rank_0
+    """Rank 1 raises inside step 2 (`faults.error_rank`, as a device error would) and leaves
+    the group: rank 0's step fails as soon as rank 1's connections close, not at the 60 s
+    collective timeout. It is a machine failing, not the job: the leader replaces the group."""
+    spec = JobSpec(
+        name="ranks",
+        model=ModelSpec(path=str(tiny_model_dir)),
+        trainer=TrainerSpec(world_size=2),
+        faults=FaultSpec(error_steps=[2], error_rank=1),
+    )
+    trainer, leader = await _form_group(rank_0, trainer_1, spec)
     try:
-        await _start_rank_1(rank_0, etcd_settings, "--fail-at-step=2")
-        [follower] = leader.procs
         first = await asyncio.to_thread(leader.step, trainer, _batch(trainer, 0), step=0)
         assert first.stepped
         before = fingerprint(trainer.model)
-
         started = time.monotonic()
-        with pytest.raises(
-            RankExited, match=r"in step 2: trainer rank 1 exited with code 1 \("
-        ) as raised:
+        with pytest.raises(GroupBroken, match=r"in step 2: ") as raised:
             await asyncio.to_thread(leader.step, trainer, _batch(trainer, 1), step=1)
         took = time.monotonic() - started
         assert took < 15, f"rank 0 learnt of rank 1's failure after {took:.1f}s"
         assert not isinstance(raised.value, JOB_ERRORS)
-        assert await asyncio.to_thread(follower.wait, 10) == EXIT_FAILED
         # The failed step changed nothing on rank 0: no optimizer step without rank 1's part.
         assert fingerprint(trainer.model) == before
 
+        async def rank_1_stopped_on_error() -> bool:
+            return (await _health(fast_monitor))[RANK_1].phase == "stopped_on_error"
+
+        await eventually(rank_1_stopped_on_error, timeout=10)
         closing = time.monotonic()
-        assert await asyncio.to_thread(leader.close) == [EXIT_FAILED]
+        await asyncio.to_thread(leader.close)
         assert time.monotonic() - closing < 5  # the broken group is not asked to stop again
-        assert runtime.registry is not None
-
-        async def follower_deregistered() -> bool:
-            assert runtime.registry is not None
-            return await runtime.registry.get("trainer", "trainer-0-rank1") is None
-
-        await eventually(follower_deregistered, timeout=10)
     finally:
-        for proc in leader.procs:
-            with contextlib.suppress(ProcessLookupError):
-                proc.kill()
         await asyncio.to_thread(leader.close, 2.0)
-        await runtime.shutdown()
+
+
+@pytest.mark.timeout(180)
+async def test_a_rank_never_joins_the_group_of_another_epoch(
+    rank_0: ServiceRuntime,
+    trainer_1: MemberRecord,
+    fast_monitor: ServiceRuntime,
+    tiny_model_dir: Path,
+) -> None:
+    """A rank bound at epoch 1 (a fenced group's) finds the rendezvous of epoch 2: it was
+    replaced, and it stops without joining. A rank that reached a store of another epoch
+    (the record changed after it read it) refuses it."""
+    spec = JobSpec(
+        name="ranks", model=ModelSpec(path=str(tiny_model_dir)), trainer=TrainerSpec(world_size=2)
+    )
+    leader = LeaderRanks(rank_0.progress, world_size=2, timeout_s=60, epoch=2)
+    try:
+        master = await asyncio.to_thread(leader.listen)
+        assert rank_0.client is not None and rank_0.session is not None
+        newer = rendezvous.Rendezvous(job_id=JOB, epoch=2, master=master, world_size=2)
+        await rendezvous.publish(rank_0.client, rank_0.keys, newer, rank_0.session.lease_id)
+        with pytest.raises(Fenced, match="meets at epoch 2; this rank was bound at 1"):
+            await rendezvous.meet(rank_0.client, rank_0.keys, JOB, 1, timeout_s=5)
+        await _control(
+            trainer_1, Action.ACTION_BIND, 1, {"spec_json": spec.model_dump_json(), "rank": "1"}
+        )
+
+        async def rank_1_stopped() -> bool:
+            return (await _health(fast_monitor))[RANK_1].phase == "stopped_on_error"
+
+        await eventually(rank_1_stopped, timeout=30)
+        stale = RankGroup(1, 2, master, Progress(), timeout_s=10, epoch=1)
+        with pytest.raises(WrongGroup, match="serves the group of epoch 2"):
+            await asyncio.to_thread(stale.init)
+        stale.close()
+        await rendezvous.withdraw(rank_0.client, rank_0.keys, newer)
+        assert await rank_0.client.get(rank_0.keys.rendezvous(JOB)) is None
+    finally:
+        await asyncio.to_thread(leader.close, 2.0)

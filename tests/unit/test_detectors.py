@@ -101,24 +101,28 @@ def test_goodbye_of_a_member_that_serves_a_job_is_its_loss_at_once() -> None:
     assert reported(views, 100.0) == []  # one loss, one incident
 
 
-def test_goodbye_of_a_trainers_follower_rank_is_never_an_incident() -> None:
-    """Rank 0 reports a follower's exit itself; at a job's end followers leave in the job."""
+def test_goodbye_of_any_rank_of_a_trainer_group_still_in_its_job_is_a_loss() -> None:
+    """Ranks are members the leader releases when the job ends: one that says goodbye while
+    still bound (stopped under it) is lost, and its group with it; one released first is
+    gone."""
     views: d.Views = {}
-    for goodbye in (False, True):
+    for job_id, goodbye in (("j", False), ("j", True), ("", False), ("", True)):
+        instance = "t1" if job_id else "t2"
         d.on_beat(
             views,
             role="trainer",
-            instance_id="t0-rank1",
+            instance_id=instance,
             epoch=1,
-            job_id="j",
-            rank=1,
+            job_id=job_id,
+            rank=1 if job_id else 0,
             phase="train",
             counters={},
             goodbye=goodbye,
             now=0.1,
         )
-    assert d.evaluate(views.values(), 100.0, CFG) == []
-    assert views["t0-rank1"].state is d.State.GONE
+    [lost] = d.evaluate(views.values(), 100.0, CFG)
+    assert (lost.kind, lost.view.instance_id, lost.view.rank) == ("MEMBER_LOST", "t1", 1)
+    assert views["t2"].state is d.State.GONE
 
 
 def test_the_address_comes_from_the_registry_and_outlives_beats() -> None:

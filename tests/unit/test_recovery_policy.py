@@ -82,39 +82,6 @@ def test_full_restart_mode_restarts_everything_for_any_failure() -> None:
         assert action.do is Do.FULL_RESTART
 
 
-def test_an_incident_about_a_trainer_rank_is_about_the_trainer_that_runs_it() -> None:
-    from robustrl.contracts.incidents import IncidentRecord
-    from services.coordinator.jobs import JobRecord
-    from services.coordinator.policy import serving_instance
-
-    record = JobRecord(
-        job_id="j",
-        spec={},
-        created_at=0.0,
-        updated_at=0.0,
-        member_roles={"trainer-0": "trainer", "rollout-0": "rollout"},
-    )
-
-    def about(instance: str, role: str) -> str:
-        incident = IncidentRecord(
-            incident_id="i",
-            job_id="j",
-            role=role,
-            instance_id=instance,
-            rank=1,
-            kind="COLLECTIVE_HANG",
-            evidence="",
-            confidence=0.9,
-            detected_at=0.0,
-            epoch=0,
-        )
-        return serving_instance(record, incident)
-
-    assert about("trainer-0-rank1", "trainer") == "trainer-0"
-    assert about("rollout-0", "rollout") == "rollout-0"
-    assert about("trainer-9-rank1", "trainer") == "trainer-9-rank1"  # not this job's: no action
-
-
 def running_job(epoch: int, member_roles: dict[str, str]) -> JobRecord:
     return JobRecord(
         job_id="j",
@@ -201,15 +168,21 @@ def test_a_member_gone_from_the_registry_or_its_name_in_another_job_is_judged_by
     assert decided(record, lost, elsewhere) == [Do.FENCE, Do.REQUEUE, Do.REPLACE_ROLLOUT]
 
 
-def test_a_follower_ranks_incident_is_not_compared_with_its_rank_0s_binding() -> None:
-    """A follower rank beats its process's epoch (0), not the binding of its rank 0, which
-    serves at epoch 2: the hang is recovered all the same."""
-    record = running_job(2, {"trainer-0": "trainer", "rollout-0": "rollout"})
-    members = [registered("trainer-0", "trainer", epoch=2)]
-    hang = reported("trainer-0-rank1", "trainer", "COLLECTIVE_HANG", epoch=0)
-    assert incident_facts(record, hang).epoch is None
-    assert incident_facts(record, hang).instance_id == "trainer-0"
-    assert decided(record, hang, members) == [Do.FENCE, Do.RESTORE_TRAINER]
+def test_an_incident_about_any_rank_of_a_trainer_group_replaces_the_whole_group() -> None:
+    """Every rank is a member of the job at the group's epoch: the rank named is fenced with
+    its group. A rank of an earlier group (fenced already) changes nothing."""
+    record = running_job(
+        2, {"trainer-0": "trainer", "trainer-1": "trainer", "rollout-0": "rollout"}
+    )
+    members = [
+        registered("trainer-0", "trainer", epoch=2),
+        registered("trainer-1", "trainer", epoch=2),
+    ]
+    hang = reported("trainer-1", "trainer", "COLLECTIVE_HANG", epoch=2)
+    assert incident_facts(record, hang).epoch == 2
+    assert decided(record, hang, members) == [Do.FENCE, Do.FENCE, Do.RESTORE_TRAINER]
+    earlier = reported("trainer-7", "trainer", "MEMBER_LOST", epoch=1)
+    assert decided(record, earlier, members) == []
 
 
 def test_an_incident_the_leader_records_is_never_taken_for_an_earlier_bindings() -> None:
@@ -218,7 +191,6 @@ def test_an_incident_the_leader_records_is_never_taken_for_an_earlier_bindings()
     record = running_job(2, {"trainer-1": "trainer", "rollout-1": "rollout"})
     subject = leader_subject(record, "rollout-1")
     assert (subject.role, subject.epoch, subject.job_id) == ("rollout", 2, "j")
-    assert leader_subject(record, "trainer-1-rank1").role == "trainer"
     members = [
         registered("trainer-1", "trainer", epoch=2),
         registered("rollout-1", "rollout", epoch=1),

@@ -42,7 +42,7 @@ def test_only_free_members_that_stay_are_bindable_and_fenced_ids_are_passed_over
         member("rollout", "r1", job="other"),
         member("rollout", "r2", fenced="true"),
         member("rollout", "r3", leaving="true"),
-        member("trainer", "t0-rank1", follower="true"),
+        member("trainer", "t1", job="j", rank="1", follower="true"),
         member("trainer", "t0"),
         member("rollout", "r4"),
     ]
@@ -72,6 +72,19 @@ def test_a_job_starts_on_a_free_trainer_that_is_no_standby_and_enough_rollouts()
     assert standbys_only.members == [] and "free now: 0 trainers" in standbys_only.waiting
 
 
+def test_a_job_of_two_ranks_starts_on_two_free_trainers_each_with_its_rank() -> None:
+    free = {
+        "trainer": [member("trainer", "t0"), member("trainer", "s0", standby="true")],
+        "rollout": [member("rollout", "r0")],
+    }
+    waiting = start_members(free, 1, trainers=2)
+    assert waiting.members == [] and waiting.waiting.startswith("waiting for 2 free trainers")
+    free["trainer"].append(member("trainer", "t1"))
+    start = start_members(free, 1, trainers=2)
+    assert names(start.members) == ["t0", "t1", "r0"]
+    assert start.ranks == {"t0": 0, "t1": 1}
+
+
 def test_the_roles_a_job_lost_are_bound_again_a_new_trainer_at_a_new_epoch() -> None:
     lost_trainer = record(members=["r0"], member_roles={"r0": "rollout"}, epoch=3)
     assert roles_missing(lost_trainer, 2) == ["trainer", "rollout"]
@@ -80,6 +93,8 @@ def test_the_roles_a_job_lost_are_bound_again_a_new_trainer_at_a_new_epoch() -> 
     assert roles_missing(full, 1) == []
     assert roles_missing(full, 3) == ["rollout", "rollout"]
     assert replacement_epoch(3, ["rollout"]) == 3
+    # A trainer group is fenced whole, and bound again whole.
+    assert roles_missing(lost_trainer, 1, trainers=2) == ["trainer", "trainer"]
     # A record from before roles were kept: nothing to compare with.
     assert roles_missing(record(members=["t", "r0"]), 2) == []
 
@@ -120,11 +135,13 @@ def test_a_recovering_job_runs_again_once_a_trainer_is_bound_at_the_new_epoch() 
         weight_version=7,
         message="recovering from MEMBER_LOST of t0",
     )
-    done = filled(recovering, [member("trainer", "t1")], 2)
+    group = [member("trainer", "t1"), member("trainer", "t2")]
+    done = filled(recovering, group, 2, {"t1": 0, "t2": 1})
     assert (done.phase, done.message) == (Phase.RUNNING, "running (recovered)")
     assert done.change == {
-        "members": ["r0", "t1"],
-        "member_roles": {"r0": "rollout", "t1": "trainer"},
+        "members": ["r0", "t1", "t2"],
+        "member_roles": {"r0": "rollout", "t1": "trainer", "t2": "trainer"},
+        "member_ranks": {"t1": 0, "t2": 1},
         "epoch": 2,
         "weight_version": 0,
     }

@@ -43,7 +43,6 @@ from services.coordinator.policy.incidents import (
     leader_subject,
     missing_members,
     serving_epochs,
-    serving_instance,
     unreported_losses,
 )
 from services.coordinator.policy.replacement import (
@@ -55,6 +54,7 @@ from services.coordinator.policy.replacement import (
     bindable,
     filled,
     free_members,
+    group_ranks,
     is_standby,
     prepared_standbys,
     replacement_epoch,
@@ -93,6 +93,7 @@ __all__ = [
     "facts",
     "filled",
     "free_members",
+    "group_ranks",
     "incident_facts",
     "is_standby",
     "leader_subject",
@@ -107,7 +108,6 @@ __all__ = [
     "roles_missing",
     "rollout_error_verdict",
     "serving_epochs",
-    "serving_instance",
     "standbys_to_prepare",
     "start_members",
     "trainer_error_recovered",

@@ -45,9 +45,7 @@ class IncidentFacts:
     role: str
     instance_id: str
     epoch: int | None
-    """The binding epoch the reporter saw the member serve the job at; None where the report
-    cannot know it (a trainer's follower rank beats its process's epoch, not the binding of
-    the rank 0 it is about)."""
+    """The binding epoch the reporter saw the member serve the job at; None where unknown."""
     kind: str
     rank: int = 0
     step: int = 0
@@ -127,16 +125,6 @@ def _nonfinite(incident: IncidentFacts, job: JobFacts) -> list[Action]:
     return [Action(Do.ROLLBACK, incident.instance_id, why)]
 
 
-def serving_instance(record: JobRecord, incident: IncidentRecord) -> str:
-    """The job member an incident is about: a trainer's follower rank maps to its rank 0."""
-    if incident.instance_id in record.member_roles or incident.role != "trainer":
-        return incident.instance_id
-    for member, role in record.member_roles.items():
-        if role == "trainer" and incident.instance_id.startswith(f"{member}-rank"):
-            return member
-    return incident.instance_id
-
-
 def serving_epochs(record: JobRecord, registered: Iterable[MemberRecord]) -> dict[str, int]:
     """Member -> the epoch its registry record shows it bound to the job at, for the job's
     members registered as members of this job (epochs count per job)."""
@@ -166,16 +154,14 @@ def facts(
 
 
 def incident_facts(record: JobRecord, incident: IncidentRecord) -> IncidentFacts:
-    """The incident as `decide` sees it: about the member that serves the job (a follower
-    rank's incident is its rank 0's), at the job's step. A follower rank's epoch is its
-    process's, not its rank 0's binding: not compared."""
-    member = serving_instance(record, incident)
+    """The incident as `decide` sees it, at the job's step. Every rank of a trainer group is a
+    member of the job: an incident about any of them fails the whole group (`decide`)."""
     return IncidentFacts(
         incident_id=incident.incident_id,
         job_id=incident.job_id,
         role=incident.role,
-        instance_id=member,
-        epoch=incident.epoch if member == incident.instance_id else None,
+        instance_id=incident.instance_id,
+        epoch=incident.epoch,
         kind=incident.kind,
         rank=incident.rank,
         step=record.step,
@@ -184,7 +170,7 @@ def incident_facts(record: JobRecord, incident: IncidentRecord) -> IncidentFacts
 
 def leader_subject(record: JobRecord, instance_id: str) -> IncidentSubject:
     """Whom an incident the leader finds itself (not the monitor) is about: a member of
-    `record` (a follower rank is a trainer), at the job's epoch. No member serves the job at
+    `record`, at the job's epoch. No member serves the job at
     a higher one, so such an incident is never taken for one about an earlier binding."""
     return IncidentSubject(
         role=record.member_roles.get(instance_id, "trainer"),

@@ -7,7 +7,7 @@ from __future__ import annotations
 import enum
 from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from robustrl.contracts.members import MemberRecord
 from robustrl.core.role_server import LEAVING_LABEL, PREPARED_LABEL
@@ -27,14 +27,12 @@ def is_standby(member: MemberRecord) -> bool:
 
 
 def free_members(members: list[MemberRecord], role: str) -> list[MemberRecord]:
-    """Members of `role` that a job may bind: in no job, not a trainer's follower rank, not
-    fenced, not about to exit."""
+    """Members of `role` that a job may bind: in no job, not fenced, not about to exit."""
     return [
         m
         for m in members
         if m.role == role
         and not m.job_id
-        and m.labels.get("follower") != "true"
         and m.labels.get("fenced") != "true"
         and m.labels.get(LEAVING_LABEL) != "true"
     ]
@@ -61,34 +59,46 @@ def bindable(
 
 @dataclass(frozen=True)
 class Start:
-    """The members a pending job starts on; none, and why it waits, while there are too few."""
+    """The members a pending job starts on (its trainers first, in rank order); none, and why
+    it waits, while there are too few."""
 
     members: list[MemberRecord]
     waiting: str = ""
+    ranks: dict[str, int] = field(default_factory=dict)
+    """trainer instance id -> its rank in the job's group."""
 
 
-def start_members(free: Mapping[str, list[MemberRecord]], replicas: int) -> Start:
-    """A job starts on a free trainer and `replicas` free rollouts (the first of each found);
-    standbys wait for a member of their role to fail."""
-    trainers = [m for m in free["trainer"] if not is_standby(m)]
+def start_members(
+    free: Mapping[str, list[MemberRecord]], replicas: int, trainers: int = 1
+) -> Start:
+    """A job starts on `trainers` free trainers (its group's ranks 0..trainers-1) and
+    `replicas` free rollouts, the first of each found; standbys wait for a member of their
+    role to fail."""
+    found = [m for m in free["trainer"] if not is_standby(m)]
     rollouts = [m for m in free["rollout"] if not is_standby(m)]
-    if not trainers or len(rollouts) < replicas:
+    if len(found) < trainers or len(rollouts) < replicas:
         return Start(
             [],
-            f"waiting for 1 free trainer and {replicas} free rollouts "
-            f"(free now: {len(trainers)} trainers, {len(rollouts)} rollouts)",
+            f"waiting for {trainers} free trainer{'s' if trainers > 1 else ''} and {replicas} "
+            f"free rollouts (free now: {len(found)} trainers, {len(rollouts)} rollouts)",
         )
-    return Start([trainers[0], *rollouts[:replicas]])
+    group = found[:trainers]
+    return Start([*group, *rollouts[:replicas]], ranks=group_ranks(group))
 
 
-def roles_missing(record: JobRecord, replicas: int) -> list[str]:
-    """The roles the job lost (recovery unbound them) and needs bound again: the trainer, then
-    each rollout short of `replicas`. None for a record from before roles were kept: nothing
-    to compare with."""
+def group_ranks(trainers: Sequence[MemberRecord]) -> dict[str, int]:
+    """Ranks 0..N-1 of a trainer group, in the order given."""
+    return {m.instance_id: rank for rank, m in enumerate(trainers)}
+
+
+def roles_missing(record: JobRecord, replicas: int, trainers: int = 1) -> list[str]:
+    """The roles the job lost (recovery unbound them) and needs bound again: each trainer of
+    its group (`trainers` ranks; recovery fences a group whole), then each rollout short of
+    `replicas`. None for a record from before roles were kept: nothing to compare with."""
     if record.members and not record.member_roles:
         return []
     roles = list(record.member_roles.values())
-    return (["trainer"] if "trainer" not in roles else []) + ["rollout"] * max(
+    return ["trainer"] * max(0, trainers - roles.count("trainer")) + ["rollout"] * max(
         0, replicas - roles.count("rollout")
     )
 
@@ -142,14 +152,20 @@ class Filled:
     message: str
 
 
-def filled(record: JobRecord, bound: list[MemberRecord], epoch: int) -> Filled:
-    """The members bound join the job at `epoch`; a job recovering its trainer runs again once
-    one is bound."""
+def filled(
+    record: JobRecord,
+    bound: list[MemberRecord],
+    epoch: int,
+    ranks: Mapping[str, int] | None = None,
+) -> Filled:
+    """The members bound join the job at `epoch` (trainers at their `ranks`); a job recovering
+    its trainer group runs again once the group is bound."""
     roles = {**record.member_roles, **{m.instance_id: m.role for m in bound}}
     recovered = "trainer" in roles.values() and record.phase is Phase.RECOVERING
     change: dict[str, object] = {
         "members": [*record.members, *(m.instance_id for m in bound)],
         "member_roles": roles,
+        "member_ranks": {**record.member_ranks, **(ranks or {})},
         "epoch": epoch,
     }
     if epoch > record.epoch:

@@ -1,15 +1,19 @@
-"""Data-parallel trainer ranks on gloo, and the watchdog around their collectives.
+"""Trainer ranks on gloo (NCCL for CUDA tensors), and the watchdog around their collectives.
 
-Rank 0 is the bound trainer. It starts ranks 1..N-1 as follower processes on its own host
-(`python -m services.trainer.follower`, `followers.py`), and every rank registers and streams
-its own heartbeat. Each step, rank 0 broadcasts the whole batch, and each rank trains on its
-`shard`. The loss is divided by the *batch's* token count, so the shards' gradients sum to
-the single-rank gradient. One flattened all-reduce sums them (with a non-finite flag), so
-every rank applies the same update to the same parameters. Per step, on every rank
-(`step.py`'s `run_step`):
+Every rank is a trainer member of its own, started on its own on any host; the leader binds N
+free trainers to a job of `trainer.world_size: N` with their ranks. Rank 0 (the trainer worker)
+opens the group's store and publishes where it is in etcd for its epoch (`rendezvous.py`); the
+others wait for that record and join (`services/trainer/follower.py`). Each step, rank 0
+broadcasts the whole batch, and each rank trains its `shard`. The loss is divided by the
+*batch's* token count, so the shards' gradients sum to the single-rank gradient. One flattened
+all-reduce sums them (with a non-finite flag), so every rank applies the same update to the
+same parameters. Per step, on every rank (`step.py`'s `run_step`):
 
     broadcast_batch -> forward_backward (own shard) -> sync_gradients -> optimizer
     -> gather_step (metrics and a parameter fingerprint, to catch diverged ranks)
+
+FSDP2 ranks (`sharding.py`) run the step as one watched collective instead, and hold 1/N of
+the parameters, gradients and optimizer state each.
 
 The watchdog (`group.py`): every collective goes through `RankGroup.collective`. It numbers
 the collective (counter `collective_seq`; every rank runs the same collectives in the same
@@ -19,38 +23,31 @@ then names the rank whose `collective_seq` is below the number the other ranks h
 past the budget. A thread on each rank also logs `trainer.collective_waiting`, naming the
 collective, once a wait passes `warn_after`.
 
-A follower waiting for rank 0's next batch is idle, not hung: rank 0 may be evaluating,
+A rank waiting for rank 0's next batch is idle, not hung: rank 0 may be evaluating,
 checkpointing or waiting for data for minutes. So it waits outside gloo, on a key in the
 rendezvous store that rank 0 sets just before it broadcasts, in phase `waiting_data` with
-no timeout. The broadcast itself is then an ordinary collective on every rank. A follower
+no timeout. The broadcast itself is then an ordinary collective on every rank. A rank
 stopped while it waits has not entered the broadcast rank 0 is waiting in, so it is named
 too.
 
-Rank 0 (the trainer worker) runs all of this from a thread, because every call blocks
-(`leader.py`):
+Rank 0 runs its side from a thread, because every call blocks (`leader.py`):
 
-    ranks = LeaderRanks(runtime.progress, timeout_s=300)
-    spec_path.write_text(spec.model_dump_json())
-    ranks.start(trainer, spec_path=spec_path, job_id=job_id, world_size=W,
-                etcd=runtime.etcd_settings, instance_id=runtime.instance_id,
-                settings=runtime.settings, torch_threads=settings.torch_threads)
+    ranks = LeaderRanks(runtime.progress, world_size=W, host=advertise_host, epoch=epoch)
+    master = ranks.listen()            # then published: rendezvous.publish(...)
+    ranks.start(trainer, restore_from=sharded_checkpoint_or_None)
     metrics = ranks.step(trainer, samples, step=s)  # instead of trainer.step(samples)
-    ranks.close()  # followers exit 0; those that do not are stopped by pid
+    ranks.close()  # the other ranks' work is done; the leader releases them
 
 `start` goes after any checkpoint restore: it broadcasts rank 0's parameters and optimizer
-state, so every rank starts identical.
+state (FSDP2 ranks read their parts of the sharded checkpoint), so every rank starts
+identical.
 """
 
-from services.trainer.ranks.followers import (
-    follower_instance_id,
-    spawn_followers,
-    stop_followers,
-)
-from services.trainer.ranks.group import IDLE_WAIT, RankGroup
+from services.trainer.ranks import rendezvous
+from services.trainer.ranks.group import IDLE_WAIT, RankGroup, WrongGroup
 from services.trainer.ranks.leader import (
-    RANK_EXIT_GRACE,
+    GroupBroken,
     LeaderRanks,
-    RankExited,
     RanksDiverged,
     save_rank,
     start_sharded,
@@ -68,24 +65,22 @@ from services.trainer.ranks.step import (
 
 __all__ = [
     "IDLE_WAIT",
-    "RANK_EXIT_GRACE",
+    "GroupBroken",
     "LeaderRanks",
     "Order",
-    "RankExited",
     "RankGroup",
     "RanksDiverged",
     "SaveOrder",
     "StepOrder",
     "StepOutcome",
+    "WrongGroup",
     "fingerprint",
-    "follower_instance_id",
     "gather_full",
     "local_numel",
     "optimizer_numel",
+    "rendezvous",
     "run_step",
     "save_rank",
     "shard",
-    "spawn_followers",
     "start_sharded",
-    "stop_followers",
 ]

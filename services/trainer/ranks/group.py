@@ -29,10 +29,15 @@ log = get_logger(__name__)
 
 IDLE_WAIT = timedelta(days=365)
 """How long a follower waits for rank 0's next batch: as long as it takes. Rank 0 going away
-ends the wait at once (the store's connection drops, or the follower is orphaned)."""
+ends the wait at once (the store's connection drops)."""
 
 _JOINED = "robustrl/joined/{rank}"
 _GO = "robustrl/go/{n}"
+_EPOCH = "robustrl/epoch"
+
+
+class WrongGroup(RuntimeError):
+    """The store a rank reached belongs to another epoch's group (the rendezvous moved on)."""
 
 
 class RankGroup:
@@ -50,12 +55,15 @@ class RankGroup:
         backend: str = "gloo",
         sharded: bool = False,
         address: str = "",
+        epoch: int = 0,
     ) -> None:
         """`backend`: the process group's (gloo; "cpu:gloo,cuda:nccl" for CUDA ranks).
         `sharded`: an FSDP2 group (`sharding.py`), which also opens a second gloo group for
         the checkpoint writes. `address`: this rank's own address, where the other ranks
         reach it (default: the address its host name resolves to, as gloo and NCCL take it;
-        often 127.0.0.1, which another host cannot reach)."""
+        often 127.0.0.1, which another host cannot reach). `epoch`: the trainer epoch the
+        group serves; rank 0's store holds it, and a rank of another epoch refuses to join
+        (`WrongGroup`)."""
         host, _, port = master.rpartition(":")
         if not host or not port.isdigit():
             raise ValueError(f"master {master!r} is not host:port")
@@ -71,6 +79,7 @@ class RankGroup:
         self.backend = backend
         self.sharded = sharded
         self.address = address
+        self.epoch = epoch
         self.checkpoint_group: dist.ProcessGroup | None = None
         """An FSDP2 group's second gloo group, for DCP's writes in their own thread."""
         self.seq = 0
@@ -105,15 +114,16 @@ class RankGroup:
                 timeout=self.timeout,
                 wait_for_workers=False,
             )
+            self._store.set(_EPOCH, str(self.epoch))
             self.port = int(self._store.port)
         return self.master
 
     def init(self, check: Callable[[], None] | None = None) -> None:
         """Join the group; blocks until every rank has (at most the timeout).
 
-        Rank 0 waits for each follower to announce itself before the gloo rendezvous, and
-        calls `check` while it waits, so a follower that dies on the way fails this at once
-        rather than at the timeout.
+        Rank 0 waits for each other rank to announce itself before the gloo rendezvous, and
+        calls `check` while it waits (it raises to give up: rank 0's trainer was stopped or
+        fenced meanwhile). Another rank checks that the store serves its epoch first.
         """
         if self.rank == 0:
             self.listen()
@@ -137,13 +147,23 @@ class RankGroup:
             self._signals = dist.TCPStore(
                 self.host, self.port, self.world_size, is_master=False, timeout=IDLE_WAIT
             )
+            found = int(store.get(_EPOCH).decode())
+            if found != self.epoch:
+                raise WrongGroup(
+                    f"the store at {self.master} serves the group of epoch {found}; this rank "
+                    f"was bound at epoch {self.epoch}"
+                )
             store.set(_JOINED.format(rank=self.rank), "1")
             self._store = store
         if self.address:
             # gloo and NCCL pick the interface to listen on by name, not by address.
-            interface = interface_for(self.address)
-            os.environ.setdefault("GLOO_SOCKET_IFNAME", interface)
-            os.environ.setdefault("NCCL_SOCKET_IFNAME", interface)
+            try:
+                interface = interface_for(self.address)
+            except ValueError as exc:  # behind NAT: the host name's interface it is
+                log.warning("trainer.rank_interface_unknown", address=self.address, error=str(exc))
+            else:
+                os.environ.setdefault("GLOO_SOCKET_IFNAME", interface)
+                os.environ.setdefault("NCCL_SOCKET_IFNAME", interface)
         dist.init_process_group(
             self.backend,
             store=store,
