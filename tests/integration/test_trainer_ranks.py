@@ -17,6 +17,7 @@ from pathlib import Path
 
 import grpc
 import pytest
+import torch
 
 from robustrl.contracts.errors import Fenced
 from robustrl.contracts.jobspec import FaultSpec, JobSpec, ModelSpec, TrainerSpec
@@ -29,8 +30,14 @@ from robustrl.v1 import monitor_pb2, monitor_pb2_grpc, trainer_pb2, trainer_pb2_
 from services.monitor.config import MonitorSettings
 from services.monitor.server import serve as serve_monitor
 from services.trainer.config import TrainerSettings
-from services.trainer.follower import load_model, make_trainer
-from services.trainer.grpo import GRPOTrainer, Sample, StepMetrics, completion_logprobs
+from services.trainer.follower import load_model
+from services.trainer.grpo import (
+    GRPOTrainer,
+    Sample,
+    StepMetrics,
+    completion_logprobs,
+    grpo_config,
+)
 from services.trainer.ranks import (
     GroupBroken,
     LeaderRanks,
@@ -155,8 +162,11 @@ async def _form_group(
     runtime: ServiceRuntime, member: MemberRecord, spec: JobSpec, epoch: int = 1
 ) -> tuple[GRPOTrainer, LeaderRanks]:
     """Rank 0 hosts and publishes the rendezvous; rank 1 is bound (BIND, rank 1) and joins."""
-    trainer = make_trainer(spec, 0, *load_model(spec, 0))
-    leader = LeaderRanks(runtime.progress, world_size=2, timeout_s=60, epoch=epoch)
+    # Rank 0 keeps a whole model (an FSDP2 group shards a copy of it), as the worker does.
+    model, pad_id = load_model(spec, 0)
+    trainer = GRPOTrainer(model, grpo_config(spec), pad_id=pad_id)
+    sharded = spec.trainer.strategy == "fsdp"
+    leader = LeaderRanks(runtime.progress, world_size=2, timeout_s=60, epoch=epoch, sharded=sharded)
     master = await asyncio.to_thread(leader.listen)
     assert runtime.client is not None and runtime.session is not None
     meeting = rendezvous.Rendezvous(job_id=JOB, epoch=epoch, master=master, world_size=2)
@@ -332,5 +342,55 @@ async def test_a_rank_never_joins_the_group_of_another_epoch(
         stale.close()
         await rendezvous.withdraw(rank_0.client, rank_0.keys, newer)
         assert await rank_0.client.get(rank_0.keys.rendezvous(JOB)) is None
+    finally:
+        await asyncio.to_thread(leader.close, 2.0)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+async def test_fsdp_rank_members_match_a_single_rank_and_each_holds_half(
+    rank_0: ServiceRuntime,
+    trainer_1: MemberRecord,
+    fast_monitor: ServiceRuntime,
+    tiny_model_dir: Path,
+) -> None:
+    """Two FSDP2 ranks, rank 1 a trainer service process of its own: after 3 steps on the
+    same batches the whole weights rank 0 gathers match a single rank's within 1e-5 (the
+    summed loss and the gradient norm within 1e-4), and each rank holds about half of the
+    parameters and of Adam's moments, as each reports in its beats (`held_*`)."""
+    spec = JobSpec(
+        name="ranks",
+        model=ModelSpec(path=str(tiny_model_dir)),
+        trainer=TrainerSpec(world_size=2, strategy="fsdp"),
+    )
+    trainer, leader = await _form_group(rank_0, trainer_1, spec)
+    model, pad_id = load_model(spec, 0)
+    single = GRPOTrainer(model, grpo_config(spec), pad_id=pad_id)
+    try:
+        for step in range(3):
+            batch = _batch(single, step)
+            got = await asyncio.to_thread(leader.step, trainer, batch, step=step)
+            want = single.step(batch)
+            assert got.stepped and want.stepped
+            assert got.loss == pytest.approx(want.loss, rel=1e-4, abs=1e-6), step
+            assert got.grad_norm == pytest.approx(want.grad_norm, rel=1e-4), step
+        whole = trainer.model.state_dict()
+        for name, value in single.model.state_dict().items():
+            assert torch.allclose(whole[name], value, atol=1e-5, rtol=0), name
+
+        total = sum(p.numel() for p in single.model.parameters())
+        rank1: list[monitor_pb2.MemberHealth] = []
+
+        async def rank_1_beat_step_3() -> bool:
+            rank1[:] = [(await _health(fast_monitor))[RANK_1]]
+            return rank1[0].counters["step"] == 3
+
+        await eventually(rank_1_beat_step_3, timeout=10)
+        held = [dict(rank_0.progress.counters), dict(rank1[0].counters)]
+        assert held[0]["held_params"] + held[1]["held_params"] == total
+        for counters in held:
+            assert abs(counters["held_params"] - total / 2) <= total * 0.05, counters
+            # Adam's two moments of its half.
+            assert abs(counters["held_optimizer"] - total) <= total * 0.1, counters
     finally:
         await asyncio.to_thread(leader.close, 2.0)

@@ -52,7 +52,12 @@ from services.trainer.ranks.leader import (
     save_rank,
     start_sharded,
 )
-from services.trainer.ranks.sharding import gather_full, local_numel, optimizer_numel
+from services.trainer.ranks.sharding import (
+    gather_full,
+    held_counters,
+    local_numel,
+    optimizer_numel,
+)
 from services.trainer.ranks.step import (
     Order,
     SaveOrder,
@@ -76,6 +81,7 @@ __all__ = [
     "WrongGroup",
     "fingerprint",
     "gather_full",
+    "held_counters",
     "local_numel",
     "optimizer_numel",
     "rendezvous",

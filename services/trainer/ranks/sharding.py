@@ -75,6 +75,16 @@ def optimizer_numel(optimizer: torch.optim.Optimizer) -> int:
     )
 
 
+def held_counters(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, float]:
+    """What this rank holds, as heartbeat counters: elements of the parameters
+    (`held_params`) and of the optimizer state (`held_optimizer`; none before the first
+    step). An FSDP2 rank of N holds about 1/N of each."""
+    return {
+        "held_params": float(local_numel(model.parameters())),
+        "held_optimizer": float(optimizer_numel(optimizer)),
+    }
+
+
 def gather_full(model: torch.nn.Module) -> dict[str, Any]:
     """The whole model's weights, on the CPU of rank 0; an empty dict on the other ranks."""
     options = StateDictOptions(full_state_dict=True, cpu_offload=True)
