@@ -112,6 +112,7 @@ class TrainerWorker:
         """Rank 0's side of the group (spec.trainer.world_size > 1, or an fsdp job)."""
         self.meeting: rendezvous.Rendezvous | None = None
         """Where rank 0's group meets, while it publishes that."""
+        self._republish: asyncio.Task[None] | None = None
         self.rank_thread: threading.Thread | None = None
         """A rank > 0's work (`follower.follow`), in a daemon thread: a rank stuck in a
         collective is not waited for on the way out."""
@@ -374,6 +375,7 @@ class TrainerWorker:
             await rendezvous.publish(
                 self.runtime.client, self.runtime.keys, self.meeting, self.runtime.session.lease_id
             )
+            self._republish = asyncio.create_task(self._keep_published(self.meeting))
         await asyncio.to_thread(
             self.ranks.start,
             self.trainer,
@@ -381,6 +383,23 @@ class TrainerWorker:
             restore_from=self.restore_from,
         )
         log.info("trainer.ranks_started", job=self.job_id, world_size=world_size, master=master)
+
+    async def _keep_published(self, meeting: rendezvous.Rendezvous) -> None:
+        """The record lives under this member's session lease (it goes with the process): when
+        the session lapses (an etcd outage, a stalled loop) and a new one is opened, write it
+        again under the new lease, or ranks still joining would never find it."""
+        session = self.runtime.session
+        while True:
+            session = await self.runtime.next_session(after=session)
+            assert self.runtime.client is not None
+            try:
+                await rendezvous.publish(
+                    self.runtime.client, self.runtime.keys, meeting, session.lease_id
+                )
+            except Exception as exc:  # etcd away again: the next session writes it
+                log.warning("trainer.rendezvous_unpublished", job=self.job_id, error=repr(exc))
+            else:
+                log.info("trainer.rendezvous_republished", job=self.job_id, epoch=meeting.epoch)
 
     def _check_starting(self) -> None:
         if self._stopping:
@@ -390,6 +409,7 @@ class TrainerWorker:
         ranks, self.ranks = self.ranks, None
         if ranks is not None:
             await asyncio.to_thread(ranks.close)
+        await cancel_and_wait(self._republish)
         meeting, self.meeting = self.meeting, None
         if meeting is not None and self.runtime.client is not None:
             with contextlib.suppress(Exception):  # etcd away: rank 0's lease takes it later

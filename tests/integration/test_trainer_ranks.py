@@ -163,7 +163,9 @@ async def _form_group(
 ) -> tuple[GRPOTrainer, LeaderRanks]:
     """Rank 0 hosts and publishes the rendezvous; rank 1 is bound (BIND, rank 1) and joins."""
     # Rank 0 keeps a whole model (an FSDP2 group shards a copy of it), as the worker does.
-    model, pad_id = load_model(spec, 0)
+    # Off the event loop, as the worker loads: a loop stalled past the session TTL loses the
+    # lease the rendezvous record is written under.
+    model, pad_id = await asyncio.to_thread(load_model, spec, 0)
     trainer = GRPOTrainer(model, grpo_config(spec), pad_id=pad_id)
     sharded = spec.trainer.strategy == "fsdp"
     leader = LeaderRanks(runtime.progress, world_size=2, timeout_s=60, epoch=epoch, sharded=sharded)
@@ -364,7 +366,7 @@ async def test_fsdp_rank_members_match_a_single_rank_and_each_holds_half(
         trainer=TrainerSpec(world_size=2, strategy="fsdp"),
     )
     trainer, leader = await _form_group(rank_0, trainer_1, spec)
-    model, pad_id = load_model(spec, 0)
+    model, pad_id = await asyncio.to_thread(load_model, spec, 0)
     single = GRPOTrainer(model, grpo_config(spec), pad_id=pad_id)
     try:
         for step in range(3):
