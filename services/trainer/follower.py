@@ -144,10 +144,7 @@ def follow(
                 group.gather_weights(trainer.model)  # rank 0 keeps the whole weights
             if outcome.metrics.nonfinite_where:
                 _count_nonfinite(progress, outcome.metrics.nonfinite_where, order.step + 1)
-            progress.counters = {
-                **progress.counters,
-                **ranks.held_counters(trainer.model, trainer.optimizer),
-                "step": float(order.step + 1),
-            }
+            ranks.report_held(progress, trainer.model, trainer.optimizer)
+            progress.set_counter("step", float(order.step + 1))
     finally:
         group.close()

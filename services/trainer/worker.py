@@ -2,7 +2,8 @@
 publish weight versions, evaluate, and report progress to the coordinator.
 
 A trainer bound as rank r > 0 of a group (`trainer.world_size` > 1) runs no step loop: it
-finds rank 0 through the rendezvous in etcd and does what rank 0 says (`follower.py`).
+finds rank 0 through the rendezvous in etcd and does what rank 0 says (`rank_group.py`,
+`follower.py`).
 
 This module is the step loop and the state it keeps; each step's parts are their own rooms:
 `batches` (samples and metrics), `publishing` (weights), `checkpoint` (the writer and the
@@ -15,13 +16,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import contextvars
 import dataclasses
-import ipaddress
 import math
-import threading
 import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -41,7 +38,7 @@ from robustrl.generation.rewards import RewardError
 from robustrl.generation.tasks import UnknownTaskError
 from robustrl.v1 import coordinator_pb2, trainer_pb2
 from robustrl.weights import WeightTransport, warm_up_ucxx
-from services.trainer import checkpoint, follower, grpo
+from services.trainer import checkpoint, grpo
 from services.trainer.acks import RolloutAcks
 from services.trainer.batches import InjectedError, step_inputs, step_metrics
 from services.trainer.config import TrainerSettings
@@ -49,7 +46,8 @@ from services.trainer.devices import Compute, compute_for
 from services.trainer.evaluation import Evaluation
 from services.trainer.intake import Group, Intake, TrainedGroups
 from services.trainer.publishing import open_transport, publish_weights
-from services.trainer.ranks import GroupBroken, LeaderRanks, RankGroup, rendezvous
+from services.trainer.rank_group import HostedGroup, follow_group
+from services.trainer.ranks import GroupBroken
 from services.trainer.reporting import report_to_coordinator, report_until_heard
 from services.trainer.run_logs import RunLogs
 
@@ -61,10 +59,6 @@ WAITING_ETCD = "waiting_etcd"
 WAITING_COORDINATOR = "waiting_coordinator"
 STOPPED_ON_ERROR = "stopped_on_error"
 """Phase of a trainer whose step loop ended on an error: it waits to be fenced and replaced."""
-
-RANKS_TIMEOUT_S = 300.0
-"""How long ranks wait for each other: in the rendezvous, in the group's forming, in a
-collective (the monitor names a stuck rank long before, within its collective budget)."""
 
 GROUP_LOSS_GRACE_S = 10.0
 """How long rank 0, its group broken, waits to be fenced before it reports the break as its own
@@ -108,14 +102,8 @@ class TrainerWorker:
         )
         self.data_arrived = asyncio.Event()
         self.transport: WeightTransport | None = None
-        self.ranks: LeaderRanks | None = None
+        self.group: HostedGroup | None = None
         """Rank 0's side of the group (spec.trainer.world_size > 1, or an fsdp job)."""
-        self.meeting: rendezvous.Rendezvous | None = None
-        """Where rank 0's group meets, while it publishes that."""
-        self._republish: asyncio.Task[None] | None = None
-        self.rank_thread: threading.Thread | None = None
-        """A rank > 0's work (`follower.follow`), in a daemon thread: a rank stuck in a
-        collective is not waited for on the way out."""
         self.sharded = spec.trainer.strategy == "fsdp"
         """FSDP2 ranks: `self.model` is then the whole weights rank 0 gathers after each step
         (to publish and evaluate), and the ranks train their shards."""
@@ -350,140 +338,51 @@ class TrainerWorker:
             )
 
     async def _start_ranks(self) -> None:
-        """Host the group's rendezvous, publish where it meets for this epoch, wait for ranks
-        1..N-1 (trainer members the leader bound with this one) and give them this rank's
-        (maybe restored) state (FSDP2 ranks read their parts of the restored checkpoint)."""
         assert self.trainer is not None and self.compute is not None
-        assert self.runtime.client is not None and self.runtime.session is not None
-        world_size = self.spec.trainer.world_size
-        host = self.runtime.settings.resolved_advertise_host()
-        self.ranks = LeaderRanks(
-            self.progress,
-            world_size=world_size,
-            timeout_s=RANKS_TIMEOUT_S,
-            host=host,
-            backend=self.compute.backend,
-            sharded=self.sharded,
+        self.group = HostedGroup(
+            self.runtime,
+            job_id=self.job_id,
             epoch=self.epoch,
-            address=_ipv4_or_empty(host),
+            world_size=self.spec.trainer.world_size,
+            compute=self.compute,
+            sharded=self.sharded,
         )
-        master = await asyncio.to_thread(self.ranks.listen)
-        if world_size > 1:
-            self.meeting = rendezvous.Rendezvous(
-                job_id=self.job_id, epoch=self.epoch, master=master, world_size=world_size
-            )
-            await rendezvous.publish(
-                self.runtime.client, self.runtime.keys, self.meeting, self.runtime.session.lease_id
-            )
-            self._republish = asyncio.create_task(self._keep_published(self.meeting))
-        await asyncio.to_thread(
-            self.ranks.start,
-            self.trainer,
-            check=self._check_starting,
-            restore_from=self.restore_from,
+        await self.group.start(
+            self.trainer, check=self._check_starting, restore_from=self.restore_from
         )
-        log.info("trainer.ranks_started", job=self.job_id, world_size=world_size, master=master)
-
-    async def _keep_published(self, meeting: rendezvous.Rendezvous) -> None:
-        """The record lives under this member's session lease (it goes with the process): when
-        the session lapses (an etcd outage, a stalled loop) and a new one is opened, write it
-        again under the new lease, or ranks still joining would never find it."""
-        session = self.runtime.session
-        while True:
-            session = await self.runtime.next_session(after=session)
-            assert self.runtime.client is not None
-            try:
-                await rendezvous.publish(
-                    self.runtime.client, self.runtime.keys, meeting, session.lease_id
-                )
-            except Exception as exc:  # etcd away again: the next session writes it
-                log.warning("trainer.rendezvous_unpublished", job=self.job_id, error=repr(exc))
-            else:
-                log.info("trainer.rendezvous_republished", job=self.job_id, epoch=meeting.epoch)
 
     def _check_starting(self) -> None:
         if self._stopping:
             raise RuntimeError("the trainer stopped while its ranks joined")
 
     async def _close_ranks(self) -> None:
-        ranks, self.ranks = self.ranks, None
-        if ranks is not None:
-            await asyncio.to_thread(ranks.close)
-        await cancel_and_wait(self._republish)
-        meeting, self.meeting = self.meeting, None
-        if meeting is not None and self.runtime.client is not None:
-            with contextlib.suppress(Exception):  # etcd away: rank 0's lease takes it later
-                await rendezvous.withdraw(self.runtime.client, self.runtime.keys, meeting)
-
-    # ------------------------------------------------------------------ ranks 1..N-1
+        group, self.group = self.group, None
+        if group is not None:
+            await group.close()
 
     async def _follow(self) -> None:
-        """Rank > 0: meet rank 0 where it published this epoch's rendezvous, then follow it
-        (`follower.follow`) until it says the job's work is done. A broken group leaves this
-        rank stopped until the leader fences it (with the whole group)."""
-        assert self.runtime.client is not None and self.compute is not None
-        progress = self.progress
-        progress.rank = self.rank
-        progress.enter("starting_ranks")
+        """Rank > 0 (`rank_group.follow_group`). A broken group leaves this rank stopped until
+        the leader fences it (with the whole group)."""
+        assert self.compute is not None
         try:
-            meeting = await rendezvous.meet(
-                self.runtime.client, self.runtime.keys, self.job_id, self.epoch, RANKS_TIMEOUT_S
-            )
-            host = self.runtime.settings.resolved_advertise_host()
-            group = RankGroup(
-                self.rank,
-                meeting.world_size,
-                meeting.master,
-                progress,
-                RANKS_TIMEOUT_S,
-                backend=self.compute.backend,
-                sharded=self.sharded,
-                address=_ipv4_or_empty(host),
+            await follow_group(
+                self.runtime,
+                job_id=self.job_id,
                 epoch=self.epoch,
+                rank=self.rank,
+                spec=self.spec,
+                compute=self.compute,
+                model=self.model,
+                pad_id=int(self.tokenizer.pad_token_id),
             )
-            log.info("trainer.rank_joining", job=self.job_id, rank=self.rank, master=meeting.master)
-            pad_id = int(self.tokenizer.pad_token_id)
-            await self._in_rank_thread(
-                lambda: follower.follow(group, self.spec, self.model, pad_id, progress)
-            )
-            log.info("trainer.rank_finished", job=self.job_id, rank=self.rank)
         except asyncio.CancelledError:
             raise
         except Fenced as exc:
             log.warning("trainer.fenced_out", job=self.job_id, rank=self.rank, reason=str(exc))
-            progress.enter(STOPPED_ON_ERROR)
+            self.progress.enter(STOPPED_ON_ERROR)
         except Exception as exc:  # the group broke: the leader replaces it as a whole
             log.error("trainer.rank_failed", job=self.job_id, rank=self.rank, error=repr(exc))
-            progress.enter(STOPPED_ON_ERROR)
-
-    async def _in_rank_thread(self, work: Callable[[], None]) -> None:
-        """Run `work` in a daemon thread (with this service's log context) and wait for it."""
-        loop = asyncio.get_running_loop()
-        done: asyncio.Future[None] = loop.create_future()
-
-        def settle(error: BaseException | None) -> None:
-            if done.done():
-                return
-            if error is None:
-                done.set_result(None)
-            else:
-                done.set_exception(error)
-
-        def run() -> None:
-            error: BaseException | None = None
-            try:
-                work()
-            except BaseException as exc:
-                error = exc
-            with contextlib.suppress(RuntimeError):  # the loop is gone already
-                loop.call_soon_threadsafe(settle, error)
-
-        context = contextvars.copy_context()
-        self.rank_thread = threading.Thread(
-            target=context.run, args=(run,), name=f"rank{self.rank}", daemon=True
-        )
-        self.rank_thread.start()
-        await done
+            self.progress.enter(STOPPED_ON_ERROR)
 
     # ------------------------------------------------------------------ a step's parts
 
@@ -515,8 +414,9 @@ class TrainerWorker:
         samples = self._inject(inputs.samples)
         self.progress.enter("forward_backward")
         result: grpo.StepMetrics | None = None
-        if samples and self.ranks is not None:
-            result = await asyncio.to_thread(self.ranks.step, self.trainer, samples, step=self.step)
+        if samples and self.group is not None:
+            ranks = self.group.ranks
+            result = await asyncio.to_thread(ranks.step, self.trainer, samples, step=self.step)
         elif samples:
             result = await asyncio.to_thread(self.trainer.step, samples)
         self.intake.mark_trained(batch)
@@ -552,10 +452,10 @@ class TrainerWorker:
         self.acks.checkpointing(self.step)
         trainer, step = self.trainer, self.step
         extra = {"trained_groups": self.intake.trained_groups.to_json(), "job_id": self.job_id}
-        if self.ranks is not None and self.sharded:
+        if self.group is not None and self.sharded:
             # Every rank copies its shards off and writes them in the background.
             folder = checkpoint.new_tmp(self.run_dir / "checkpoints", step, self.epoch)
-            written = await asyncio.to_thread(self.ranks.save, step, folder)
+            written = await asyncio.to_thread(self.group.ranks.save, step, folder)
             self.checkpoints.save(
                 checkpoint.ShardedSnapshot(
                     step, folder, written, checkpoint.capture_rng(), checkpoint.json_copy(extra)
@@ -628,13 +528,3 @@ class TrainerWorker:
     def inject_error(self, step: int) -> None:
         """Chaos (Control INJECT_ERROR): stop with an error at `step`, this trainer only."""
         self.error_steps.add(step)
-
-
-def _ipv4_or_empty(host: str) -> str:
-    """`host` if it is an IPv4 address (the ranks then listen on its interface), else "": gloo
-    and NCCL pick the interface the host name resolves to."""
-    try:
-        ipaddress.IPv4Address(host)
-    except ValueError:
-        return ""
-    return host

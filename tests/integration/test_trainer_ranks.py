@@ -146,6 +146,15 @@ async def _health(monitor: ServiceRuntime) -> dict[str, monitor_pb2.MemberHealth
     return {m.instance_id: m for m in reply.members}
 
 
+async def _rank_1_reaches(monitor: ServiceRuntime, phase: str, timeout: float) -> None:
+    """Until the monitor sees rank 1 beat `phase`."""
+
+    async def there() -> bool:
+        return (await _health(monitor))[RANK_1].phase == phase
+
+    await eventually(there, timeout=timeout)
+
+
 def _batch(trainer: GRPOTrainer, step: int) -> list[Sample]:
     prompts = [[1, 5, 4, 6, 16], [1, 7, 4, 8, 16], [1, 9, 4, 9, 16], [1, 6, 4, 7, 16]]
     completions = [[7, 2], [8, 9, 2], [10], [11 + step, 2]]
@@ -252,10 +261,7 @@ async def test_a_rank_member_bound_by_the_leader_trains_alike_and_is_named_when_
         # The end of the job's work: rank 1 is done and stays bound until released.
         await asyncio.to_thread(leader.close)
 
-        async def rank_1_done() -> bool:
-            return (await _health(fast_monitor))[RANK_1].phase == "done"
-
-        await eventually(rank_1_done, timeout=10)
+        await _rank_1_reaches(fast_monitor, "done", timeout=10)
         await _control(trainer_1, Action.ACTION_RELEASE, 1)
         member = await rank_0.registry.get("trainer", RANK_1)
         assert member is not None and member.job_id == "" and member.labels == {}
@@ -298,10 +304,7 @@ async def test_a_rank_that_fails_in_a_step_fails_rank_0s_step_at_once(
         # The failed step changed nothing on rank 0: no optimizer step without rank 1's part.
         assert fingerprint(trainer.model) == before
 
-        async def rank_1_stopped_on_error() -> bool:
-            return (await _health(fast_monitor))[RANK_1].phase == "stopped_on_error"
-
-        await eventually(rank_1_stopped_on_error, timeout=10)
+        await _rank_1_reaches(fast_monitor, "stopped_on_error", timeout=10)
         closing = time.monotonic()
         await asyncio.to_thread(leader.close)
         assert time.monotonic() - closing < 5  # the broken group is not asked to stop again
@@ -334,10 +337,7 @@ async def test_a_rank_never_joins_the_group_of_another_epoch(
             trainer_1, Action.ACTION_BIND, 1, {"spec_json": spec.model_dump_json(), "rank": "1"}
         )
 
-        async def rank_1_stopped() -> bool:
-            return (await _health(fast_monitor))[RANK_1].phase == "stopped_on_error"
-
-        await eventually(rank_1_stopped, timeout=30)
+        await _rank_1_reaches(fast_monitor, "stopped_on_error", timeout=30)
         stale = RankGroup(1, 2, master, Progress(), timeout_s=10, epoch=1)
         with pytest.raises(WrongGroup, match="serves the group of epoch 2"):
             await asyncio.to_thread(stale.init)

@@ -54,9 +54,9 @@ from services.trainer.ranks.leader import (
 )
 from services.trainer.ranks.sharding import (
     gather_full,
-    held_counters,
     local_numel,
     optimizer_numel,
+    report_held,
 )
 from services.trainer.ranks.step import (
     Order,
@@ -81,10 +81,10 @@ __all__ = [
     "WrongGroup",
     "fingerprint",
     "gather_full",
-    "held_counters",
     "local_numel",
     "optimizer_numel",
     "rendezvous",
+    "report_held",
     "run_step",
     "save_rank",
     "shard",

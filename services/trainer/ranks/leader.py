@@ -18,8 +18,8 @@ from services.trainer.grpo import GRPOTrainer, Sample, StepMetrics
 from services.trainer.ranks.group import RankGroup
 from services.trainer.ranks.sharding import (
     broadcast_full,
-    held_counters,
     load_sharded,
+    report_held,
     save_sharded,
     shard_model,
 )
@@ -159,10 +159,7 @@ class LeaderRanks:
             raise GroupBroken(f"in step {step + 1}: {_first_line(exc)}") from exc
         self.fingerprints = outcome.fingerprints
         mine = self.sharded or trainer
-        self.progress.counters = {
-            **self.progress.counters,
-            **held_counters(mine.model, mine.optimizer),
-        }
+        report_held(self.progress, mine.model, mine.optimizer)
         # FSDP2 ranks hold different shards: only whole copies can be compared.
         if self.sharded is None and any(
             fp != outcome.fingerprints[0] for fp in outcome.fingerprints

@@ -26,6 +26,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.fsdp import FSDPModule, fully_shard
 
+from robustrl.core.heartbeat import Progress
 from services.trainer.grpo import local_shard
 
 
@@ -75,11 +76,17 @@ def optimizer_numel(optimizer: torch.optim.Optimizer) -> int:
     )
 
 
-def held_counters(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, float]:
+def report_held(
+    progress: Progress, model: torch.nn.Module, optimizer: torch.optim.Optimizer
+) -> None:
     """What this rank holds, as heartbeat counters: elements of the parameters
-    (`held_params`) and of the optimizer state (`held_optimizer`; none before the first
-    step). An FSDP2 rank of N holds about 1/N of each."""
-    return {
+    (`held_params`) and of the optimizer state (`held_optimizer`). An FSDP2 rank of N holds
+    about 1/N of each. Counted after a step until the optimizer holds state (it has none
+    before its first step), and not again: the sizes do not change."""
+    if progress.counters.get("held_optimizer"):
+        return
+    progress.counters = {
+        **progress.counters,
         "held_params": float(local_numel(model.parameters())),
         "held_optimizer": float(optimizer_numel(optimizer)),
     }
