@@ -150,7 +150,8 @@ def run_job(
                 f"trainer.groups_per_step={args.groups}",
                 "trainer.eval_every=100000",
                 f"trainer.device={device}",
-                "trainer.strategy=fsdp",
+                # fsdp ranks publish their shares over UCX only.
+                f"trainer.strategy={'fsdp' if transport == 'ucx' else 'ddp'}",
                 "trainer.world_size=1",
                 f"trainer.weight_transport={transport}",
             )

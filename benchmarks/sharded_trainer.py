@@ -10,7 +10,9 @@ the parameter and AdamW bytes each rank holds, each rank's peak RSS. The fsdp ru
 sharded checkpoint (the time the step waits for: the copy off the model; and the time until
 every rank's part is on disk), and each restores the other's checkpoint: written by 2 ranks
 and read by 1 (and into a whole model, with no process group), written by 1 and read by 2;
-the restored weights are compared bitwise with the ones written.
+the restored weights are compared bitwise with the ones written. They also publish a version
+as the trainer does (every rank packs its share of the buckets from its shards), beside a whole
+copy gathered on rank 0: the time and the bytes each leaves on a rank.
 
     python benchmarks/sharded_trainer.py                 # ~25M parameters, 2 threads a rank
     python benchmarks/sharded_trainer.py --layers 4 --steps 6
@@ -38,6 +40,9 @@ from robustrl.cli.stack import free_port  # noqa: E402
 from robustrl.core.heartbeat import Progress  # noqa: E402
 from robustrl.core.logs import configure_logging  # noqa: E402
 from robustrl.generation.modelgen import ModelShape, init_model  # noqa: E402
+from robustrl.weights.checksums import bucket_checksum  # noqa: E402
+from robustrl.weights.protocol import plan_layout  # noqa: E402
+from robustrl.weights.ucx.buffers import pack_into  # noqa: E402
 from services.trainer.grpo import GRPOConfig, GRPOTrainer, Sample  # noqa: E402
 from services.trainer.ranks import (  # noqa: E402
     RankGroup,
@@ -50,6 +55,7 @@ from services.trainer.ranks import (  # noqa: E402
     start_sharded,
 )
 from services.trainer.ranks.sharding import load_sharded, shard_model  # noqa: E402
+from services.trainer.ranks.shares import pack_share  # noqa: E402
 
 RUNS = [("alone", 1), ("ddp", 2), ("fsdp", 1), ("fsdp", 2)]
 
@@ -130,12 +136,60 @@ def rank_main(
         result["param_bytes"] = 4 * local_numel(trainer.model.parameters())
         result["optimizer_bytes"] = 4 * optimizer_numel(trainer.optimizer)
         if group is not None and group.sharded:
+            result.update(publish_from_shards(group, trainer))
             result.update(checkpoint_and_restore(group, trainer, world, out))
         result["peak_rss_mib"] = peak_rss_mib()
     finally:
         if group is not None:
             group.close()
     (out / f"{strategy}{world}-rank{rank}.json").write_text(json.dumps(result))
+
+
+def publish_from_shards(
+    group: RankGroup, trainer: GRPOTrainer, repeats: int = 3
+) -> dict[str, float]:
+    """What publishing a version costs each rank: packing and hashing its share of the
+    buckets from the shards (what the trainer does), beside gathering a whole copy on rank 0
+    and packing and hashing it there (what it did); the median of `repeats`, and the bytes of
+    the version each way leaves on a rank (the whole way also kept the gathered copy)."""
+
+    def take(nbytes: int, device: torch.device) -> torch.Tensor:
+        return torch.empty(nbytes, dtype=torch.uint8, device=device)
+
+    shares, wholes = [], []
+    share_bytes, whole_bytes = 0, 0
+    for _ in range(repeats):
+        started = time.perf_counter()
+        packed = pack_share(
+            trainer.model,
+            rank=group.rank,
+            world_size=group.world_size,
+            bucket_bytes=32 << 20,
+            algorithm="xxh3_128",
+            take_buffer=take,
+        )
+        shares.append(time.perf_counter() - started)
+        share_bytes = packed.share.buffer.numel()
+        del packed
+        started = time.perf_counter()
+        full = group.gather_weights(trainer.model)
+        if full:  # rank 0 then packs and hashes the whole copy, as its publish did
+            tensors = list(full.items())
+            entries, total, spans = plan_layout(tensors, 32 << 20)
+            whole = take(total, torch.device("cpu"))
+            pack_into(tensors, entries, whole)
+            for offset, nbytes in spans:
+                bucket_checksum(whole[offset : offset + nbytes], "xxh3_128")
+            whole_bytes = total
+            del whole, tensors
+        wholes.append(time.perf_counter() - started)
+        del full
+    return {
+        "share_pack_s": statistics.median(shares),
+        "share_bytes": float(share_bytes),
+        "whole_gather_s": statistics.median(wholes),
+        "whole_bytes": float(whole_bytes),
+    }
 
 
 def checkpoint_and_restore(
@@ -158,8 +212,9 @@ def checkpoint_and_restore(
         fresh = load(out / "model")
         fresh = GRPOTrainer(shard_model(fresh.model), fresh.config, pad_id=0)
         started = time.perf_counter()
-        restored = start_sharded(group, fresh, str(out / "ckpt-1"), {})
+        start_sharded(group, fresh, str(out / "ckpt-1"), {})
         measured["restore_s"] = time.perf_counter() - started
+        restored = group.gather_weights(fresh.model)
         if group.rank == 0:
             wrote = torch.load(out / "weights-1.pt")
             measured["restore_bitwise"] = float(
@@ -228,6 +283,17 @@ def main(argv: list[str]) -> int:
             print(
                 f"{strategy + ' x' + str(world):<9} | {step:7.3f} | {base / step:6.2f}x | "
                 f"{held:>15} | {adam:>14} | {rss:>17}"
+            )
+        for world in (1, 2):
+            ranks = results[("fsdp", world)]
+            print(
+                f"publish fsdp x{world}: each rank packs its share in "
+                + "/".join(f"{r['share_pack_s']:.3f}" for r in ranks)
+                + " s and holds "
+                + "/".join(f"{r['share_bytes'] / 2**20:.0f}" for r in ranks)
+                + " MiB of the version; gathering a whole copy on rank 0 and packing it there "
+                + f"took {ranks[0]['whole_gather_s']:.3f} s and "
+                + f"{ranks[0]['whole_bytes'] / 2**20:.0f} MiB (beside the gathered copy)"
             )
         for world in (1, 2):
             r0 = results[("fsdp", world)][0]

@@ -94,8 +94,10 @@ class TrainerSpec(_Strict):
     """How the ranks hold the model. ddp: every rank a whole copy, gradients summed in one
     all-reduce. fsdp: FSDP2 (`fully_shard`, each decoder layer and the root), every rank holds
     1/world_size of the parameters, gradients and optimizer state; checkpoints are written by
-    every rank through torch.distributed.checkpoint and restore at any world size. An fsdp
-    job runs in a process group even at world_size 1."""
+    every rank through torch.distributed.checkpoint and restore at any world size. Each rank
+    packs its own range of every version's buckets from its shards and serves it over UCX (no
+    rank holds a whole copy), so fsdp needs weight_transport ucx. An fsdp job runs in a
+    process group even at world_size 1."""
 
     device: Literal["auto", "cpu", "cuda"] = "auto"
     """Where the trainer computes: auto takes CUDA where the trainer's host has it, else the
@@ -112,6 +114,11 @@ class TrainerSpec(_Strict):
         if self.strategy == "fsdp" and self.kl_coef > 0:
             raise ValueError(
                 "kl_coef: the KL reference model is not sharded; use strategy ddp with kl_coef > 0"
+            )
+        if self.strategy == "fsdp" and self.weight_transport == "grpc":
+            raise ValueError(
+                "weight_transport: fsdp ranks each serve their share of the weights over ucx; "
+                "grpc streams whole versions from one process"
             )
         return self
 

@@ -235,6 +235,10 @@ class TorchEngine(Engine):
         self.pad_id: int = pad
         self.max_positions = int(getattr(model.config, "max_position_embeddings"))  # noqa: B009
         self.weight_version = 0
+        self.agree: Callable[[bool], bool] | None = None
+        """Set where the model is sharded over ranks that generate together (each forward a
+        collective): whether every row is done, as all of them agree, so that each rank runs
+        the same number of forwards however its own bits came out."""
         # Held for a whole generate() and a whole load_weights(), so a weight swap lands
         # between generation calls, never inside one.
         self._lock = threading.Lock()
@@ -344,7 +348,10 @@ class TorchEngine(Engine):
             if on_tokens is not None:
                 on_tokens(int(alive[-1].sum()))
             done = done | (token == self.eos_id)
-            if bool(done.all()) or t == params.max_new_tokens - 1:
+            finished = bool(done.all())
+            if self.agree is not None:
+                finished = self.agree(finished)
+            if finished or t == params.max_new_tokens - 1:
                 break
             attention = torch.cat([attention, torch.ones_like(attention[:, :1])], dim=1)
             out = self.model(

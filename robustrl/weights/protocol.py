@@ -29,7 +29,10 @@ announcement in one transaction, so it must fit one etcd write (`manifest_for_et
 
 A holder record (`HolderRecord.to_json`): instance_id, address (host:port of its UCX listener),
 role (trainer or relay), trainer_epoch and digest of the manifest it holds, active_pullers and
-max_pullers (0: no limit), which pullers read to spread their load.
+max_pullers (0: no limit), which pullers read to spread their load, and the buckets it holds:
+[first_bucket, stop_bucket), stop_bucket null for through the last. A relay holds every bucket;
+each rank of a sharded trainer group holds its own range (`bucket_share`), so a version is
+served whole only by the ranks together.
 
 UCX messages, on one endpoint from a puller to a holder, in this order:
 
@@ -283,6 +286,15 @@ def plan_layout(
     return tuple(entries), total, spans
 
 
+def bucket_share(count: int, rank: int, world_size: int) -> tuple[int, int]:
+    """The buckets [first, stop) rank `rank` of `world_size` holds of a version of `count`
+    buckets: contiguous ranges, as even as they come (empty when there are fewer buckets than
+    ranks)."""
+    if not 0 <= rank < world_size:
+        raise ValueError(f"rank {rank} is outside a world of {world_size}")
+    return count * rank // world_size, count * (rank + 1) // world_size
+
+
 def tensor_dtype(entry: TensorEntry) -> torch.dtype:
     dtype = getattr(torch, entry.dtype, None)
     if not isinstance(dtype, torch.dtype):
@@ -326,6 +338,10 @@ class HolderRecord:
     digest: str  # manifest digest of what it holds
     active_pullers: int = 0
     max_pullers: int = 0  # 0: no limit
+    first_bucket: int = 0
+    stop_bucket: int | None = None
+    """The buckets it holds, [first_bucket, stop_bucket); None: through the last. A trainer
+    rank of a sharded group holds its own range of every version it publishes."""
 
     def to_json(self) -> bytes:
         return json.dumps(asdict(self), separators=(",", ":")).encode()
@@ -337,6 +353,9 @@ class HolderRecord:
     @property
     def full(self) -> bool:
         return self.max_pullers > 0 and self.active_pullers >= self.max_pullers
+
+    def holds(self, index: int) -> bool:
+        return self.first_bucket <= index and (self.stop_bucket is None or index < self.stop_bucket)
 
 
 # --------------------------------------------------------------------------- UCX messages

@@ -4,6 +4,7 @@ current weights, scored by the job's reward. Their mean is the run's `eval_rewar
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -40,13 +41,24 @@ class Evaluation:
 
     async def run(self, model: Any, tokenizer: Any) -> float:
         """The mean reward over the held-out items; generation runs in a worker thread."""
+        return self.score(await asyncio.to_thread(self.generate, model, tokenizer))
+
+    def generate(
+        self, model: Any, tokenizer: Any, agree: Callable[[bool], bool] | None = None
+    ) -> list[str]:
+        """The greedy completion of each held-out prompt. An FSDP2 group's ranks all call it
+        with `agree` (TorchEngine.agree): each forward is a collective. Blocks."""
         engine = TorchEngine(model, tokenizer)
+        engine.agree = agree
         prompts = [item.prompt for item in self.items]
         params = SamplingParams(
             n=1, temperature=0.0, max_new_tokens=self.max_new_tokens, seed=self.seed
         )
-        outputs = await asyncio.to_thread(engine.generate, prompts, params)
+        return [completions[0].text for completions in engine.generate(prompts, params)]
+
+    def score(self, completions: list[str]) -> float:
+        """The mean reward of `completions`, one a held-out item in order."""
         total = 0.0
-        for item, completions in zip(self.items, outputs, strict=True):
-            total += score(self.reward, item.prompt, completions[0].text, item.answer)
+        for item, text in zip(self.items, completions, strict=True):
+            total += score(self.reward, item.prompt, text, item.answer)
         return total / max(1, len(self.items))

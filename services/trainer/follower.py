@@ -2,13 +2,15 @@
 (services/trainer/worker.py) finds rank 0's store through the rendezvous in etcd and runs
 `follow` in a thread of its own.
 
-It loads the model from `model.path` as rank 0 does, joins the group and takes rank 0's
+It joins the group with the model its worker loaded from `model.path`, and takes rank 0's
 parameters and optimizer state (an FSDP2 rank shards first and takes its shards, or reads its
 part of rank 0's sharded checkpoint). For every batch rank 0 broadcasts, it trains its shard
-and joins the gradient sum, in the same phases as rank 0 and with rank 0's `step` counter; a
-checkpoint order writes its part. A `None` order ends the job's work: `follow` returns, and
-the member stays bound until the leader releases it. A broken group (rank 0 gone, another
-rank failed) raises: the leader fences the whole group and binds a new one.
+and joins the gradient sum, in the same phases as rank 0 and with rank 0's `step` counter; an
+FSDP2 rank then packs its share of the weights, which its worker serves. A checkpoint order
+writes its part; an evaluation order generates with its shards, as rank 0 does. A `None`
+order ends the job's work: `follow` returns, and the member stays bound until the leader
+releases it. A broken group (rank 0 gone, another rank failed) raises: the leader fences the
+whole group and binds a new one.
 """
 
 from __future__ import annotations
@@ -16,7 +18,6 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable
 from concurrent.futures import Future
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from robustrl.contracts.jobspec import JobSpec
@@ -28,33 +29,20 @@ if TYPE_CHECKING:
     import torch
 
     from services.trainer.grpo import GRPOTrainer, Sample
-    from services.trainer.ranks import RankGroup, StepOrder
+    from services.trainer.ranks import PackedShare, RankGroup, ShareSettings, StepOrder
 
 log = get_logger(__name__)
 
 StepHook = Callable[["StepOrder"], None]
 """Called with each step's order before the rank trains it (failure injection)."""
 
+ShareHook = Callable[[int, "PackedShare"], None]
+"""Called with each version this FSDP2 rank packed its share of (the steps done), and the
+share: the rank serves it once rank 0 has published the version's manifest."""
+
 
 class RankFailed(RuntimeError):
     """This rank stopped with an error (injected by `faults.error_steps` on `error_rank`)."""
-
-
-def load_model(spec: JobSpec, rank: int) -> tuple[torch.nn.Module, int]:
-    """The policy from `model.path` on this rank's device, loaded as rank 0 loads it, and the
-    tokenizer's pad id."""
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from services.trainer.devices import compute_for
-
-    compute = compute_for(spec.trainer, rank)
-    path = Path(spec.model.path)
-    torch.manual_seed(spec.seed)
-    tokenizer = AutoTokenizer.from_pretrained(path)
-    model: torch.nn.Module = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
-    model.to(compute.device)
-    return model, int(tokenizer.pad_token_id)
 
 
 def make_trainer(spec: JobSpec, rank: int, model: torch.nn.Module, pad_id: int) -> GRPOTrainer:
@@ -98,24 +86,44 @@ def follow(
     group: RankGroup,
     spec: JobSpec,
     model: torch.nn.Module,
-    pad_id: int,
+    tokenizer: Any,
     progress: Progress,
     *,
+    shares: ShareSettings | None = None,
+    on_share: ShareHook | None = None,
     before_step: StepHook | None = None,
 ) -> None:
     """Join `group` as its rank and do what rank 0 says until it says the work is done; raises
-    if the group breaks. Leaves the group either way. Blocks."""
+    if the group breaks. Leaves the group either way. Blocks.
+
+    An FSDP2 rank packs its share of the weights after the start and after each step (as
+    `shares` says) and hands it to `on_share` with the version it is (the steps done)."""
     from services.trainer import ranks
+    from services.trainer.evaluation import Evaluation
 
     rank, sharded = group.rank, spec.trainer.strategy == "fsdp"
+    if sharded and shares is None:
+        raise ValueError("an FSDP2 rank needs ShareSettings to publish its share")
     written: Future[Any] | None = None
+    evaluation = Evaluation.for_job(spec) if sharded else None
+
+    def generate(model: torch.nn.Module, agree: Callable[[bool], bool]) -> None:
+        assert evaluation is not None
+        evaluation.generate(model, tokenizer, agree)  # rank 0 scores its own
+
+    def pack(version: int) -> None:
+        assert shares is not None
+        packed = ranks.pack_group_share(group, trainer.model, shares)
+        if on_share is not None:
+            on_share(version, packed)
+
     try:
         progress.enter("starting_ranks")
         group.init()
         with long_lived_objects(start=True):
-            trainer = make_trainer(spec, rank, model, pad_id)
+            trainer = make_trainer(spec, rank, model, int(tokenizer.pad_token_id))
         if sharded:
-            ranks.start_sharded(group, trainer, "", {})
+            pack(ranks.start_sharded(group, trainer, "", {}))
         else:
             group.broadcast_state(trainer.model, trainer.optimizer)
         while True:
@@ -131,6 +139,10 @@ def follow(
                 progress.enter("checkpoint")
                 written = ranks.save_rank(group, trainer, order, written)
                 continue
+            if isinstance(order, ranks.EvalOrder):
+                progress.enter("eval")
+                ranks.evaluate_rank(group, trainer.model, generate)
+                continue
             if before_step is not None:
                 before_step(order)
             if rank == spec.faults.error_rank and order.step + 1 in spec.faults.error_steps:
@@ -141,7 +153,7 @@ def follow(
                 group, trainer, order, inject=_nan_injector(spec, rank, order.step)
             )
             if sharded:
-                group.gather_weights(trainer.model)  # rank 0 keeps the whole weights
+                pack(order.step + 1)
             if outcome.metrics.nonfinite_where:
                 _count_nonfinite(progress, outcome.metrics.nonfinite_where, order.step + 1)
             ranks.report_held(progress, trainer.model, trainer.optimizer)

@@ -12,7 +12,7 @@ import ipaddress
 import threading
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from robustrl.contracts.jobspec import JobSpec
 from robustrl.core.aio import cancel_and_wait
@@ -20,7 +20,8 @@ from robustrl.core.logs import get_logger
 from robustrl.core.runtime import ServiceRuntime
 from services.trainer import follower
 from services.trainer.devices import Compute
-from services.trainer.ranks import LeaderRanks, RankGroup, rendezvous
+from services.trainer.publishing import hold_share, open_transport, share_settings
+from services.trainer.ranks import LeaderRanks, PackedShare, RankGroup, ShareSettings, rendezvous
 
 if TYPE_CHECKING:
     import torch
@@ -47,6 +48,7 @@ class HostedGroup:
         world_size: int,
         compute: Compute,
         sharded: bool,
+        shares: ShareSettings | None = None,
     ) -> None:
         self.runtime = runtime
         self.job_id = job_id
@@ -62,12 +64,18 @@ class HostedGroup:
             sharded=sharded,
             epoch=epoch,
             address=_ipv4_or_empty(host),
+            shares=shares,
         )
         self.meeting: rendezvous.Rendezvous | None = None
         self._republish: asyncio.Task[None] | None = None
 
     async def start(
-        self, trainer: GRPOTrainer, *, check: Callable[[], None], restore_from: Path | None
+        self,
+        trainer: GRPOTrainer,
+        *,
+        check: Callable[[], None],
+        restore_from: Path | None,
+        step: int,
     ) -> None:
         """Host the rendezvous, publish where the group meets for this epoch, wait for ranks
         1..N-1 (trainer members the leader bound with this one) and give them this rank's
@@ -83,7 +91,9 @@ class HostedGroup:
                 runtime.client, runtime.keys, self.meeting, runtime.session.lease_id
             )
             self._republish = asyncio.create_task(self._keep_published(self.meeting))
-        await asyncio.to_thread(self.ranks.start, trainer, check=check, restore_from=restore_from)
+        await asyncio.to_thread(
+            self.ranks.start, trainer, check=check, restore_from=restore_from, step=step
+        )
         log.info(
             "trainer.ranks_started", job=self.job_id, world_size=self.world_size, master=master
         )
@@ -123,12 +133,13 @@ async def follow_group(
     spec: JobSpec,
     compute: Compute,
     model: torch.nn.Module,
-    pad_id: int,
+    tokenizer: Any,
 ) -> None:
     """Rank > 0: meet rank 0 where it published this epoch's rendezvous, then follow it
     (`follower.follow`, in a daemon thread: a rank stuck in a collective is not waited for on
-    the way out) until it says the job's work is done. Raises `Fenced` if a newer epoch's
-    group meets instead, and what broke the group."""
+    the way out) until it says the job's work is done. An FSDP2 rank serves its share of each
+    version over a weight transport of its own. Raises `Fenced` if a newer epoch's group meets
+    instead, and what broke the group."""
     assert runtime.client is not None
     progress = runtime.progress
     progress.rank = rank
@@ -146,10 +157,35 @@ async def follow_group(
         epoch=epoch,
     )
     log.info("trainer.rank_joining", job=job_id, rank=rank, master=meeting.master)
-    await _in_daemon_thread(
-        lambda: follower.follow(group, spec, model, pad_id, progress), name=f"rank{rank}"
-    )
-    log.info("trainer.rank_finished", job=job_id, rank=rank)
+    transport = None
+    if spec.trainer.strategy == "fsdp":
+        transport = await open_transport(runtime, spec, job_id, epoch)
+    try:
+        shares = None if transport is None else share_settings(spec, transport, compute.device)
+        loop = asyncio.get_running_loop()
+        holding: set[asyncio.Future[None]] = set()
+
+        def on_share(version: int, packed: PackedShare) -> None:
+            assert transport is not None
+            future = asyncio.run_coroutine_threadsafe(hold_share(transport, packed, version), loop)
+            holding.add(asyncio.wrap_future(future, loop=loop))
+
+        await _in_daemon_thread(
+            lambda: follower.follow(
+                group, spec, model, tokenizer, progress, shares=shares, on_share=on_share
+            ),
+            name=f"rank{rank}",
+        )
+        log.info("trainer.rank_finished", job=job_id, rank=rank)
+        if transport is not None:
+            # Its share is served until the member is released: a rollout may still be
+            # pulling the last version.
+            await asyncio.Event().wait()
+    finally:
+        for task in holding:
+            task.cancel()
+        if transport is not None:
+            await transport.close()
 
 
 async def _in_daemon_thread(work: Callable[[], None], name: str) -> None:

@@ -45,7 +45,12 @@ from services.trainer.config import TrainerSettings
 from services.trainer.devices import Compute, compute_for
 from services.trainer.evaluation import Evaluation
 from services.trainer.intake import Group, Intake, TrainedGroups
-from services.trainer.publishing import open_transport, publish_weights
+from services.trainer.publishing import (
+    open_transport,
+    publish_share,
+    publish_weights,
+    share_settings,
+)
 from services.trainer.rank_group import HostedGroup, follow_group
 from services.trainer.ranks import GroupBroken
 from services.trainer.reporting import report_to_coordinator, report_until_heard
@@ -105,8 +110,9 @@ class TrainerWorker:
         self.group: HostedGroup | None = None
         """Rank 0's side of the group (spec.trainer.world_size > 1, or an fsdp job)."""
         self.sharded = spec.trainer.strategy == "fsdp"
-        """FSDP2 ranks: `self.model` is then the whole weights rank 0 gathers after each step
-        (to publish and evaluate), and the ranks train their shards."""
+        """FSDP2 ranks: once the group has started, `self.model` is rank 0's shards (sharded
+        in place), each rank publishes its share of every version and the ranks evaluate
+        together."""
         self.restore_from: Path | None = None
         """The sharded checkpoint the FSDP2 ranks read at their start."""
         self.compute: Compute | None = None
@@ -339,6 +345,10 @@ class TrainerWorker:
 
     async def _start_ranks(self) -> None:
         assert self.trainer is not None and self.compute is not None
+        assert self.transport is not None
+        shares = (
+            share_settings(self.spec, self.transport, self.compute.device) if self.sharded else None
+        )
         self.group = HostedGroup(
             self.runtime,
             job_id=self.job_id,
@@ -346,10 +356,15 @@ class TrainerWorker:
             world_size=self.spec.trainer.world_size,
             compute=self.compute,
             sharded=self.sharded,
+            shares=shares,
         )
         await self.group.start(
-            self.trainer, check=self._check_starting, restore_from=self.restore_from
+            self.trainer, check=self._check_starting, restore_from=self.restore_from, step=self.step
         )
+        sharded = self.group.ranks.sharded
+        if sharded is not None:
+            # The whole model was sharded in place: from now on rank 0 holds its shards only.
+            self.trainer, self.model = sharded, sharded.model
 
     def _check_starting(self) -> None:
         if self._stopping:
@@ -373,7 +388,7 @@ class TrainerWorker:
                 spec=self.spec,
                 compute=self.compute,
                 model=self.model,
-                pad_id=int(self.tokenizer.pad_token_id),
+                tokenizer=self.tokenizer,
             )
         except asyncio.CancelledError:
             raise
@@ -432,13 +447,20 @@ class TrainerWorker:
         assert self.transport is not None
         self.progress.enter("publish")
         transport = self.transport
-        await publish_weights(
-            transport,
-            self.model,
-            self.step,
-            on_nonfinite=self._count_nonfinite,
-            on_wait=lambda: self.progress.enter(WAITING_ETCD),
-        )
+        on_wait = lambda: self.progress.enter(WAITING_ETCD)  # noqa: E731
+        share = self.group.ranks.share if self.group is not None else None
+        if share is not None:
+            await publish_share(
+                transport, share, self.step, on_nonfinite=self._count_nonfinite, on_wait=on_wait
+            )
+        else:
+            await publish_weights(
+                transport,
+                self.model,
+                self.step,
+                on_nonfinite=self._count_nonfinite,
+                on_wait=on_wait,
+            )
         # The weight plane's counts (buckets served to rollouts so far), as of this publish.
         self.progress.counters.update(
             {**transport.gauges(), "step": self.step, "weight_version": self.step}
@@ -484,9 +506,16 @@ class TrainerWorker:
         log.info("trainer.committed", job=self.job_id, step=step)
 
     async def _evaluate(self) -> float:
-        assert self.evaluation is not None
+        evaluation, tokenizer = self.evaluation, self.tokenizer
+        assert evaluation is not None
         self.progress.enter("eval")
-        return await self.evaluation.run(self.model, self.tokenizer)
+        if self.group is None or self.group.ranks.sharded is None:
+            return await evaluation.run(self.model, tokenizer)
+        completions = await asyncio.to_thread(
+            self.group.ranks.evaluate,
+            lambda model, agree: evaluation.generate(model, tokenizer, agree),
+        )
+        return evaluation.score(completions)
 
     async def _report(
         self,

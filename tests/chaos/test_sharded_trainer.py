@@ -56,6 +56,7 @@ def test_fsdp_ranks_are_members_a_stopped_one_is_named_and_a_killed_one_is_recov
         f"trainer.steps={STEPS}",
         "trainer.strategy=fsdp",
         "trainer.world_size=2",
+        "trainer.weight_bucket_mib=1",  # the model's 1.1 MiB: each rank serves a bucket
     )
     eventually_sync(lambda: step_of(stack, "fs") >= 4, timeout=180)
     # Each rank is a trainer member of its own, started on its own by `up` (neither is the

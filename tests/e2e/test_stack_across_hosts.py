@@ -3,8 +3,9 @@ etcd, a coordinator, a monitor, trainer-0 and rollout-0 on host a; trainer-1 and
 host b. Each service listens only on its host's address, and each host has a loopback of its
 own, so all that passes between the hosts crosses the link: the leader binds the two trainers
 as the ranks of one FSDP2 group, they meet through the rendezvous in etcd and train over gloo,
-each writes its shards into the checkpoint folder both see, rank 0 publishes weights that
-rollout-1 pulls over UCX, and rollout-1 streams its trajectories to rank 0."""
+each writes its shards into the checkpoint folder both see, each serves its share of every
+version it publishes (rank 0 the first bucket, rank 1 the second) and rollout-1 pulls the
+first one across the link over UCX, and rollout-1 streams its trajectories to rank 0."""
 
 from __future__ import annotations
 
@@ -34,7 +35,7 @@ STEPS = 6
 
 
 def test_a_job_of_two_fsdp_ranks_on_two_hosts_runs_through_the_stack(
-    tiny_model_dir: Path, tmp_path: Path
+    model_dir: Path, tmp_path: Path
 ) -> None:
     etcd_port, etcd_peer = free_ports(2)
     runs = tmp_path / "runs"
@@ -111,13 +112,14 @@ def test_a_job_of_two_fsdp_ranks_on_two_hosts_runs_through_the_stack(
                 str(EXAMPLE),
                 "--id",
                 "hosts",
-                f"model.path={tiny_model_dir}",
+                f"model.path={model_dir}",
                 f"trainer.steps={STEPS}",
                 "trainer.checkpoint_every=3",
                 "trainer.eval_every=1000",
                 "trainer.groups_per_step=4",
                 "trainer.strategy=fsdp",
                 "trainer.world_size=2",
+                "trainer.weight_bucket_mib=1",  # the model's 1.1 MiB: a bucket for each rank
                 "rollout.replicas=2",
             )
             assert submitted.returncode == 0, submitted.stdout + submitted.stderr
@@ -144,11 +146,19 @@ def test_a_job_of_two_fsdp_ranks_on_two_hosts_runs_through_the_stack(
     latest = checkpoint.load_latest(runs / "hosts" / "checkpoints")
     assert latest is not None and latest.sharded and latest.step == STEPS
     assert sorted(p.name for p in latest.path.glob("*.distcp")) == ["__0_0.distcp", "__1_0.distcp"]
-    # rollout-1 on host b pulled every version it generated with across the link, and its
-    # trajectory stream reached rank 0.
+    # Each rank served its share of the versions: the second bucket, rank 1's, is held by
+    # nobody else until a rollout has pulled it; rollout-1 on host b pulled the first one
+    # across the link (from rank 0, or from rollout-0 relaying it), and its trajectory stream
+    # reached rank 0. (`sources` counts buckets by holder since the rollout started.)
     rollout_1 = (logs / "rollout-1.log").read_text()
-    pulls = [line for line in rollout_1.splitlines() if "weights.pulled" in line]
-    assert pulls and all("sources={'trainer-0'" in line for line in pulls), rollout_1[-3000:]
+    rollout_0 = (logs / "rollout-0.log").read_text()
+    last = {}
+    for name, text in (("rollout-0", rollout_0), ("rollout-1", rollout_1)):
+        pulls = [line for line in text.splitlines() if "weights.pulled" in line]
+        assert pulls, text[-3000:]
+        last[name] = pulls[-1]
+    assert "'trainer-1'" in last["rollout-0"] + last["rollout-1"], last
+    assert "'trainer-0'" in last["rollout-1"] or "'rollout-0'" in last["rollout-1"], last
     # Its trajectory stream to rank 0 was open until rank 0 left the job at the end.
     assert "this trainer no longer works on job hosts" in rollout_1, rollout_1[-3000:]
     assert {m["instance_id"] for m in members} >= {"trainer-0", "trainer-1"}

@@ -27,10 +27,10 @@ from robustrl.core.heartbeat import Progress
 from robustrl.core.incident_log import IncidentLog
 from robustrl.core.runtime import ServiceRuntime
 from robustrl.v1 import monitor_pb2, monitor_pb2_grpc, trainer_pb2, trainer_pb2_grpc
+from robustrl.weights.ucx.transport import UcxTransport, make_transport
 from services.monitor.config import MonitorSettings
 from services.monitor.server import serve as serve_monitor
 from services.trainer.config import TrainerSettings
-from services.trainer.follower import load_model
 from services.trainer.grpo import (
     GRPOTrainer,
     Sample,
@@ -38,10 +38,12 @@ from services.trainer.grpo import (
     completion_logprobs,
     grpo_config,
 )
+from services.trainer.publishing import publish_share, share_settings
 from services.trainer.ranks import (
     GroupBroken,
     LeaderRanks,
     RankGroup,
+    ShareSettings,
     WrongGroup,
     fingerprint,
     rendezvous,
@@ -167,17 +169,31 @@ def _batch(trainer: GRPOTrainer, step: int) -> list[Sample]:
     ]
 
 
+def _load(spec: JobSpec) -> GRPOTrainer:
+    """The GRPO trainer of the model at `model.path`, loaded as the worker loads it."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    torch.manual_seed(spec.seed)
+    tokenizer = AutoTokenizer.from_pretrained(spec.model.path)
+    model = AutoModelForCausalLM.from_pretrained(spec.model.path, dtype=torch.float32)
+    return GRPOTrainer(model, grpo_config(spec), pad_id=int(tokenizer.pad_token_id))
+
+
 async def _form_group(
-    runtime: ServiceRuntime, member: MemberRecord, spec: JobSpec, epoch: int = 1
+    runtime: ServiceRuntime,
+    member: MemberRecord,
+    spec: JobSpec,
+    epoch: int = 1,
+    shares: ShareSettings | None = None,
 ) -> tuple[GRPOTrainer, LeaderRanks]:
     """Rank 0 hosts and publishes the rendezvous; rank 1 is bound (BIND, rank 1) and joins."""
-    # Rank 0 keeps a whole model (an FSDP2 group shards a copy of it), as the worker does.
     # Off the event loop, as the worker loads: a loop stalled past the session TTL loses the
     # lease the rendezvous record is written under.
-    model, pad_id = await asyncio.to_thread(load_model, spec, 0)
-    trainer = GRPOTrainer(model, grpo_config(spec), pad_id=pad_id)
+    trainer = await asyncio.to_thread(_load, spec)
     sharded = spec.trainer.strategy == "fsdp"
-    leader = LeaderRanks(runtime.progress, world_size=2, timeout_s=60, epoch=epoch, sharded=sharded)
+    leader = LeaderRanks(
+        runtime.progress, world_size=2, timeout_s=60, epoch=epoch, sharded=sharded, shares=shares
+    )
     master = await asyncio.to_thread(leader.listen)
     assert runtime.client is not None and runtime.session is not None
     meeting = rendezvous.Rendezvous(job_id=JOB, epoch=epoch, master=master, world_size=2)
@@ -186,7 +202,7 @@ async def _form_group(
         member, Action.ACTION_BIND, epoch, {"spec_json": spec.model_dump_json(), "rank": "1"}
     )
     await asyncio.to_thread(leader.start, trainer)
-    return trainer, leader
+    return leader.sharded or trainer, leader
 
 
 @pytest.mark.slow
@@ -350,25 +366,48 @@ async def test_a_rank_never_joins_the_group_of_another_epoch(
 
 @pytest.mark.slow
 @pytest.mark.timeout(240)
-async def test_fsdp_rank_members_match_a_single_rank_and_each_holds_half(
+async def test_fsdp_rank_members_match_a_single_rank_hold_half_and_each_serve_their_share(
     rank_0: ServiceRuntime,
     trainer_1: MemberRecord,
     fast_monitor: ServiceRuntime,
-    tiny_model_dir: Path,
+    model_dir: Path,
 ) -> None:
     """Two FSDP2 ranks, rank 1 a trainer service process of its own: after 3 steps on the
-    same batches the whole weights rank 0 gathers match a single rank's within 1e-5 (the
-    summed loss and the gradient norm within 1e-4), and each rank holds about half of the
-    parameters and of Adam's moments, as each reports in its beats (`held_*`)."""
+    same batches the summed loss and the gradient norm match a single rank's within 1e-4, and
+    each rank holds about half of the parameters and of Adam's moments, as each reports in
+    its beats (`held_*`). Each version is published from the shards, as the worker does:
+    rank 0 writes the manifest and serves its buckets, rank 1 serves the others from its own
+    process; a rollout's pull takes each range from the rank that holds it, and the weights
+    it gets match the single rank's within 1e-5."""
     spec = JobSpec(
         name="ranks",
-        model=ModelSpec(path=str(tiny_model_dir)),
-        trainer=TrainerSpec(world_size=2, strategy="fsdp"),
+        model=ModelSpec(path=str(model_dir)),
+        trainer=TrainerSpec(world_size=2, strategy="fsdp", weight_bucket_mib=1),
     )
-    trainer, leader = await _form_group(rank_0, trainer_1, spec)
-    model, pad_id = await asyncio.to_thread(load_model, spec, 0)
-    single = GRPOTrainer(model, grpo_config(spec), pad_id=pad_id)
+    assert rank_0.client is not None
+    transport = await make_transport(
+        "ucx",
+        rank_0.client,
+        rank_0.keys,
+        JOB,
+        instance_id="trainer-0",
+        epoch=1,
+        bucket_bytes=1 << 20,
+    )
+    rollout = UcxTransport(rank_0.client, rank_0.keys, JOB, instance_id="rollout-0", relay=False)
+    await rollout.start()
+    shares = share_settings(spec, transport, torch.device("cpu"))
+    trainer, leader = await _form_group(rank_0, trainer_1, spec, shares=shares)
+    single = await asyncio.to_thread(_load, spec)
+
+    async def publish(version: int) -> None:
+        assert leader.share is not None
+        await publish_share(
+            transport, leader.share, version, on_nonfinite=print, on_wait=lambda: None
+        )
+
     try:
+        await publish(0)
         for step in range(3):
             batch = _batch(single, step)
             got = await asyncio.to_thread(leader.step, trainer, batch, step=step)
@@ -376,9 +415,15 @@ async def test_fsdp_rank_members_match_a_single_rank_and_each_holds_half(
             assert got.stepped and want.stepped
             assert got.loss == pytest.approx(want.loss, rel=1e-4, abs=1e-6), step
             assert got.grad_norm == pytest.approx(want.grad_norm, rel=1e-4), step
-        whole = trainer.model.state_dict()
+            await publish(step + 1)
+
+        # The model is 1.1 MiB: two buckets of 1 MiB, the first rank 0's, the second rank 1's.
+        assert leader.share is not None
+        assert (leader.share.share.first, leader.share.share.stop) == (0, 1)
+        pulled = dict(await rollout.pull(JOB, 3))
         for name, value in single.model.state_dict().items():
-            assert torch.allclose(whole[name], value, atol=1e-5, rtol=0), name
+            assert torch.allclose(pulled[name], value, atol=1e-5, rtol=0), name
+        assert dict(rollout.counters.buckets_by_source) == {"trainer-0": 1, "trainer-1": 1}
 
         total = sum(p.numel() for p in single.model.parameters())
         rank1: list[monitor_pb2.MemberHealth] = []
@@ -396,3 +441,5 @@ async def test_fsdp_rank_members_match_a_single_rank_and_each_holds_half(
             assert abs(counters["held_optimizer"] - total) <= total * 0.1, counters
     finally:
         await asyncio.to_thread(leader.close, 2.0)
+        await rollout.close()
+        await transport.close()

@@ -67,6 +67,11 @@ def test_overrides_do_not_mutate_the_input() -> None:
             ["trainer.strategy=fsdp", "trainer.kl_coef=0.1"],
             "trainer.kl_coef: the KL reference model is not sharded",
         ),
+        (
+            "name: a\n",
+            ["trainer.strategy=fsdp", "trainer.weight_transport=grpc"],
+            "trainer.weight_transport: fsdp ranks each serve their share",
+        ),
     ],
 )
 def test_bad_specs_name_the_field(text: str, overrides: list[str], names: str) -> None:

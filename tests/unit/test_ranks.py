@@ -11,10 +11,14 @@ from typing import Any
 import pytest
 import torch
 import torch.multiprocessing as mp
+from torch.distributed.tensor import DTensor
 from transformers import AutoModelForCausalLM
 
 from robustrl.cli.stack import free_port
 from robustrl.core.heartbeat import Progress
+from robustrl.weights.checksums import bucket_checksum
+from robustrl.weights.protocol import plan_layout
+from robustrl.weights.ucx.buffers import pack_into
 from services.trainer.grpo import GRPOConfig, GRPOTrainer, Sample, completion_logprobs
 from services.trainer.ranks import (
     RankGroup,
@@ -29,6 +33,7 @@ from services.trainer.ranks import (
     start_sharded,
 )
 from services.trainer.ranks.sharding import load_sharded, shard_model
+from services.trainer.ranks.shares import pack_share
 
 PAD = 0
 CONFIG = GRPOConfig(lr=1e-2)
@@ -212,7 +217,8 @@ def _fsdp_rank_main(
         before, batches = _batches(plain)
         trainer = GRPOTrainer(shard_model(_trainer(tiny_model_dir).model), CONFIG, pad_id=PAD)
         restore = str(out / "one") if world_size == 2 else ""
-        started = start_sharded(group, trainer, restore, plain.model.state_dict())
+        start_sharded(group, trainer, restore, plain.model.state_dict())
+        started = group.gather_weights(trainer.model)
         todo = [before] if world_size == 1 else batches
         results = [run_step(group, trainer, StepOrder(s, b)).metrics for s, b in enumerate(todo)]
         held = {
@@ -275,3 +281,95 @@ def test_fsdp_ranks_take_the_single_rank_step_hold_half_and_restore_at_any_size(
     for name, value in alone.model.state_dict().items():
         assert torch.equal(value, ranks[0]["full"][name]), name
     assert alone.steps_taken == single.steps_taken == 4
+
+
+# --- publishing from the shards: each rank packs its range of buckets, nothing more -------
+
+
+def _share_rank_main(
+    rank: int,
+    master: str,
+    tiny_model_dir: Path,
+    out: Path,
+    check: Callable[[], None] | None = None,
+) -> None:
+    """Both ranks pack their shares of the sharded model, in buckets small enough that pieces
+    of one tensor come from both ranks; then a NaN in rank 1's rows only."""
+    torch.set_num_threads(1)
+    group = RankGroup(rank, 2, master, Progress(), timeout_s=30, sharded=True)
+    group.init(check)
+    try:
+        plain = _trainer(tiny_model_dir)
+        trainer = GRPOTrainer(shard_model(_trainer(tiny_model_dir).model), CONFIG, pad_id=PAD)
+        start_sharded(group, trainer, "", plain.model.state_dict())
+        taken: list[int] = []
+
+        def take(nbytes: int, device: torch.device) -> torch.Tensor:
+            taken.append(nbytes)
+            return torch.full((nbytes,), 7, dtype=torch.uint8, device=device)  # not zeroed
+
+        packed = pack_share(
+            trainer.model,
+            rank=rank,
+            world_size=2,
+            bucket_bytes=4096,
+            algorithm="xxh3_128",
+            take_buffer=take,
+        )
+        embed = dict(trainer.model.named_parameters())["model.embed_tokens.weight"]
+        assert isinstance(embed, DTensor)
+        with torch.no_grad():
+            if rank == 1:
+                embed.to_local()[-1, 0] = float("nan")  # the last row: rank 1's shard
+        poisoned = pack_share(
+            trainer.model,
+            rank=rank,
+            world_size=2,
+            bucket_bytes=1 << 20,
+            algorithm="xxh3_128",
+            take_buffer=take,
+        )
+        share = packed.share
+        torch.save(
+            {
+                "first": share.first,
+                "stop": share.stop,
+                "checksums": share.checksums,
+                "bytes": share.buffer.clone(),
+                "taken": taken,
+                "nonfinite": packed.nonfinite,
+                "poisoned": poisoned.nonfinite,
+            },
+            out / f"share-rank{rank}.pt",
+        )
+    finally:
+        group.close()
+
+
+@pytest.mark.timeout(90)
+def test_fsdp_ranks_publish_from_their_shards_what_one_whole_copy_packs(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    _two_ranks(_share_rank_main, f"127.0.0.1:{free_port()}", tiny_model_dir, tmp_path)
+    ranks = [torch.load(tmp_path / f"share-rank{r}.pt", weights_only=False) for r in range(2)]
+
+    whole = list(_trainer(tiny_model_dir).model.state_dict().items())
+    entries, total, spans = plan_layout(whole, 4096)
+    buffer = torch.empty(total, dtype=torch.uint8)
+    pack_into(whole, entries, buffer)
+    expected = [bucket_checksum(buffer[o : o + n], "xxh3_128") for o, n in spans]
+
+    # Every rank has every bucket's checksum; together the shares are the whole buffer.
+    assert [r["checksums"] for r in ranks] == [tuple(expected)] * 2
+    assert (ranks[0]["first"], ranks[0]["stop"], ranks[1]["stop"]) == (
+        0,
+        ranks[1]["first"],
+        len(spans),
+    )
+    assert torch.equal(torch.cat([r["bytes"] for r in ranks]), buffer)
+    # No rank took more than its half of the version (one bucket of rounding).
+    for r in ranks:
+        assert r["taken"][0] == r["bytes"].numel() <= total / 2 + 4096
+    assert [r["nonfinite"] for r in ranks] == [[], []]
+    # A NaN in rank 1's rows is seen by whichever rank packs them, and told to every rank.
+    assert [r["poisoned"] for r in ranks] == [["model.embed_tokens.weight"]] * 2

@@ -26,9 +26,25 @@ class HeldVersion:
     manifest_revision: int  # mod revision of the manifest key this copy matches
     active_pullers: int = 0
     recorded_pullers: int = 0  # the count our etcd record has
+    first_bucket: int = 0
+    stop_bucket: int | None = None
+    """A share of the version: buckets [first_bucket, stop_bucket), `buffer` holding their
+    bytes from the first one's offset on (a rank of a sharded trainer group). None: whole."""
+
+    @property
+    def whole(self) -> bool:
+        return self.first_bucket == 0 and self.stop_bucket in (None, len(self.manifest.buckets))
+
+    def holds(self, index: int) -> bool:
+        stop = len(self.manifest.buckets) if self.stop_bucket is None else self.stop_bucket
+        return self.first_bucket <= index < stop
 
     def bucket(self, index: int) -> torch.Tensor:
-        return bucket_view(self.manifest, self.buffer, index)
+        if self.first_bucket == 0:
+            return bucket_view(self.manifest, self.buffer, index)
+        base = self.manifest.buckets[self.first_bucket].offset
+        bucket = self.manifest.buckets[index]
+        return self.buffer[bucket.offset - base : bucket.offset - base + bucket.nbytes]
 
 
 def _keep_none(version: int) -> None:

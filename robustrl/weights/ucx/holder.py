@@ -29,6 +29,7 @@ from robustrl.weights.protocol import (
     DIGEST_MISMATCH,
     IN_FLIGHT_BUCKETS,
     MAX_CONTROL_BYTES,
+    NO_SUCH_BUCKET,
     NOT_HELD,
     FrameError,
     HolderRefused,
@@ -154,6 +155,15 @@ class HolderServer:
                 self._held.versions(),
             )
         buckets = request.bucket_indexes(len(held.manifest.buckets), self._held.versions())
+        outside = [index for index in buckets if not held.holds(index)]
+        if outside:
+            stop = len(held.manifest.buckets) if held.stop_bucket is None else held.stop_bucket
+            raise HolderRefused(
+                NO_SUCH_BUCKET,
+                f"holder {self._instance_id} holds buckets {held.first_bucket}..{stop - 1} of "
+                f"version {version}, not {outside[:8]}",
+                self._held.versions(),
+            )
         if self.max_pullers and held.active_pullers >= self.max_pullers:
             raise HolderRefused(BUSY, f"holder {self._instance_id} serves {held.active_pullers}")
         return held, buckets

@@ -6,7 +6,8 @@ device, checksums every bucket on a thread pool with the algorithm that suits th
 (checksums.algorithm_for) unless told one, and writes manifest and announcement in one
 transaction that a newer trainer epoch's records refuse (Fenced). A relay that already has a
 version's tensors packs them against the published manifest and must match it bucket for
-bucket.
+bucket. A sharded trainer group publishes each version as shares (VersionShare): rank 0 writes
+the manifest of every rank's checksums, and each rank holds and serves its own buckets.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import asyncio
 import time
 from collections.abc import Sequence
 from concurrent.futures import Executor
+from dataclasses import dataclass
 
 import aetcd
 import torch
@@ -26,6 +28,8 @@ from robustrl.weights.checksums import algorithm_for, bucket_checksum
 from robustrl.weights.protocol import (
     BucketEntry,
     BucketManifest,
+    TensorEntry,
+    bucket_nbytes,
     manifest_for_etcd,
     plan_layout,
 )
@@ -33,6 +37,45 @@ from robustrl.weights.transport import Announcement, NamedTensors, WeightIntegri
 from robustrl.weights.ucx.buffers import HostBuffers, bucket_view, pack_into
 
 log = get_logger(__name__)
+
+
+@dataclass(frozen=True)
+class VersionShare:
+    """One rank's share of a version a sharded trainer group publishes: the layout every rank
+    plans alike from the tensors' shapes (protocol.plan_layout), the checksum of every bucket
+    (each rank hashes its own, and the group shares them), and this rank's buckets
+    [first, stop) packed into `buffer` from the first one's offset on. No rank holds more
+    of the version than its share."""
+
+    tensors: tuple[TensorEntry, ...]
+    total_bytes: int
+    bucket_bytes: int
+    checksum_algorithm: str
+    checksums: tuple[str, ...]
+    first: int
+    stop: int
+    buffer: torch.Tensor
+
+    def manifest(self, job_id: str, version: int, epoch: int) -> BucketManifest:
+        spans = [
+            (i * self.bucket_bytes, bucket_nbytes(i, self.bucket_bytes, self.total_bytes))
+            for i in range(len(self.checksums))
+        ]
+        buckets = tuple(
+            BucketEntry(i, o, n, h)
+            for i, ((o, n), h) in enumerate(zip(spans, self.checksums, strict=True))
+        )
+        return BucketManifest(
+            job_id,
+            version,
+            epoch,
+            self.total_bytes,
+            self.bucket_bytes,
+            self.tensors,
+            buckets,
+            time.time(),
+            self.checksum_algorithm,
+        )
 
 
 def _epoch_of(raw: bytes) -> int:

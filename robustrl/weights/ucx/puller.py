@@ -3,7 +3,8 @@ place, verify each as it lands, and pull again from another holder what failed.
 
 A pull starts from the version's listing (directory.VersionDirectory.read_version). It picks
 the holder with the fewest active pullers (ties go to relays, so the trainer's link is not the
-bottleneck), asks it for every bucket still pending and receives them straight into the staging
+bottleneck), asks it for every bucket still pending that it holds (a rank of a sharded trainer
+group holds a share of each version) and receives them straight into the staging
 buffer, IN_FLIGHT_BUCKETS receives posted ahead. A bucket counts only once its checksum matches
 the manifest; a bad bucket is pulled again from another holder, and if the source dies, stalls
 or leaves the holders mid-pull, the verified buckets are kept and the rest come from another
@@ -135,16 +136,20 @@ class Puller:
                 (listed, revision), first_listing = first_listing, None
             else:
                 listed, revision = await self._directory.list_holders(manifest)
+            # A holder may hold a share of the version only (a rank of a sharded trainer).
             usable = [
                 h
                 for h in listed
                 if h.instance_id not in excluded
-                and any(h.instance_id not in bad_from.get(b, ()) for b in pending)
+                and any(h.holds(b) and h.instance_id not in bad_from.get(b, ()) for b in pending)
             ]
             choice = choose_holder(usable, self._rng)
             if choice is None:
                 left_s = deadline - time.monotonic()
-                stranded = not any(h.instance_id not in excluded for h in listed)
+                stranded = not any(
+                    h.instance_id not in excluded and any(h.holds(b) for b in pending)
+                    for h in listed
+                )
                 why = (
                     await self._directory.superseded(manifest, manifest_revision)
                     if stranded
@@ -172,7 +177,11 @@ class Puller:
                     new=choice.instance_id,
                     left=len(pending),
                 )
-            wanted = sorted(b for b in pending if choice.instance_id not in bad_from.get(b, ()))
+            wanted = sorted(
+                b
+                for b in pending
+                if choice.holds(b) and choice.instance_id not in bad_from.get(b, ())
+            )
             left = len(pending)
             departures = self._directory.departures
             try:

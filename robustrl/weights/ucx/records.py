@@ -89,6 +89,8 @@ class HolderRecords:
             digest=held.manifest.digest,
             active_pullers=held.active_pullers,
             max_pullers=self.max_pullers,
+            first_bucket=held.first_bucket,
+            stop_bucket=held.stop_bucket,
         )
 
     async def register(self, version: int) -> None:

@@ -15,10 +15,14 @@ format and the records in etcd that they share are protocol.py.
     progress.py, listeners.py   how the event loop drives ucxx, and listeners that outlive us
 
 A trainer publishes version V: pack, checksum, write the manifest, hold V and register as its
-holder. A rollout pulls V from the holder with the fewest pullers, verifies every bucket, and
-(relay=True) holds and serves V in turn. Pulls reuse what the last pull set up: the endpoint to
-a holder stays open for the next pull from it, and a receive buffer no tensor uses any more is
-received into again; a publisher packs into the buffer of a version it has dropped.
+holder. A sharded trainer group publishes V as shares: every rank packs and checksums its own
+range of buckets (publisher.VersionShare), rank 0 writes the manifest of all their checksums
+(`publish_share`), and each rank holds its range once the manifest is there (`hold_share`); a
+puller takes each range from the rank that holds it. A rollout pulls V from the holder with
+the fewest pullers, verifies every bucket, and (relay=True) holds and serves V in turn. Pulls
+reuse what the last pull set up: the endpoint to a holder stays open for the next pull from
+it, and a receive buffer no tensor uses any more is received into again; a publisher packs
+into the buffer of a version it has dropped.
 
 UCX runs on CPU over TCP and shared memory; on GPU hosts buffers may live on the device (the
 staging buffer is allocated on the pull's device and ucxx moves CUDA memory directly). A
@@ -29,6 +33,7 @@ back to hash it.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import os
 import random
@@ -40,6 +45,7 @@ from typing import Any
 import aetcd
 import torch
 
+from robustrl.contracts.errors import Fenced
 from robustrl.contracts.keys import KeySpace, WeightKeys
 from robustrl.core.logs import get_logger
 from robustrl.weights.checksums import CHECKSUM_ALGORITHMS
@@ -49,6 +55,7 @@ from robustrl.weights.protocol import (
     IN_FLIGHT_BUCKETS,
     ROLE_RELAY,
     ROLE_TRAINER,
+    BucketManifest,
 )
 from robustrl.weights.transport import (
     PULL_PROGRESS_EVERY_S,
@@ -63,11 +70,11 @@ from robustrl.weights.ucx import progress as ucx_progress
 from robustrl.weights.ucx.buffers import HostBuffers, unpack_views
 from robustrl.weights.ucx.connections import PARK_SECONDS, Endpoints
 from robustrl.weights.ucx.counters import TransferCounters
-from robustrl.weights.ucx.directory import VersionDirectory
+from robustrl.weights.ucx.directory import VersionDirectory, WeightUnavailable
 from robustrl.weights.ucx.held import HeldVersion, HeldVersions
 from robustrl.weights.ucx.holder import HolderFaults, HolderServer
 from robustrl.weights.ucx.lifetime import Lifetime
-from robustrl.weights.ucx.publisher import Publisher
+from robustrl.weights.ucx.publisher import Publisher, VersionShare
 from robustrl.weights.ucx.puller import Puller, PullTimings
 from robustrl.weights.ucx.records import PULLERS_RECORD_DELAY_S, HolderRecords
 
@@ -331,7 +338,7 @@ class UcxTransport(WeightTransport):
 
     def local_source(self, version: int) -> LocalSource | None:
         held = self.held.get(version)
-        if held is None:
+        if held is None or not held.whole:
             return None
         return LocalSource(version, self.address, held.manifest.to_json())
 
@@ -377,6 +384,75 @@ class UcxTransport(WeightTransport):
             epoch=self.epoch,
             seconds=round(time.perf_counter() - started, 6),
         )
+
+    def take_buffer(self, nbytes: int, device: torch.device | str = "cpu") -> torch.Tensor:
+        """A buffer to pack a share into: a host buffer of a version dropped, if one fits."""
+        return self.publisher.packs.take(nbytes, device)
+
+    async def publish_share(self, version: int, share: VersionShare) -> None:
+        """Rank 0 of a sharded trainer group: write the manifest of `version` with every
+        rank's checksums (fenced by epoch, as `publish`), then hold this rank's share. The
+        other ranks hold theirs once they see the manifest (`hold_share`)."""
+        started = time.perf_counter()
+        manifest = share.manifest(self.job_id, version, self.epoch)
+        revision = await self.publisher.write(manifest, self.address, self.name)
+        self.directory.saw_epoch(self.epoch)
+        await self._hold_share(manifest, share, revision)
+        await self.directory.collect_garbage(version, self.held.keep)
+        log.info(
+            "weights.published",
+            job=self.job_id,
+            version=version,
+            bytes=manifest.total_bytes,
+            buckets=len(manifest.buckets),
+            held=[share.first, share.stop],
+            epoch=self.epoch,
+            seconds=round(time.perf_counter() - started, 6),
+        )
+
+    async def hold_share(self, version: int, share: VersionShare, timeout: float) -> None:
+        """A rank > 0 of a sharded trainer group: hold this rank's share of `version` once rank
+        0 has written its manifest at this epoch with these contents. Fenced if a newer epoch
+        wrote it; WeightUnavailable if it is not there within `timeout`."""
+        expected = share.manifest(self.job_id, version, self.epoch).digest
+        deadline = time.monotonic() + timeout
+        delay = 0.01
+        while True:
+            now = await self.directory.manifest_now(version)
+            if now is not None:
+                manifest = self.directory.manifest(now[0])
+                if manifest.trainer_epoch > self.epoch:
+                    raise Fenced(
+                        f"job {self.job_id}: trainer epoch {manifest.trainer_epoch} published "
+                        f"version {version}; this rank has epoch {self.epoch}"
+                    )
+                if (manifest.digest, manifest.trainer_epoch) == (expected, self.epoch):
+                    self.directory.saw_epoch(self.epoch)
+                    await self._hold_share(manifest, share, now[1])
+                    return
+            if time.monotonic() >= deadline:
+                raise WeightUnavailable(
+                    f"version {version} of job {self.job_id}: rank 0 wrote no manifest of this "
+                    f"rank's contents at epoch {self.epoch} within {timeout:.0f} s"
+                )
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, 0.5)
+
+    async def _hold_share(
+        self, manifest: BucketManifest, share: VersionShare, revision: int
+    ) -> None:
+        if share.stop > share.first:  # a rank with no bucket of a small version holds none
+            held = HeldVersion(
+                manifest,
+                share.buffer,
+                ROLE_TRAINER,
+                revision,
+                first_bucket=share.first,
+                stop_bucket=share.stop,
+            )
+            self.held.add(manifest.version, held)
+            await self.records.register(manifest.version)
+        self.held.prune()
 
     async def hold(self, version: int, tensors: NamedTensors) -> None:
         """Relay: serve `version` from these tensors (already verified) to other pullers.
@@ -429,7 +505,7 @@ class UcxTransport(WeightTransport):
         held = self.held.get(version)
         if held is not None and held.manifest.trainer_epoch < self.directory.highest_epoch:
             held = await self.records.current(held)
-        if held is not None:
+        if held is not None and held.whole:
             return unpack_views(held.manifest, held.buffer)
         started = time.perf_counter()
         # The manifest and the holders listed with it, from the watch's view or one read.

@@ -13,7 +13,10 @@ same parameters. Per step, on every rank (`step.py`'s `run_step`):
     -> gather_step (metrics and a parameter fingerprint, to catch diverged ranks)
 
 FSDP2 ranks (`sharding.py`) run the step as one watched collective instead, and hold 1/N of
-the parameters, gradients and optimizer state each.
+the parameters, gradients and optimizer state each. After the start and each step every FSDP2
+rank packs its share of the weights as the next version (`shares.py`): rank 0 publishes the
+manifest, and each rank serves its own range of buckets. An evaluation is an order too: every
+rank generates with its shards, and rank 0 scores.
 
 The watchdog (`group.py`): every collective goes through `RankGroup.collective`. It numbers
 the collective (counter `collective_seq`; every rank runs the same collectives in the same
@@ -34,8 +37,10 @@ Rank 0 runs its side from a thread, because every call blocks (`leader.py`):
 
     ranks = LeaderRanks(runtime.progress, world_size=W, host=advertise_host, epoch=epoch)
     master = ranks.listen()            # then published: rendezvous.publish(...)
-    ranks.start(trainer, restore_from=sharded_checkpoint_or_None)
+    ranks.start(trainer, restore_from=sharded_checkpoint_or_None, step=steps_done)
     metrics = ranks.step(trainer, samples, step=s)  # instead of trainer.step(samples)
+    ranks.share                        # FSDP2: rank 0's share of the weights, to publish
+    ranks.evaluate(generate)           # FSDP2: every rank generates with its shards
     ranks.close()  # the other ranks' work is done; the leader releases them
 
 `start` goes after any checkpoint restore: it broadcasts rank 0's parameters and optimizer
@@ -49,6 +54,7 @@ from services.trainer.ranks.leader import (
     GroupBroken,
     LeaderRanks,
     RanksDiverged,
+    evaluate_rank,
     save_rank,
     start_sharded,
 )
@@ -58,7 +64,9 @@ from services.trainer.ranks.sharding import (
     optimizer_numel,
     report_held,
 )
+from services.trainer.ranks.shares import PackedShare, ShareSettings, pack_group_share
 from services.trainer.ranks.step import (
+    EvalOrder,
     Order,
     SaveOrder,
     StepOrder,
@@ -70,19 +78,24 @@ from services.trainer.ranks.step import (
 
 __all__ = [
     "IDLE_WAIT",
+    "EvalOrder",
     "GroupBroken",
     "LeaderRanks",
     "Order",
+    "PackedShare",
     "RankGroup",
     "RanksDiverged",
     "SaveOrder",
+    "ShareSettings",
     "StepOrder",
     "StepOutcome",
     "WrongGroup",
+    "evaluate_rank",
     "fingerprint",
     "gather_full",
     "local_numel",
     "optimizer_numel",
+    "pack_group_share",
     "rendezvous",
     "report_held",
     "run_step",

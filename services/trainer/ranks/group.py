@@ -23,7 +23,7 @@ import torch.distributed as dist
 from robustrl.core.heartbeat import Progress
 from robustrl.core.logs import get_logger
 from services.trainer.ranks.sharding import gather_full
-from services.trainer.ranks.step import Order, SaveOrder, StepOrder
+from services.trainer.ranks.step import EvalOrder, Order, SaveOrder, StepOrder
 
 log = get_logger(__name__)
 
@@ -266,7 +266,7 @@ class RankGroup:
             assert self._store is not None
             # Every rank waited for this key before it could join the broadcast just done.
             self._store.delete_key(go)
-        return received if isinstance(received, StepOrder | SaveOrder) else None
+        return received if isinstance(received, StepOrder | SaveOrder | EvalOrder) else None
 
     def broadcast_state(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
         """Every rank takes rank 0's parameters, buffers and optimizer state."""
@@ -322,12 +322,12 @@ class RankGroup:
                 p.grad = summed.to(p.dtype).clone()
         return bool(flags[-1] > 0)
 
-    def share_start(self, restore_from: str) -> str:
+    def share_start(self, restore_from: str, step: int) -> tuple[str, int]:
         """Rank 0's checkpoint to restore at the start (a sharded one, read by every rank; ""
-        for none), on every rank."""
+        for none) and the step it starts at, on every rank."""
         with self.collective("share_start"):
-            received = self._broadcast_object(restore_from if self.rank == 0 else None)
-        assert isinstance(received, str)
+            received = self._broadcast_object((restore_from, step) if self.rank == 0 else None)
+        assert isinstance(received, tuple)
         return received
 
     def gather_weights(self, model: torch.nn.Module) -> dict[str, Any]:
@@ -340,6 +340,10 @@ class RankGroup:
         t = torch.tensor([1.0 if flag else 0.0])
         dist.all_reduce(t)
         return bool(t.item() > 0)
+
+    def every_rank(self, flag: bool) -> bool:
+        """Whether `flag` is true on every rank (unwatched, as `any_rank`)."""
+        return not self.any_rank(not flag)
 
     def gather_step(self, values: Sequence[float]) -> list[list[float]]:
         """Every rank's `values` (same length everywhere), in rank order."""

@@ -4,7 +4,6 @@ the job ends."""
 
 from __future__ import annotations
 
-import copy
 from collections.abc import Callable
 from concurrent.futures import Future
 from pathlib import Path
@@ -23,7 +22,8 @@ from services.trainer.ranks.sharding import (
     save_sharded,
     shard_model,
 )
-from services.trainer.ranks.step import SaveOrder, StepOrder, run_step
+from services.trainer.ranks.shares import PackedShare, ShareSettings, pack_group_share
+from services.trainer.ranks.step import EvalOrder, SaveOrder, StepOrder, run_step
 
 log = get_logger(__name__)
 
@@ -52,16 +52,23 @@ class LeaderRanks:
         sharded: bool = False,
         epoch: int = 0,
         address: str = "",
+        shares: ShareSettings | None = None,
     ) -> None:
         """`host`: where the other ranks reach this rank's store (its advertise address).
         `sharded`: FSDP2 ranks (`sharding.py`). Rank 0 then trains its shards in a trainer
-        of its own (`self.sharded`), and after each step gathers the whole weights into the
-        trainer it was started with, which the worker publishes and evaluates. `epoch` and
-        `address`: `RankGroup`'s."""
+        of its own (`self.sharded`, its model sharded in place from the one it was started
+        with), and after the start and each step every rank packs its share of the weights
+        (`shares.py`, as `shares` says), which the worker publishes. `epoch` and `address`:
+        `RankGroup`'s."""
+        if sharded and shares is None:
+            raise ValueError("FSDP2 ranks need ShareSettings to publish their weights")
         self.progress = progress
         self.is_sharded = sharded
+        self.shares = shares
         self.sharded: GRPOTrainer | None = None
-        """Rank 0's FSDP2 trainer (its shards), next to the whole model it publishes."""
+        """Rank 0's FSDP2 trainer (its shards); the worker trains and evaluates with it."""
+        self.share: PackedShare | None = None
+        """Rank 0's share of the weights after the start or the last step."""
         self.written: Future[Any] | None = None
         """This rank's part of the last sharded checkpoint (`save`); on rank 0 it completes
         once every rank's part is written."""
@@ -91,23 +98,22 @@ class LeaderRanks:
         *,
         check: Callable[[], None] | None = None,
         restore_from: Path | None = None,
+        step: int = 0,
     ) -> None:
         """Wait for every rank to join (calling `check` meanwhile: it raises to give up), then
         give every rank rank 0's state. Blocks.
 
         `restore_from`: a sharded checkpoint every rank of an FSDP2 group reads its part of
-        (a ddp group takes rank 0's state, restored already).
+        (a ddp group takes rank 0's state, restored already). `step`: the steps done, told to
+        every rank (the version they publish first).
         """
         group = self.group
         before = self.progress.phase
         self.progress.enter("starting_ranks")
         try:
-            # Rank 0's copy to shard is made before the group forms (the others wait in its
-            # first collective from then on).
-            whole = copy.deepcopy(trainer.model) if self.is_sharded else None
             group.init(check=check)
-            if whole is not None:
-                self._start_sharded(group, trainer, whole, restore_from)
+            if self.is_sharded:
+                self._start_sharded(group, trainer, restore_from, step)
             else:
                 group.broadcast_state(trainer.model, trainer.optimizer)
         except BaseException:
@@ -118,24 +124,32 @@ class LeaderRanks:
         self.started = True
 
     def _start_sharded(
-        self,
-        group: RankGroup,
-        trainer: GRPOTrainer,
-        whole: torch.nn.Module,
-        restore_from: Path | None,
+        self, group: RankGroup, trainer: GRPOTrainer, restore_from: Path | None, step: int
     ) -> None:
-        model = shard_model(whole)
+        # The whole state to hand out is read before sharding replaces the parameters; it
+        # goes once the other ranks have their shards of it.
+        state = trainer.model.state_dict() if restore_from is None else {}
+        model = shard_model(trainer.model)
         self.sharded = GRPOTrainer(model, trainer.config, trainer.pad_id, autocast=trainer.autocast)
-        state = trainer.model.state_dict()
-        trainer.model.load_state_dict(
-            start_sharded(group, self.sharded, str(restore_from or ""), state)
-        )
+        start_sharded(group, self.sharded, str(restore_from or ""), state, step)
+        del state
+        self._pack()
 
-    def _gather_into(self, group: RankGroup, trainer: GRPOTrainer) -> None:
-        """The whole weights of the shards into rank 0's `trainer.model` (every rank joins)."""
-        assert self.sharded is not None
-        full = group.gather_weights(self.sharded.model)
-        trainer.model.load_state_dict(full)
+    def _pack(self) -> None:
+        """Every rank packs its share of the weights (rank 0's is kept to publish)."""
+        assert self.sharded is not None and self.shares is not None
+        self.share = pack_group_share(self.group, self.sharded.model, self.shares)
+
+    def evaluate(self, generate: Callable[[torch.nn.Module, Callable[[bool], bool]], Any]) -> Any:
+        """`generate(model, agree)` on every FSDP2 rank with its shards (rank 0's result is
+        returned): `agree` keeps their forwards in step (TorchEngine.agree)."""
+        if not self.started or self.sharded is None:
+            raise RuntimeError("LeaderRanks.evaluate needs a started FSDP2 group")
+        try:
+            self.group.broadcast_batch(EvalOrder(self.sharded.steps_taken))
+            return evaluate_rank(self.group, self.sharded.model, generate)
+        except Exception as exc:
+            raise GroupBroken(f"in an evaluation: {_first_line(exc)}") from exc
 
     def step(self, trainer: GRPOTrainer, samples: list[Sample], *, step: int) -> StepMetrics:
         """`trainer.step(samples)` across every rank, for the job's step `step + 1` (`step`:
@@ -154,7 +168,7 @@ class LeaderRanks:
             self.group.broadcast_batch(order)
             outcome = run_step(self.group, self.sharded or trainer, order)
             if self.sharded is not None:
-                self._gather_into(self.group, trainer)
+                self._pack()
         except Exception as exc:
             raise GroupBroken(f"in step {step + 1}: {_first_line(exc)}") from exc
         self.fingerprints = outcome.fingerprints
@@ -200,18 +214,33 @@ def _first_line(exc: BaseException) -> str:
 
 
 def start_sharded(
-    group: RankGroup, trainer: GRPOTrainer, restore_from: str, state: dict[str, Any]
-) -> dict[str, Any]:
+    group: RankGroup,
+    trainer: GRPOTrainer,
+    restore_from: str,
+    state: dict[str, Any],
+    step: int = 0,
+) -> int:
     """Every FSDP2 rank at the start: read its part of rank 0's sharded checkpoint, or take
-    its shards of rank 0's whole `state` (the others pass {}). Returns the whole weights
-    started from on rank 0 (gathered from the shards), {} on the others."""
-    restore_from = group.share_start(restore_from)
+    its shards of rank 0's whole `state` (the others pass {}). Returns the steps rank 0 has
+    done (its `step`)."""
+    restore_from, step = group.share_start(restore_from, step)
     with group.collective("broadcast_state"):
         if restore_from:
             load_sharded(trainer.model, trainer.optimizer, Path(restore_from), alone=False)
         else:
             broadcast_full(trainer.model, state if group.rank == 0 else {})
-    return group.gather_weights(trainer.model)
+    return step
+
+
+def evaluate_rank(
+    group: RankGroup,
+    model: torch.nn.Module,
+    generate: Callable[[torch.nn.Module, Callable[[bool], bool]], Any],
+) -> Any:
+    """This FSDP2 rank's part of an evaluation: `generate(model, agree)`, its forwards kept in
+    step with the other ranks' by `agree` (every row done on every rank)."""
+    with group.collective("evaluate"):
+        return generate(model, group.every_rank)
 
 
 def save_rank(

@@ -47,7 +47,15 @@ class SaveOrder:
     path: str
 
 
-Order = StepOrder | SaveOrder
+@dataclass(frozen=True)
+class EvalOrder:
+    """What rank 0 broadcasts for an evaluation of an FSDP2 group: every rank generates the
+    held-out completions with its shards (each forward a collective); rank 0 scores them."""
+
+    step: int
+
+
+Order = StepOrder | SaveOrder | EvalOrder
 
 
 @dataclass(frozen=True)
