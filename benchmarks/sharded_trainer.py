@@ -148,10 +148,11 @@ def rank_main(
 def publish_from_shards(
     group: RankGroup, trainer: GRPOTrainer, repeats: int = 3
 ) -> dict[str, float]:
-    """What publishing a version costs each rank: packing and hashing its share of the
-    buckets from the shards (what the trainer does), beside gathering a whole copy on rank 0
-    and packing and hashing it there (what it did); the median of `repeats`, and the bytes of
-    the version each way leaves on a rank (the whole way also kept the gathered copy)."""
+    """What publishing a version costs each rank: packing its share of the buckets from the
+    shards, checked finite and hashed (what the trainer does), beside gathering a whole copy
+    on rank 0 and checking, packing and hashing it there (what it did); the median of
+    `repeats`, and the bytes of the version each way leaves on a rank (the whole way also kept
+    the gathered copy)."""
 
     def take(nbytes: int, device: torch.device) -> torch.Tensor:
         return torch.empty(nbytes, dtype=torch.uint8, device=device)
@@ -173,8 +174,9 @@ def publish_from_shards(
         del packed
         started = time.perf_counter()
         full = group.gather_weights(trainer.model)
-        if full:  # rank 0 then packs and hashes the whole copy, as its publish did
+        if full:  # rank 0 then checks, packs and hashes the whole copy, as its publish did
             tensors = list(full.items())
+            assert all(bool(torch.isfinite(t).all()) for _, t in tensors)
             entries, total, spans = plan_layout(tensors, 32 << 20)
             whole = take(total, torch.device("cpu"))
             pack_into(tensors, entries, whole)
