@@ -369,21 +369,7 @@ class UcxTransport(WeightTransport):
         """
         started = time.perf_counter()
         manifest, buffer = await self.publisher.pack(version, tensors)
-        revision = await self.publisher.write(manifest, self.address, self.name)
-        self.directory.saw_epoch(self.epoch)
-        self.held.add(version, HeldVersion(manifest, buffer, ROLE_TRAINER, revision))
-        await self.records.register(version)
-        self.held.prune()
-        await self.directory.collect_garbage(version, self.held.keep)
-        log.info(
-            "weights.published",
-            job=self.job_id,
-            version=version,
-            bytes=manifest.total_bytes,
-            buckets=len(manifest.buckets),
-            epoch=self.epoch,
-            seconds=round(time.perf_counter() - started, 6),
-        )
+        await self._publish(manifest, buffer, 0, len(manifest.buckets), started)
 
     def take_buffer(self, nbytes: int, device: torch.device | str = "cpu") -> torch.Tensor:
         """A buffer to pack a share into: a host buffer of a version dropped, if one fits."""
@@ -395,17 +381,24 @@ class UcxTransport(WeightTransport):
         other ranks hold theirs once they see the manifest (`hold_share`)."""
         started = time.perf_counter()
         manifest = share.manifest(self.job_id, version, self.epoch)
+        await self._publish(manifest, share.buffer, share.first, share.stop, started)
+
+    async def _publish(
+        self, manifest: BucketManifest, buffer: torch.Tensor, first: int, stop: int, started: float
+    ) -> None:
+        """Write the manifest and announcement, hold buckets [first, stop) of it from
+        `buffer`, and collect the versions no longer kept."""
         revision = await self.publisher.write(manifest, self.address, self.name)
         self.directory.saw_epoch(self.epoch)
-        await self._hold_share(manifest, share, revision)
-        await self.directory.collect_garbage(version, self.held.keep)
+        await self._hold_trainer_copy(manifest, buffer, revision, first, stop)
+        await self.directory.collect_garbage(manifest.version, self.held.keep)
         log.info(
             "weights.published",
             job=self.job_id,
-            version=version,
+            version=manifest.version,
             bytes=manifest.total_bytes,
             buckets=len(manifest.buckets),
-            held=[share.first, share.stop],
+            held=[first, stop],
             epoch=self.epoch,
             seconds=round(time.perf_counter() - started, 6),
         )
@@ -428,7 +421,9 @@ class UcxTransport(WeightTransport):
                     )
                 if (manifest.digest, manifest.trainer_epoch) == (expected, self.epoch):
                     self.directory.saw_epoch(self.epoch)
-                    await self._hold_share(manifest, share, now[1])
+                    await self._hold_trainer_copy(
+                        manifest, share.buffer, now[1], share.first, share.stop
+                    )
                     return
             if time.monotonic() >= deadline:
                 raise WeightUnavailable(
@@ -438,17 +433,19 @@ class UcxTransport(WeightTransport):
             await asyncio.sleep(delay)
             delay = min(delay * 2, 0.5)
 
-    async def _hold_share(
-        self, manifest: BucketManifest, share: VersionShare, revision: int
+    async def _hold_trainer_copy(
+        self, manifest: BucketManifest, buffer: torch.Tensor, revision: int, first: int, stop: int
     ) -> None:
-        if share.stop > share.first:  # a rank with no bucket of a small version holds none
+        """Hold and register buckets [first, stop) of a version this trainer (rank) packed."""
+        whole = (first, stop) == (0, len(manifest.buckets))
+        if whole or stop > first:  # a rank with no bucket of a small version holds none
             held = HeldVersion(
                 manifest,
-                share.buffer,
+                buffer,
                 ROLE_TRAINER,
                 revision,
-                first_bucket=share.first,
-                stop_bucket=share.stop,
+                first_bucket=first,
+                stop_bucket=None if whole else stop,
             )
             self.held.add(manifest.version, held)
             await self.records.register(manifest.version)
