@@ -344,7 +344,12 @@ class HolderRecord:
     rank of a sharded group holds its own range of every version it publishes."""
 
     def to_json(self) -> bytes:
-        return json.dumps(asdict(self), separators=(",", ":")).encode()
+        fields = asdict(self)
+        if self.first_bucket == 0 and self.stop_bucket is None:
+            # A whole copy's record reads as before ranges existed, to a puller of an older
+            # release too.
+            del fields["first_bucket"], fields["stop_bucket"]
+        return json.dumps(fields, separators=(",", ":")).encode()
 
     @classmethod
     def from_json(cls, raw: bytes) -> HolderRecord:

@@ -55,7 +55,10 @@ def test_buckets_are_shared_out_in_contiguous_ranges_that_cover_the_version() ->
     assert [bucket_share(1, r, 2) for r in range(2)] == [(0, 0), (0, 1)]
     with pytest.raises(ValueError, match="outside a world of 2"):
         bucket_share(4, 2, 2)
-    assert HolderRecord("h", "a", "trainer", 1, "d").holds(10**6)  # no range: every bucket
+    whole = HolderRecord("h", "a", "trainer", 1, "d")
+    assert whole.holds(10**6)  # no range: every bucket
+    assert b"bucket" not in whole.to_json()  # as a record read before ranges existed
+    assert HolderRecord.from_json(whole.to_json()) == whole
     part = HolderRecord("h", "a", "trainer", 1, "d", first_bucket=3, stop_bucket=6)
     assert [part.holds(i) for i in (2, 3, 5, 6)] == [False, True, True, False]
     assert HolderRecord.from_json(part.to_json()) == part
