@@ -411,7 +411,14 @@ class Chaos:
         step = int(job.step)
         pid = victim.pid
         if injection.fault in CONTROL_FAULTS:
-            step = await self._control(victim, injection, step)
+            taken = await self._control(victim, injection, step)
+            if taken is None:
+                self.say(
+                    f"step {injection.step}: {injection.fault} came too late: the job has no "
+                    "step left that an earlier fault did not take; skipped"
+                )
+                return
+            step = taken
         else:
             if options.engine:
                 pid, problem = engine_process(victim)
@@ -454,9 +461,12 @@ class Chaos:
             f"(pid {pid}){after}"
         )
 
-    async def _control(self, victim: MemberRecord, injection: Injection, job_step: int) -> int:
+    async def _control(
+        self, victim: MemberRecord, injection: Injection, job_step: int
+    ) -> int | None:
         """INJECT_NAN or INJECT_ERROR; the trainer answers with the step it takes. Never a step
-        an earlier injection of this run took: a late fault would merge into it and be lost."""
+        an earlier injection of this run took: a late fault would merge into it and be lost.
+        None when the trainer could only put it into such a step (the job is at its end)."""
         args: dict[str, str] = {}
         taken = max((i.step for i in self.injected if i.fault in CONTROL_FAULTS), default=0)
         if injection.step or taken:
@@ -477,7 +487,8 @@ class Chaos:
                 # The trainer got further than the job record said: its next step, then.
                 del request.args["step"]
                 reply = await stub.Control(request, timeout=DEFAULT_DEADLINE)
-        return int(reply.status.metrics[FAULT_STEP_KEY])
+        step = int(reply.status.metrics[FAULT_STEP_KEY])
+        return None if step <= taken else step
 
     async def _resume_later(self, victim: MemberRecord, pid: int, after: float) -> None:
         await asyncio.sleep(after)

@@ -26,6 +26,7 @@ from tests.support.detection import (
 )
 
 JOB = "chaos"
+SCHEDULED_STEPS = 48
 
 
 @pytest.fixture(scope="module")
@@ -93,12 +94,15 @@ def test_chaos_injects_a_nan_and_a_timed_hang_that_the_monitor_reports(
 def test_a_seeded_schedule_injects_one_fault_per_pct_as_the_job_reaches_each_step(
     stack: Cli, model_dir: Path
 ) -> None:
-    submit(stack, model_dir, "sched", "trainer.steps=16")
+    # Steps enough that a poll slowed by a loaded host still finds a step left for each
+    # fault: 16 steps of the tiny model could end before the first one was sent (both then
+    # went into the last step), and the seed's second fault leaves 20 steps after it.
+    submit(stack, model_dir, "sched", f"trainer.steps={SCHEDULED_STEPS}")
     # Submitted just now, so PENDING: a schedule waits for the job to run.
     injected = chaos(
-        stack, "sched", "--every-pct", "50", "--seed", "5", "--fault", "nan", timeout=150
+        stack, "sched", "--every-pct", "50", "--seed", "8", "--fault", "nan", timeout=150
     )
-    plan = plan_schedule(16, 50, 5, ["nan"], ["trainer"])
+    plan = plan_schedule(SCHEDULED_STEPS, 50, 8, ["nan"], ["trainer"])  # steps 8 and 28
     assert [(i["fault"], i["role"]) for i in injected] == [("nan", "trainer")] * 2
     for done, planned in zip(injected, plan, strict=True):
         assert done["step"] >= planned.step  # on the planned step, or the next one if late
