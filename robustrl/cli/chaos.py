@@ -26,17 +26,16 @@ import math
 import os
 import random
 import signal
-import socket
 import sys
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from fractions import Fraction
-from pathlib import Path
 from typing import Any
 
 import grpc
 
+from robustrl.cli.chaos_processes import engine_process, local_problem, start_time
 from robustrl.contracts.members import ENGINE_PID_LABEL, MemberRecord
 from robustrl.contracts.roles import DATA_PLANE_ROLES as ROLES
 from robustrl.core.channels import DEFAULT_DEADLINE, open_channel
@@ -172,66 +171,6 @@ def can_take(member: MemberRecord, fault: str, engine: bool = False) -> bool:
     if engine:
         return ENGINE_PID_LABEL in member.labels
     return fault not in CONTROL_FAULTS or member.labels.get("follower") != "true"
-
-
-# ----------------------------------------------------------------------------- processes
-
-
-def local_problem(member: MemberRecord, hostname: str | None = None) -> str | None:
-    """Why this member's process cannot be signalled from here; None if it can."""
-    hostname = hostname or socket.gethostname()
-    if member.host != hostname:
-        return (
-            f"{member.instance_id} runs on {member.host}, not on this host ({hostname}); "
-            "chaos signals local processes only"
-        )
-    try:
-        argv = Path(f"/proc/{member.pid}/cmdline").read_bytes().split(b"\0")
-    except OSError:
-        return f"{member.instance_id}: no process {member.pid} on this host"
-    if not argv or b"python" not in Path(argv[0].decode(errors="replace")).name.encode():
-        return f"{member.instance_id}: pid {member.pid} is not a python process here"
-    if member.pid == os.getpid():
-        return f"{member.instance_id}: pid {member.pid} is this command"
-    return None
-
-
-def engine_process(member: MemberRecord) -> tuple[int, str | None]:
-    """The member's engine process (its `engine_pid` label), and why it cannot be signalled
-    from here (None if it can): it must be a child of the member's process on this host."""
-    problem = local_problem(member)
-    label = member.labels.get(ENGINE_PID_LABEL, "")
-    if problem is not None:
-        return 0, problem
-    if not label.isdigit():
-        return 0, (
-            f"{member.instance_id} runs its engine in its own process (rollout.engine: torch); "
-            "only a vLLM engine can be signalled alone"
-        )
-    pid = int(label)
-    if parent_of(pid) != member.pid:
-        return pid, f"{member.instance_id}: pid {pid} is not its engine process (anymore)"
-    return pid, None
-
-
-def parent_of(pid: int) -> int | None:
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return None
-    return int(stat.rsplit(")", 1)[-1].split()[1])
-
-
-def start_time(pid: int) -> str | None:
-    """The process's start time (clock ticks since boot): tells a reused pid apart."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return None
-    return stat.rsplit(")", 1)[-1].split()[19]
-
-
-# ----------------------------------------------------------------------------- running
 
 
 def phase_name(job: coordinator_pb2.Job) -> str:
