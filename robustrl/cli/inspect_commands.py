@@ -4,6 +4,7 @@ monitor recorded, the groups a job dropped, and a job's weight versions."""
 from __future__ import annotations
 
 import argparse
+from typing import Any
 
 from rich.table import Table
 
@@ -15,14 +16,19 @@ from robustrl.contracts.members import MemberRecord
 from robustrl.v1 import coordinator_pb2
 
 
-async def print_members(client: StackClient, as_json: bool) -> int:
+async def member_rows(client: StackClient) -> list[dict[str, Any]]:
+    """Every member as `members --json` prints it: its record, its rank, whether it leads."""
     members = await client.members()
     leader = await client.leader()
     leader_id = leader["instance_id"] if leader else ""
-    rows = [
+    return [
         {**m.model_dump(), "rank": member_rank(m), "leader": m.instance_id == leader_id}
         for m in members
     ]
+
+
+async def print_members(client: StackClient, as_json: bool) -> int:
+    rows = await member_rows(client)
     if as_json:
         emit_json(rows)
         return 0
@@ -80,11 +86,17 @@ def cmd_incidents(args: argparse.Namespace) -> int:
     return with_client(args, run)
 
 
+async def dropped_of(client: StackClient, job_id: str) -> dict[str, str]:
+    """What `dropped JOB --json` prints: each group the job dropped, with why. NOT_FOUND for
+    a job the coordinator does not know."""
+    request = coordinator_pb2.GetJobRequest(job_id=job_id)
+    await client.read(lambda s: s.GetJob(request, timeout=DEFAULT_DEADLINE))
+    return await client.dropped_groups(job_id) or {}
+
+
 def cmd_dropped(args: argparse.Namespace) -> int:
     async def run(client: StackClient) -> int:
-        request = coordinator_pb2.GetJobRequest(job_id=args.job)
-        await client.read(lambda s: s.GetJob(request, timeout=DEFAULT_DEADLINE))  # known job?
-        dropped = await client.dropped_groups(args.job) or {}
+        dropped = await dropped_of(client, args.job)
         if args.json:
             emit_json(dropped)
             return 0

@@ -130,12 +130,50 @@ def cmd_submit(args: argparse.Namespace) -> int:
     return with_client(args, run)
 
 
+async def job_list(client: StackClient) -> list[dict[str, Any]]:
+    """Every job, as `jobs --json` prints it."""
+    reply = await client.read(
+        lambda s: s.ListJobs(coordinator_pb2.ListJobsRequest(), timeout=DEFAULT_DEADLINE)
+    )
+    return [job_dict(j) for j in reply.jobs]
+
+
+async def read_job(client: StackClient, job_id: str) -> dict[str, Any]:
+    request = coordinator_pb2.GetJobRequest(job_id=job_id)
+    return job_dict(await client.read(lambda s: s.GetJob(request, timeout=DEFAULT_DEADLINE)))
+
+
+async def job_status(
+    client: StackClient, job_id: str, endpoints: str, against: str | None = None
+) -> dict[str, Any]:
+    """One job as `status JOB --json` prints it: the job, its bound members, work ledger
+    counts, recoveries, ETTR, etcd's alarms, and its goodput `against` a reference job."""
+    job = await read_job(client, job_id)
+    job["bound_members"] = [m.model_dump() for m in await client.members() if m.job_id == job_id]
+    job["work"] = await client.work_summary(job_id)
+    job["recoveries"] = await client.recoveries(job_id)
+    job["ettr"] = await client.ettr(job_id)
+    if against:
+        ref = await read_job(client, against)
+        ref["ettr"] = await client.ettr(against)
+        job["goodput"] = goodput(job, ref)
+    job["etcd_alarms"] = await asyncio.to_thread(stack.etcd_alarms, endpoints)
+    return job
+
+
+async def stack_summary(client: StackClient) -> dict[str, Any]:
+    """The stack as `status --json` prints it: the leader, every member and every job."""
+    leader = await client.leader()
+    return {
+        "leader": leader["instance_id"] if leader else None,
+        "members": [m.model_dump() for m in await client.members()],
+        "jobs": await job_list(client),
+    }
+
+
 def cmd_jobs(args: argparse.Namespace) -> int:
     async def run(client: StackClient) -> int:
-        reply = await client.read(
-            lambda s: s.ListJobs(coordinator_pb2.ListJobsRequest(), timeout=DEFAULT_DEADLINE)
-        )
-        jobs = [job_dict(j) for j in reply.jobs]
+        jobs = await job_list(client)
         if args.json:
             emit_json(jobs)
             return 0
@@ -161,26 +199,8 @@ def cmd_status(args: argparse.Namespace) -> int:
 
     async def run(client: StackClient) -> int:
         if args.job:
-            request = coordinator_pb2.GetJobRequest(job_id=args.job)
-            job = job_dict(await client.read(lambda s: s.GetJob(request, timeout=DEFAULT_DEADLINE)))
-            bound = [m.model_dump() for m in await client.members() if m.job_id == args.job]
-            job["bound_members"] = bound
-            job["work"] = await client.work_summary(args.job)
-            job["recoveries"] = await client.recoveries(args.job)
-            job["ettr"] = await client.ettr(args.job)
-            if args.against:
-                ref = job_dict(
-                    await client.read(
-                        lambda s: s.GetJob(
-                            coordinator_pb2.GetJobRequest(job_id=args.against),
-                            timeout=DEFAULT_DEADLINE,
-                        )
-                    )
-                )
-                ref["ettr"] = await client.ettr(args.against)
-                job["goodput"] = goodput(job, ref)
             endpoints = etcd_target(args)[0]
-            job["etcd_alarms"] = await asyncio.to_thread(stack.etcd_alarms, endpoints)
+            job = await job_status(client, args.job, endpoints, args.against)
             if args.json:
                 emit_json(job)
                 return 0
@@ -190,7 +210,7 @@ def cmd_status(args: argparse.Namespace) -> int:
                 console.print(f"  {key}: {value:.4g}")
             if job["work"]:
                 console.print("  groups: " + ", ".join(f"{k} {v}" for k, v in job["work"].items()))
-            for m in bound:
+            for m in job["bound_members"]:
                 console.print(f"  member {m['role']} {m['instance_id']} ({m['address']})")
             if job["ettr"]:
                 console.print("  " + ettr_line(job["ettr"]))
@@ -209,27 +229,17 @@ def cmd_status(args: argparse.Namespace) -> int:
                 )
             warn_about_etcd(endpoints, job["etcd_alarms"])
             return 0
-        leader = await client.leader()
-        members = await client.members()
-        reply = await client.read(
-            lambda s: s.ListJobs(coordinator_pb2.ListJobsRequest(), timeout=DEFAULT_DEADLINE)
-        )
-        jobs = [job_dict(j) for j in reply.jobs]
-        summary = {
-            "leader": leader["instance_id"] if leader else None,
-            "members": [m.model_dump() for m in members],
-            "jobs": jobs,
-        }
+        summary = await stack_summary(client)
         if args.json:
             emit_json(summary)
             return 0
         roles: dict[str, int] = {}
-        for member in members:
-            roles[member.role] = roles.get(member.role, 0) + 1
+        for member in summary["members"]:
+            roles[member["role"]] = roles.get(member["role"], 0) + 1
         console.print(f"leader: {summary['leader'] or '(none)'}")
         console.print("members: " + ", ".join(f"{n} {r}" for r, n in roles.items()))
         phases: dict[str, int] = {}
-        for j in jobs:
+        for j in summary["jobs"]:
             phases[j["phase"]] = phases.get(j["phase"], 0) + 1
         console.print("jobs: " + (", ".join(f"{n} {p}" for p, n in phases.items()) or "none"))
         return 0

@@ -1,4 +1,6 @@
-"""The `robustrl` command as a user runs it, against a local stack in a home of the test's own."""
+"""The `robustrl` command as a user runs it, against a local stack in a home of the test's own.
+Reads (`json` of status, members, jobs, incidents, dropped) are served in-process by a
+StackReader with the CLI's own read functions; every other command is a real CLI process."""
 
 from __future__ import annotations
 
@@ -12,6 +14,7 @@ from typing import Any
 from robustrl.cli.stack import StackState, find_etcd
 from robustrl.contracts import packed
 from tests.support.paths import REPO
+from tests.support.reader import StackReader
 
 
 class Cli:
@@ -19,10 +22,13 @@ class Cli:
         self.home = home
         self.env = {k: v for k, v in os.environ.items() if not k.startswith("ROBUSTRL_")}
         self.env["ROBUSTRL_HOME"] = str(home)
+        self._reader: StackReader | None = None
 
     def run(
         self, *args: str, check: bool = True, timeout: float = 120, stdin: str | None = None
     ) -> subprocess.CompletedProcess[str]:
+        if args and args[0] in ("up", "down"):
+            self.close_reader()  # the stack's etcd changes
         result = subprocess.run(
             self.argv(*args),
             input=stdin,
@@ -39,8 +45,29 @@ class Cli:
     def argv(self, *args: str) -> list[str]:
         return [sys.executable, "-m", "robustrl.cli.main", *args]
 
-    def json(self, *args: str) -> object:
+    def json(self, *args: str) -> Any:
+        """What `robustrl ARGS --json` prints, parsed: read in-process where the reader serves
+        the command, else from a CLI process."""
+        if StackReader.serves(*args):
+            return self.reader().read(*args)
         return json.loads(self.run(*args, "--json").stdout)
+
+    def reader(self) -> StackReader:
+        if self._reader is None:
+            if self.env.get("ROBUSTRL_ETCD_ENDPOINTS"):
+                endpoints = self.env["ROBUSTRL_ETCD_ENDPOINTS"]
+                prefix = self.env.get("ROBUSTRL_ETCD_PREFIX", "/robustrl")
+            else:
+                state = StackState.load(self.home)
+                assert state is not None, f"no local stack in {self.home}: `up` first"
+                endpoints, prefix = state.etcd_endpoints, state.prefix
+            self._reader = StackReader(endpoints, prefix)
+        return self._reader
+
+    def close_reader(self) -> None:
+        if self._reader is not None:
+            reader, self._reader = self._reader, None
+            reader.close()
 
     def members(self) -> list[dict[str, object]]:
         members = self.json("members")
