@@ -12,7 +12,7 @@ CUDA_VISION := torchvision torchaudio torchcodec
 STAMP := $(VENV)/.installed-$(shell cat pyproject.toml | sha1sum | cut -c1-12)
 PROTO_SRC := $(wildcard protos/robustrl/v1/*.proto)
 
-.PHONY: venv demo test test-fast lint fmt protos check-protos model clean gpu-bundle gpu-check gpu-test
+.PHONY: venv demo test test-model durations test-fast lint fmt protos check-protos model clean gpu-bundle gpu-check gpu-test
 
 venv: $(STAMP)
 
@@ -42,10 +42,26 @@ demo: $(STAMP)
 # 2-core machine (docs/decisions/0021-two-test-workers-three-flake.md).
 TEST_WORKERS ?= 2
 
+# The tiny model the tests use, made once before the workers start (seeded: the same model
+# every time), and again only when the code that makes it changes.
+TEST_MODEL := .robustrl/test-model/$(shell cat robustrl/generation/*.py | sha1sum | cut -c1-12)
+
+$(TEST_MODEL)/made: $(STAMP)
+	rm -rf $(TEST_MODEL)
+	$(PY) -m robustrl.cli.main model init --out $(TEST_MODEL)/tiny-qwen >/dev/null
+	@touch $@
+
+test-model: $(TEST_MODEL)/made
+
 ## The whole test suite (unit, integration with a real etcd, e2e through real processes).
-test: $(STAMP)
-	$(PY) -m pytest -m "not gpu" -p no:cacheprovider --durations=25 \
-		-n $(TEST_WORKERS) --dist loadfile
+## Test files run longest first (tests/durations.json); the 25 slowest tests are printed.
+test: $(STAMP) $(TEST_MODEL)/made
+	ROBUSTRL_TEST_MODEL=$(abspath $(TEST_MODEL))/tiny-qwen $(PY) -m pytest -m "not gpu" \
+		-p no:cacheprovider --durations=25 -n $(TEST_WORKERS) --dist loadfile $(PYTEST_ARGS)
+
+## `make test`, writing each test file's seconds to tests/durations.json (commit it).
+durations:
+	$(MAKE) test PYTEST_ARGS= ROBUSTRL_WRITE_DURATIONS=$(abspath tests/durations.json)
 
 test-fast: $(STAMP)
 	$(PY) -m pytest tests/unit -m "not gpu and not slow" -p no:cacheprovider

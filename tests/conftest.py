@@ -1,4 +1,6 @@
-"""Shared fixtures: a real etcd process, per-test key namespaces, and `eventually`."""
+"""Shared fixtures (a real etcd process, per-test key namespaces, the test model) and the
+run's own rules: test files ordered longest first from tests/durations.json, and under
+`CI=true` a skipped test that needs no GPU fails the run."""
 
 from __future__ import annotations
 
@@ -6,6 +8,7 @@ import asyncio
 import asyncio.runners
 import contextlib
 import fcntl
+import json
 import os
 import shutil
 import signal
@@ -32,6 +35,15 @@ ON_CUDA_WHEN_THERE = ("test_vllm_engine.py",)
 (`pytest -m gpu` runs them there), on a CPU host they run with the CPU tests."""
 
 
+DURATIONS = Path(__file__).with_name("durations.json")
+"""Seconds each test file took in a full run (`make durations` writes it): files are run
+longest first, so that with `--dist loadfile` the two workers finish together instead of one
+starting the longest file last."""
+
+WRITE_DURATIONS_ENV = "ROBUSTRL_WRITE_DURATIONS"
+"""A path: the run writes each file's seconds there as it ends (what `make durations` sets)."""
+
+
 @pytest.hookimpl(tryfirst=True)  # before `-m` selects by marker
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     has_gpu = _cuda_available()
@@ -40,6 +52,54 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(pytest.mark.gpu)
         if "gpu" in item.keywords and not has_gpu:
             item.add_marker(pytest.mark.skip(reason="needs a CUDA GPU"))
+    seconds = json.loads(DURATIONS.read_text()) if DURATIONS.exists() else {}
+    # A file not in the list (new) goes first: its time is unknown, so it is not left to last.
+    items.sort(key=lambda item: -seconds.get(_file_of(item.nodeid), float("inf")))
+
+
+def _file_of(nodeid: str) -> str:
+    return nodeid.split("::", 1)[0]
+
+
+def _in_ci() -> bool:
+    return os.environ.get("CI", "").lower() == "true"
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Iterator[None]:
+    outcome = yield
+    report: pytest.TestReport = outcome.get_result()  # type: ignore[attr-defined]
+    # In CI a skip would be a test counted green that checked nothing: only the tests that
+    # need a GPU may skip there (CI has none).
+    if (
+        _in_ci()
+        and report.skipped
+        and "gpu" not in item.keywords
+        and not hasattr(report, "wasxfail")
+    ):
+        reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else report.longrepr
+        report.outcome = "failed"
+        report.longrepr = (
+            f"{item.nodeid} skipped under CI=true ({reason}): a test that needs no GPU must run "
+            "in CI; make what it needs available instead of skipping"
+        )
+
+
+_file_seconds: dict[str, float] = {}
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    file = _file_of(report.nodeid)
+    _file_seconds[file] = _file_seconds.get(file, 0.0) + report.duration
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    target = os.environ.get(WRITE_DURATIONS_ENV)
+    if target and _file_seconds and not os.environ.get("PYTEST_XDIST_WORKER"):
+        ordered = dict(sorted(_file_seconds.items(), key=lambda kv: -kv[1]))
+        Path(target).write_text(
+            json.dumps({k: round(v, 1) for k, v in ordered.items()}, indent=1) + "\n"
+        )
 
 
 def _cuda_available() -> bool:
@@ -88,11 +148,21 @@ async def etcd_client(etcd_settings: EtcdSettings) -> AsyncIterator[object]:
     await client.close()
 
 
+TEST_MODEL_ENV = "ROBUSTRL_TEST_MODEL"
+"""The tiny model made before the run (`make test` builds it once, off every test's clock);
+unset, the first test that needs it makes it."""
+
+
 @pytest.fixture(scope="session")
 def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The tiny model, made once per run by the repo's own command (seeded, so the same every
     run). Read-only. Under pytest-xdist the workers share one copy: the first to get here makes
     it in the run's common folder, the others wait on the lock and use it."""
+    prebuilt = os.environ.get(TEST_MODEL_ENV)
+    if prebuilt:
+        made = Path(prebuilt)
+        assert (made / "config.json").exists(), f"{TEST_MODEL_ENV}={prebuilt} holds no model"
+        return made
     root = tmp_path_factory.getbasetemp()
     if os.environ.get("PYTEST_XDIST_WORKER"):
         root = root.parent
