@@ -27,6 +27,10 @@ from tests.support.loops import cancel_all_tasks_or_name_the_stuck
 
 def pytest_configure(config: pytest.Config) -> None:
     os.environ.setdefault("PYTHONUNBUFFERED", "1")
+    # One OpenMP thread for torch in the test processes and what they start (the services set
+    # theirs from torch_threads, 1 by default): with two workers on two cores, torch's default
+    # of a thread a core spins for its peers, ten times the CPU for the same work (decision 0022).
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
     asyncio.runners._cancel_all_tasks = cancel_all_tasks_or_name_the_stuck  # type: ignore[attr-defined]
 
 
