@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -27,6 +28,12 @@ from tests.support.detection import (
 
 JOB = "chaos"
 SCHEDULED_STEPS = 48
+
+
+def last_step_of_window(window: int, every_pct: int) -> int:
+    """The last step of a schedule's `window` (as plan_schedule cuts them, in whole steps)."""
+    width = SCHEDULED_STEPS * every_pct // 100
+    return min(SCHEDULED_STEPS - 1, (window + 1) * width - 1)
 
 
 @pytest.fixture(scope="module")
@@ -71,13 +78,18 @@ def test_chaos_injects_a_nan_and_a_timed_hang_that_the_monitor_reports(
     # The command returns after it resumed the process: the zombie is back.
     assert process_state(pid) != "T"
 
-    def hung_or_lost() -> bool:
-        return any(
-            i["instance_id"] == "rollout-1" and i["kind"] in ("ROLLOUT_HANG", "MEMBER_LOST")
-            for i in incidents(stack, JOB)
-        )
+    # Stopped, it stops beating: the silence is probed and the failed probe is its hang, within
+    # the lease's TTL. A loss (MEMBER_LOST) is what a crash is reported as; for a process that
+    # hung and came back it would mean the hang went undetected until its lease expired.
+    seen: list[dict[str, Any]] = []
 
-    eventually_sync(hung_or_lost, timeout=TTL)
+    def reported() -> bool:
+        seen[:] = [i for i in incidents(stack, JOB) if i["instance_id"] == "rollout-1"]
+        return bool(seen)
+
+    eventually_sync(reported, timeout=TTL, unmet=lambda: "no incident of rollout-1")
+    # Its first: what the zombie does once resumed and fenced may be reported after it.
+    assert min(seen, key=lambda i: float(i["detected_at"]))["kind"] == "ROLLOUT_HANG", seen
 
     # A clean stop (SIGTERM) of a member that serves the job is its loss, reported at once.
     pid = int(member(stack, "rollout-0")["pid"])
@@ -104,8 +116,11 @@ def test_a_seeded_schedule_injects_one_fault_per_pct_as_the_job_reaches_each_ste
     )
     plan = plan_schedule(SCHEDULED_STEPS, 50, 8, ["nan"], ["trainer"])  # steps 8 and 28
     assert [(i["fault"], i["role"]) for i in injected] == [("nan", "trainer")] * 2
-    for done, planned in zip(injected, plan, strict=True):
+    for window, (done, planned) in enumerate(zip(injected, plan, strict=True)):
         assert done["step"] >= planned.step  # on the planned step, or the next one if late
+        # One fault per 50% of the steps: however late, each lands in its own half of the job,
+        # never in the next one's nor on the last step (nothing after it to recover into).
+        assert done["step"] <= last_step_of_window(window, 50), (window, injected)
     steps = [int(i["step"]) for i in injected]
     assert steps[0] < steps[1]
 

@@ -16,13 +16,12 @@ import torch
 from robustrl.cli.stack import etcd_argv, free_ports
 from services.trainer.grpo import GRPOConfig, GRPOTrainer
 from services.trainer.ranks.sharding import load_sharded
-from tests.support.netns import can_make_hosts, two_hosts
+from tests.support.netns import two_hosts
 from tests.support.paths import REPO
 
 pytestmark = [
     pytest.mark.slow,
     pytest.mark.timeout(240),
-    pytest.mark.skipif(bool(can_make_hosts()), reason=can_make_hosts() or "namespaces"),
 ]
 
 

@@ -21,13 +21,12 @@ import pytest
 from robustrl.cli.stack import etcd_argv, free_ports
 from robustrl.core.config import member_argv, member_env
 from services.trainer import checkpoint
-from tests.support.netns import Host, can_make_hosts, two_hosts
+from tests.support.netns import Host, two_hosts
 from tests.support.paths import EXAMPLE, REPO
 
 pytestmark = [
     pytest.mark.slow,
     pytest.mark.timeout(420),
-    pytest.mark.skipif(bool(can_make_hosts()), reason=can_make_hosts() or "namespaces"),
 ]
 
 PREFIX = "/hosts"

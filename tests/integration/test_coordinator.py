@@ -365,9 +365,20 @@ async def test_a_round_supervises_the_job_record_as_it_is_once_it_holds_the_lock
             seen.append(record)
 
         monkeypatch.setattr(driver.supervisor, "supervise", noting)
+        asked = asyncio.Event()
+        lock_of = driver.jobs.lock
+
+        def noting_the_ask(job_id: str) -> asyncio.Lock:
+            # The round asks for a job's lock only once it has listed the jobs, and nothing
+            # awaits between the ask and the acquire: set, the round waits on the lock.
+            if job_id == "fr":
+                asked.set()
+            return lock_of(job_id)
+
         async with driver.lock("fr"):
+            monkeypatch.setattr(driver.jobs, "lock", noting_the_ask)
             round_ = asyncio.create_task(driver.tick())
-            await asyncio.sleep(0.5)  # it has listed the jobs and waits for the lock
+            await asyncio.wait_for(asked.wait(), timeout=10)  # it listed the jobs, then asked
             assert not round_.done()
             # What a rollout's recovery does under the lock: r1 leaves the job.
             await driver.jobs.update(

@@ -7,6 +7,10 @@ import logging
 
 from robustrl.weights.ucx import progress as ucx_progress
 from robustrl.weights.ucx.transport import load_ucxx
+from tests.support import eventually
+
+FAILED_WITHIN = 10.0
+"""Seconds a handshake's failure may take to be counted: its 0.3 s timeout, and a busy host."""
 
 
 class _Records(logging.Handler):
@@ -33,12 +37,18 @@ async def test_a_peer_that_connects_and_never_shakes_hands_is_logged_in_one_line
     listener = ucxx.create_listener(accepted.append, connect_timeout=0.3)
     worker = ucxx.core._get_ctx().worker
     silent = ucxx._lib.libucxx.UCXEndpoint.create(worker, "127.0.0.1", listener.port, True)
+
+    async def failed(count: int) -> bool:
+        return ucx_progress.failed_handshakes - failed_before >= count
+
     try:
-        await asyncio.sleep(1.0)
+        # The listener's wait for the silent one's half times out after connect_timeout; the
+        # bound leaves a loaded host room, and a failure never counted fails here.
+        await eventually(lambda: failed(1), timeout=FAILED_WITHIN)
         dropped = ucxx._lib.libucxx.UCXEndpoint.create(worker, "127.0.0.1", listener.port, True)
         await asyncio.sleep(0.05)
         dropped.close()  # gone before its half of the handshake
-        await asyncio.sleep(1.0)
+        await eventually(lambda: failed(2), timeout=FAILED_WITHIN)
 
         assert ucx_progress.failed_handshakes - failed_before == 2
         assert not [m for m in records.messages if "listener handler" in m], records.messages

@@ -267,12 +267,19 @@ async def test_a_pull_shorter_than_the_record_delay_writes_no_holder_record(
         ("trainer", "--record-delay", str(delay)), ("puller", "--no-relay")
     )
     await trainer.call("publish", version=1, seed=4)
-    written = (await trainer.call("state"))["counters"]["records_written"]
+    before = (await trainer.call("state"))["counters"]
+    written = before["records_written"]
     assert written == 1  # the publish registers the trainer as a holder at once
     await _sees(puller, 1, "trainer")
 
     result = await puller.call("pull", version=1)
-    await asyncio.sleep(delay + 0.5)  # past the write the pull's start scheduled
+
+    async def looked_again() -> bool:
+        # The look the pull's start scheduled, delay later: any write it makes comes before.
+        counters = (await trainer.call("state"))["counters"]
+        return bool(counters["pullers_checks"] > before["pullers_checks"])
+
+    await eventually(looked_again, timeout=delay + 30)
 
     assert result["ok"] and result["digest"] == tensors_digest(make_tensors(4))
     # The count went 0 -> 1 -> 0 within the delay: the record still says 0, with no write.

@@ -27,6 +27,7 @@ class TransferCounters:
     bytes_served: int = 0
     requests_refused: int = 0
     records_written: int = 0  # holder records this process wrote to etcd
+    pullers_checks: int = 0  # delayed looks at a pullers count, each after its write if any
     versions_kept: int = 0  # held copies a same-contents re-publish did not make us drop
     manifests_parsed: int = 0  # each distinct manifest once while kept (VersionDirectory.manifest)
 

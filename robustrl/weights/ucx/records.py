@@ -162,6 +162,7 @@ class HolderRecords:
         held = self._held.get(version)
         if held is not None and held.active_pullers != held.recorded_pullers:
             await self._register_quietly(version)
+        self._counters.pullers_checks += 1
 
     async def _register_quietly(self, version: int) -> None:
         # The pullers count is a hint for load spreading; a failed update must not fail serving.
