@@ -118,7 +118,7 @@ def test_a_short_job_learns_and_accounts_for_every_trajectory(
     # Every prompt group ever leased is trained or accounted for, with a reason. Leftovers
     # are settled on the coordinator's next round after the job ends: wait for that.
     def settled() -> bool:
-        work = stack.json("status", "learn")["work"]  # type: ignore[index]
+        work = stack.json("status", "learn")["work"]
         return bool(work) and work["open"] == work["delivered"] == work["requeued"] == 0
 
     eventually_sync(settled, timeout=15)
@@ -130,7 +130,7 @@ def test_a_short_job_learns_and_accounts_for_every_trajectory(
     assert leased == set(trained_groups) | discarded.keys()
     assert not set(trained_groups) & discarded.keys()
     # The same accounting, as a user reads it.
-    work = stack.json("status", "learn")["work"]  # type: ignore[index]
+    work = stack.json("status", "learn")["work"]
     assert work["leased"] == len(leased) == work["trained"] + work["dropped"]
     assert work["open"] == work["delivered"] == work["requeued"] == 0
 

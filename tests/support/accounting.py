@@ -30,7 +30,7 @@ def assert_nothing_lost_or_trained_twice(
     assert len(trained_groups) == len(set(trained_groups)) == steps_run * groups_per_step
 
     def settled() -> bool:
-        work = cli.json("status", job)["work"]  # type: ignore[index]
+        work = cli.json("status", job)["work"]
         return bool(work) and work["open"] == work["delivered"] == work["requeued"] == 0
 
     eventually_sync(settled, timeout=20)
