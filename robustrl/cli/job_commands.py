@@ -258,6 +258,21 @@ def cmd_cancel(args: argparse.Namespace) -> int:
     return with_client(args, run)
 
 
+def cmd_update(args: argparse.Namespace) -> int:
+    request = coordinator_pb2.UpdateJobRequest(job_id=args.job, overrides=args.overrides)
+
+    async def run(client: StackClient) -> int:
+        job = await client.write(lambda s: s.UpdateJob(request, timeout=DEFAULT_DEADLINE))
+        if args.json:
+            emit_json(job_dict(job))
+        else:
+            steps = json.loads(job.spec_json).get("trainer", {}).get("steps", "?")
+            console.print(f"job [bold]{job.job_id}[/bold] updated: step {job.step}/{steps}")
+        return 0
+
+    return with_client(args, run)
+
+
 def cmd_delete(args: argparse.Namespace) -> int:
     request = coordinator_pb2.DeleteJobRequest(job_id=args.job)
 

@@ -5,7 +5,7 @@ Every read command takes --json. Errors are one line on stderr and a non-zero ex
 
 This module is the argument parser and the dispatch to the commands, grouped by what they
 do: `stack_commands` (up, down, provider), `job_commands` (submit, jobs, status, watch,
-cancel, delete, chaos) and `inspect_commands` (members, incidents, dropped, weights). `model
+cancel, update, delete, chaos) and `inspect_commands` (members, incidents, dropped, weights). `model
 init` is here: it alone imports the model stack (torch), and the import contract that keeps
 torch out of the CLI (pyproject.toml) names this module as its one exception.
 """
@@ -33,6 +33,7 @@ from robustrl.cli.job_commands import (
     cmd_jobs,
     cmd_status,
     cmd_submit,
+    cmd_update,
     cmd_watch,
 )
 from robustrl.cli.stack_commands import cmd_down, cmd_provider, cmd_up
@@ -183,6 +184,14 @@ def build_parser() -> argparse.ArgumentParser:
     cancel.add_argument("--reason", default="")
     cancel.set_defaults(func=cmd_cancel)
 
+    update = sub.add_parser(
+        "update", help="change a running job's step budget: update JOB trainer.steps=N"
+    )
+    update.add_argument("job")
+    update.add_argument("overrides", nargs="+", metavar="KEY=VALUE")
+    update.add_argument("--json", action="store_true")
+    update.set_defaults(func=cmd_update)
+
     delete = sub.add_parser("delete", help="remove an ended job's state from etcd")
     delete.add_argument("job")
     delete.set_defaults(func=cmd_delete)
@@ -247,7 +256,8 @@ def main(argv: list[str] | None = None) -> int:
     # which one positional list cannot express in argparse: collect the leftovers here.
     args, extra = parser.parse_known_args(argv)
     if extra:
-        if args.command != "submit" or not all("=" in e and not e.startswith("-") for e in extra):
+        with_overrides = args.command in ("submit", "update")
+        if not with_overrides or not all("=" in e and not e.startswith("-") for e in extra):
             parser.error(f"unrecognized arguments: {' '.join(extra)}")
         args.overrides = [*args.overrides, *extra]
     try:

@@ -53,7 +53,12 @@ class TrainerSpec(_Strict):
     """Step budget: the job succeeds when the trainer has committed this many steps."""
 
     lr: float = Field(default=1e-3, gt=0, le=1.0)
-    """Peak learning rate; it decays linearly to `min_lr_ratio * lr` over `steps`."""
+    """Peak learning rate; it decays linearly to `min_lr_ratio * lr` over `lr_decay_steps`."""
+
+    lr_decay_steps: int = Field(default=0, ge=0)
+    """Steps the learning rate decays over; 0: `steps`. Changing a running job's `steps`
+    (`robustrl update`) sets it to the budget the job ran under, so the job keeps the schedule
+    it started on (docs/decisions/0204-a-running-jobs-step-budget.md)."""
 
     min_lr_ratio: float = Field(default=0.1, ge=0, le=1)
     groups_per_step: int = Field(default=64, ge=1)
@@ -106,6 +111,14 @@ class TrainerSpec(_Strict):
     dtype: Literal["auto", "fp32", "bf16"] = "auto"
     """Compute precision. bf16: mixed precision (fp32 master weights and optimizer state,
     forward and backward under bf16 autocast), CUDA only. auto: bf16 on CUDA, fp32 on CPU."""
+
+    @property
+    def planned_steps(self) -> int:
+        """The steps the job was planned for: `lr_decay_steps`, else `steps`. Unlike `steps`
+        it never changes once the job is submitted (an update of `steps` pins it), so what is
+        sized by it (the learning-rate schedule, a generated dataset) is the same on every
+        trainer and every leader, before an update and after."""
+        return self.lr_decay_steps or self.steps
 
     @model_validator(mode="after")
     def _supported(self) -> TrainerSpec:

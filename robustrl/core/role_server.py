@@ -180,9 +180,19 @@ class Prepared:
     task: asyncio.Task[Worker]
 
     def serves(self, job_id: str, spec: JobSpec) -> bool:
-        """For this job and spec, and not failed (a failed build is tried again)."""
+        """For this job and spec, and not failed (a failed build is tried again). The step
+        budget aside: `robustrl update` changes it while the job runs, and nothing a worker
+        builds ahead depends on it."""
         failed = self.task.done() and (self.task.cancelled() or self.task.exception() is not None)
-        return (self.job_id, self.spec) == (job_id, spec) and not failed
+        same = (self.job_id, budgetless(self.spec)) == (job_id, budgetless(spec))
+        return same and not failed
+
+
+def budgetless(spec: JobSpec) -> JobSpec:
+    """`spec` with its step budget set aside (`steps`; what the job was planned for stays)."""
+    planned = spec.trainer.planned_steps
+    trainer = spec.trainer.model_copy(update={"steps": planned, "lr_decay_steps": planned})
+    return spec.model_copy(update={"trainer": trainer})
 
 
 class RoleControl:
@@ -250,6 +260,7 @@ class RoleControl:
             worker = await self._take_prepared(request.job_id, spec)
             if worker is None:
                 worker = self.make_worker(request.job_id, request.epoch, spec)
+            worker.spec = spec  # a prepared one has the budget of its PREPARE (`serves`)
             worker.epoch = request.epoch
             if isinstance(worker, Ranked):
                 worker.rank = rank

@@ -26,7 +26,7 @@ from google.protobuf import timestamp_pb2 as google_dot_protobuf_dot_timestamp__
 from robustrl.v1 import common_pb2 as robustrl_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1drobustrl/v1/coordinator.proto\x12\x0brobustrl.v1\x1a\x1fgoogle/protobuf/timestamp.proto\x1a\x18robustrl/v1/common.proto\"\xe8\x02\n\x03Job\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12$\n\x05phase\x18\x02 \x01(\x0e\x32\x15.robustrl.v1.JobPhase\x12\x11\n\tspec_json\x18\x03 \x01(\t\x12\x0f\n\x07message\x18\x04 \x01(\t\x12.\n\ncreated_at\x18\x05 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12.\n\nupdated_at\x18\x06 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x10\n\x08revision\x18\x07 \x01(\x03\x12\x0c\n\x04step\x18\x08 \x01(\x03\x12\x16\n\x0eweight_version\x18\t \x01(\x03\x12\x0f\n\x07members\x18\n \x03(\t\x12.\n\x07metrics\x18\x0b \x03(\x0b\x32\x1d.robustrl.v1.Job.MetricsEntry\x1a.\n\x0cMetricsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"C\n\x10SubmitJobRequest\x12\x0c\n\x04spec\x18\x01 \x01(\t\x12\x11\n\toverrides\x18\x02 \x03(\t\x12\x0e\n\x06job_id\x18\x03 \x01(\t\"\x1f\n\rGetJobRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\"8\n\x0fListJobsRequest\x12%\n\x06phases\x18\x01 \x03(\x0e\x32\x15.robustrl.v1.JobPhase\"D\n\x10ListJobsResponse\x12\x1e\n\x04jobs\x18\x01 \x03(\x0b\x32\x10.robustrl.v1.Job\x12\x10\n\x08revision\x18\x02 \x01(\x03\"M\n\x10\x43\x61ncelJobRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x0e\n\x06reason\x18\x02 \x01(\t\x12\x19\n\x11\x65xpected_revision\x18\x03 \x01(\x03\"\"\n\x10\x44\x65leteJobRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\"9\n\x11\x44\x65leteJobResponse\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x14\n\x0ckeys_deleted\x18\x02 \x01(\x03\"9\n\x0fWatchJobRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x16\n\x0e\x61\x66ter_revision\x18\x02 \x01(\x03\"l\n\x08JobEvent\x12\x1d\n\x03job\x18\x01 \x01(\x0b\x32\x10.robustrl.v1.Job\x12\x10\n\x08revision\x18\x02 \x01(\x03\x12/\n\x0bobserved_at\x18\x03 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\"5\n\x12ListMembersRequest\x12\x1f\n\x04role\x18\x01 \x01(\x0e\x32\x11.robustrl.v1.Role\"i\n\x13ListMembersResponse\x12$\n\x07members\x18\x01 \x03(\x0b\x32\x13.robustrl.v1.Member\x12\x10\n\x08revision\x18\x02 \x01(\x03\x12\x1a\n\x12leader_instance_id\x18\x03 \x01(\t\"\x98\x01\n\x0bPromptGroup\x12\x10\n\x08group_id\x18\x01 \x01(\t\x12\x0f\n\x07item_id\x18\x02 \x01(\t\x12\x0e\n\x06prompt\x18\x03 \x01(\t\x12\x0e\n\x06\x61nswer\x18\x04 \x01(\t\x12\x12\n\ngroup_size\x18\x05 \x01(\x05\x12\x32\n\x0elease_deadline\x18\x06 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\"n\n\x10LeaseWorkRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x13\n\x0binstance_id\x18\x02 \x01(\t\x12\r\n\x05\x65poch\x18\x03 \x01(\x03\x12\x12\n\nmax_groups\x18\x04 \x01(\x05\x12\x12\n\nrequest_id\x18\x05 \x01(\t\"\x82\x01\n\x11LeaseWorkResponse\x12(\n\x06groups\x18\x01 \x03(\x0b\x32\x18.robustrl.v1.PromptGroup\x12\x1a\n\x12min_weight_version\x18\x02 \x01(\x03\x12\x15\n\rretry_after_s\x18\x03 \x01(\x01\x12\x10\n\x08job_done\x18\x04 \x01(\x08\"\x8c\x02\n\x13\x43ompleteWorkRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x13\n\x0binstance_id\x18\x02 \x01(\t\x12\r\n\x05\x65poch\x18\x03 \x01(\x03\x12\x11\n\tgroup_ids\x18\x04 \x03(\t\x12\r\n\x05\x65rror\x18\x05 \x01(\t\x12@\n\x08returned\x18\x06 \x03(\x0b\x32..robustrl.v1.CompleteWorkRequest.ReturnedEntry\x12\x16\n\x0egenerated_from\x18\x07 \x01(\x01\x12\x14\n\x0cgenerated_to\x18\x08 \x01(\x01\x1a/\n\rReturnedEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"\x16\n\x14\x43ompleteWorkResponse\"\xfb\x04\n\x15ReportProgressRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x13\n\x0binstance_id\x18\x02 \x01(\t\x12\r\n\x05\x65poch\x18\x03 \x01(\x03\x12\x0c\n\x04step\x18\x04 \x01(\x03\x12\x16\n\x0eweight_version\x18\x05 \x01(\x03\x12@\n\x07metrics\x18\x06 \x03(\x0b\x32/.robustrl.v1.ReportProgressRequest.MetricsEntry\x12\x19\n\x11trained_group_ids\x18\x07 \x03(\t\x12Q\n\x10\x64iscarded_groups\x18\x08 \x03(\x0b\x32\x37.robustrl.v1.ReportProgressRequest.DiscardedGroupsEntry\x12\x10\n\x08\x66inished\x18\t \x01(\x08\x12\r\n\x05\x65rror\x18\n \x01(\t\x12\x14\n\x0c\x65rror_in_job\x18\x0e \x01(\x08\x12S\n\x11regenerate_groups\x18\x0b \x03(\x0b\x32\x38.robustrl.v1.ReportProgressRequest.RegenerateGroupsEntry\x12\x14\n\x0c\x64urable_step\x18\x0c \x01(\x03\x12\x15\n\rrestored_step\x18\r \x01(\x03\x1a.\n\x0cMetricsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\x1a\x36\n\x14\x44iscardedGroupsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\x1a\x37\n\x15RegenerateGroupsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\",\n\x16ReportProgressResponse\x12\x12\n\nkeep_going\x18\x01 \x01(\x08*\xb5\x01\n\x08JobPhase\x12\x19\n\x15JOB_PHASE_UNSPECIFIED\x10\x00\x12\x15\n\x11JOB_PHASE_PENDING\x10\x01\x12\x15\n\x11JOB_PHASE_RUNNING\x10\x02\x12\x18\n\x14JOB_PHASE_RECOVERING\x10\x03\x12\x17\n\x13JOB_PHASE_SUCCEEDED\x10\x04\x12\x14\n\x10JOB_PHASE_FAILED\x10\x05\x12\x17\n\x13JOB_PHASE_CANCELLED\x10\x06\x32\xe7\x05\n\x0b\x43oordinator\x12<\n\tSubmitJob\x12\x1d.robustrl.v1.SubmitJobRequest\x1a\x10.robustrl.v1.Job\x12\x36\n\x06GetJob\x12\x1a.robustrl.v1.GetJobRequest\x1a\x10.robustrl.v1.Job\x12G\n\x08ListJobs\x12\x1c.robustrl.v1.ListJobsRequest\x1a\x1d.robustrl.v1.ListJobsResponse\x12<\n\tCancelJob\x12\x1d.robustrl.v1.CancelJobRequest\x1a\x10.robustrl.v1.Job\x12J\n\tDeleteJob\x12\x1d.robustrl.v1.DeleteJobRequest\x1a\x1e.robustrl.v1.DeleteJobResponse\x12\x41\n\x08WatchJob\x12\x1c.robustrl.v1.WatchJobRequest\x1a\x15.robustrl.v1.JobEvent0\x01\x12P\n\x0bListMembers\x12\x1f.robustrl.v1.ListMembersRequest\x1a .robustrl.v1.ListMembersResponse\x12J\n\tLeaseWork\x12\x1d.robustrl.v1.LeaseWorkRequest\x1a\x1e.robustrl.v1.LeaseWorkResponse\x12S\n\x0c\x43ompleteWork\x12 .robustrl.v1.CompleteWorkRequest\x1a!.robustrl.v1.CompleteWorkResponse\x12Y\n\x0eReportProgress\x12\".robustrl.v1.ReportProgressRequest\x1a#.robustrl.v1.ReportProgressResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1drobustrl/v1/coordinator.proto\x12\x0brobustrl.v1\x1a\x1fgoogle/protobuf/timestamp.proto\x1a\x18robustrl/v1/common.proto\"\xe8\x02\n\x03Job\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12$\n\x05phase\x18\x02 \x01(\x0e\x32\x15.robustrl.v1.JobPhase\x12\x11\n\tspec_json\x18\x03 \x01(\t\x12\x0f\n\x07message\x18\x04 \x01(\t\x12.\n\ncreated_at\x18\x05 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12.\n\nupdated_at\x18\x06 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x10\n\x08revision\x18\x07 \x01(\x03\x12\x0c\n\x04step\x18\x08 \x01(\x03\x12\x16\n\x0eweight_version\x18\t \x01(\x03\x12\x0f\n\x07members\x18\n \x03(\t\x12.\n\x07metrics\x18\x0b \x03(\x0b\x32\x1d.robustrl.v1.Job.MetricsEntry\x1a.\n\x0cMetricsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"C\n\x10SubmitJobRequest\x12\x0c\n\x04spec\x18\x01 \x01(\t\x12\x11\n\toverrides\x18\x02 \x03(\t\x12\x0e\n\x06job_id\x18\x03 \x01(\t\"\x1f\n\rGetJobRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\"8\n\x0fListJobsRequest\x12%\n\x06phases\x18\x01 \x03(\x0e\x32\x15.robustrl.v1.JobPhase\"D\n\x10ListJobsResponse\x12\x1e\n\x04jobs\x18\x01 \x03(\x0b\x32\x10.robustrl.v1.Job\x12\x10\n\x08revision\x18\x02 \x01(\x03\"M\n\x10\x43\x61ncelJobRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x0e\n\x06reason\x18\x02 \x01(\t\x12\x19\n\x11\x65xpected_revision\x18\x03 \x01(\x03\"P\n\x10UpdateJobRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x11\n\toverrides\x18\x02 \x03(\t\x12\x19\n\x11\x65xpected_revision\x18\x03 \x01(\x03\"\"\n\x10\x44\x65leteJobRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\"9\n\x11\x44\x65leteJobResponse\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x14\n\x0ckeys_deleted\x18\x02 \x01(\x03\"9\n\x0fWatchJobRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x16\n\x0e\x61\x66ter_revision\x18\x02 \x01(\x03\"l\n\x08JobEvent\x12\x1d\n\x03job\x18\x01 \x01(\x0b\x32\x10.robustrl.v1.Job\x12\x10\n\x08revision\x18\x02 \x01(\x03\x12/\n\x0bobserved_at\x18\x03 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\"5\n\x12ListMembersRequest\x12\x1f\n\x04role\x18\x01 \x01(\x0e\x32\x11.robustrl.v1.Role\"i\n\x13ListMembersResponse\x12$\n\x07members\x18\x01 \x03(\x0b\x32\x13.robustrl.v1.Member\x12\x10\n\x08revision\x18\x02 \x01(\x03\x12\x1a\n\x12leader_instance_id\x18\x03 \x01(\t\"\x98\x01\n\x0bPromptGroup\x12\x10\n\x08group_id\x18\x01 \x01(\t\x12\x0f\n\x07item_id\x18\x02 \x01(\t\x12\x0e\n\x06prompt\x18\x03 \x01(\t\x12\x0e\n\x06\x61nswer\x18\x04 \x01(\t\x12\x12\n\ngroup_size\x18\x05 \x01(\x05\x12\x32\n\x0elease_deadline\x18\x06 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\"n\n\x10LeaseWorkRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x13\n\x0binstance_id\x18\x02 \x01(\t\x12\r\n\x05\x65poch\x18\x03 \x01(\x03\x12\x12\n\nmax_groups\x18\x04 \x01(\x05\x12\x12\n\nrequest_id\x18\x05 \x01(\t\"\x82\x01\n\x11LeaseWorkResponse\x12(\n\x06groups\x18\x01 \x03(\x0b\x32\x18.robustrl.v1.PromptGroup\x12\x1a\n\x12min_weight_version\x18\x02 \x01(\x03\x12\x15\n\rretry_after_s\x18\x03 \x01(\x01\x12\x10\n\x08job_done\x18\x04 \x01(\x08\"\x8c\x02\n\x13\x43ompleteWorkRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x13\n\x0binstance_id\x18\x02 \x01(\t\x12\r\n\x05\x65poch\x18\x03 \x01(\x03\x12\x11\n\tgroup_ids\x18\x04 \x03(\t\x12\r\n\x05\x65rror\x18\x05 \x01(\t\x12@\n\x08returned\x18\x06 \x03(\x0b\x32..robustrl.v1.CompleteWorkRequest.ReturnedEntry\x12\x16\n\x0egenerated_from\x18\x07 \x01(\x01\x12\x14\n\x0cgenerated_to\x18\x08 \x01(\x01\x1a/\n\rReturnedEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"\x16\n\x14\x43ompleteWorkResponse\"\xfb\x04\n\x15ReportProgressRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x13\n\x0binstance_id\x18\x02 \x01(\t\x12\r\n\x05\x65poch\x18\x03 \x01(\x03\x12\x0c\n\x04step\x18\x04 \x01(\x03\x12\x16\n\x0eweight_version\x18\x05 \x01(\x03\x12@\n\x07metrics\x18\x06 \x03(\x0b\x32/.robustrl.v1.ReportProgressRequest.MetricsEntry\x12\x19\n\x11trained_group_ids\x18\x07 \x03(\t\x12Q\n\x10\x64iscarded_groups\x18\x08 \x03(\x0b\x32\x37.robustrl.v1.ReportProgressRequest.DiscardedGroupsEntry\x12\x10\n\x08\x66inished\x18\t \x01(\x08\x12\r\n\x05\x65rror\x18\n \x01(\t\x12\x14\n\x0c\x65rror_in_job\x18\x0e \x01(\x08\x12S\n\x11regenerate_groups\x18\x0b \x03(\x0b\x32\x38.robustrl.v1.ReportProgressRequest.RegenerateGroupsEntry\x12\x14\n\x0c\x64urable_step\x18\x0c \x01(\x03\x12\x15\n\rrestored_step\x18\r \x01(\x03\x1a.\n\x0cMetricsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\x1a\x36\n\x14\x44iscardedGroupsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\x1a\x37\n\x15RegenerateGroupsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\";\n\x16ReportProgressResponse\x12\x12\n\nkeep_going\x18\x01 \x01(\x08\x12\r\n\x05steps\x18\x02 \x01(\x03*\xb5\x01\n\x08JobPhase\x12\x19\n\x15JOB_PHASE_UNSPECIFIED\x10\x00\x12\x15\n\x11JOB_PHASE_PENDING\x10\x01\x12\x15\n\x11JOB_PHASE_RUNNING\x10\x02\x12\x18\n\x14JOB_PHASE_RECOVERING\x10\x03\x12\x17\n\x13JOB_PHASE_SUCCEEDED\x10\x04\x12\x14\n\x10JOB_PHASE_FAILED\x10\x05\x12\x17\n\x13JOB_PHASE_CANCELLED\x10\x06\x32\xa5\x06\n\x0b\x43oordinator\x12<\n\tSubmitJob\x12\x1d.robustrl.v1.SubmitJobRequest\x1a\x10.robustrl.v1.Job\x12\x36\n\x06GetJob\x12\x1a.robustrl.v1.GetJobRequest\x1a\x10.robustrl.v1.Job\x12G\n\x08ListJobs\x12\x1c.robustrl.v1.ListJobsRequest\x1a\x1d.robustrl.v1.ListJobsResponse\x12<\n\tCancelJob\x12\x1d.robustrl.v1.CancelJobRequest\x1a\x10.robustrl.v1.Job\x12<\n\tUpdateJob\x12\x1d.robustrl.v1.UpdateJobRequest\x1a\x10.robustrl.v1.Job\x12J\n\tDeleteJob\x12\x1d.robustrl.v1.DeleteJobRequest\x1a\x1e.robustrl.v1.DeleteJobResponse\x12\x41\n\x08WatchJob\x12\x1c.robustrl.v1.WatchJobRequest\x1a\x15.robustrl.v1.JobEvent0\x01\x12P\n\x0bListMembers\x12\x1f.robustrl.v1.ListMembersRequest\x1a .robustrl.v1.ListMembersResponse\x12J\n\tLeaseWork\x12\x1d.robustrl.v1.LeaseWorkRequest\x1a\x1e.robustrl.v1.LeaseWorkResponse\x12S\n\x0c\x43ompleteWork\x12 .robustrl.v1.CompleteWorkRequest\x1a!.robustrl.v1.CompleteWorkResponse\x12Y\n\x0eReportProgress\x12\".robustrl.v1.ReportProgressRequest\x1a#.robustrl.v1.ReportProgressResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -43,8 +43,8 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_REPORTPROGRESSREQUEST_DISCARDEDGROUPSENTRY']._serialized_options = b'8\001'
   _globals['_REPORTPROGRESSREQUEST_REGENERATEGROUPSENTRY']._loaded_options = None
   _globals['_REPORTPROGRESSREQUEST_REGENERATEGROUPSENTRY']._serialized_options = b'8\001'
-  _globals['_JOBPHASE']._serialized_start=2583
-  _globals['_JOBPHASE']._serialized_end=2764
+  _globals['_JOBPHASE']._serialized_start=2680
+  _globals['_JOBPHASE']._serialized_end=2861
   _globals['_JOB']._serialized_start=106
   _globals['_JOB']._serialized_end=466
   _globals['_JOB_METRICSENTRY']._serialized_start=420
@@ -59,40 +59,42 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_LISTJOBSRESPONSE']._serialized_end=696
   _globals['_CANCELJOBREQUEST']._serialized_start=698
   _globals['_CANCELJOBREQUEST']._serialized_end=775
-  _globals['_DELETEJOBREQUEST']._serialized_start=777
-  _globals['_DELETEJOBREQUEST']._serialized_end=811
-  _globals['_DELETEJOBRESPONSE']._serialized_start=813
-  _globals['_DELETEJOBRESPONSE']._serialized_end=870
-  _globals['_WATCHJOBREQUEST']._serialized_start=872
-  _globals['_WATCHJOBREQUEST']._serialized_end=929
-  _globals['_JOBEVENT']._serialized_start=931
-  _globals['_JOBEVENT']._serialized_end=1039
-  _globals['_LISTMEMBERSREQUEST']._serialized_start=1041
-  _globals['_LISTMEMBERSREQUEST']._serialized_end=1094
-  _globals['_LISTMEMBERSRESPONSE']._serialized_start=1096
-  _globals['_LISTMEMBERSRESPONSE']._serialized_end=1201
-  _globals['_PROMPTGROUP']._serialized_start=1204
-  _globals['_PROMPTGROUP']._serialized_end=1356
-  _globals['_LEASEWORKREQUEST']._serialized_start=1358
-  _globals['_LEASEWORKREQUEST']._serialized_end=1468
-  _globals['_LEASEWORKRESPONSE']._serialized_start=1471
-  _globals['_LEASEWORKRESPONSE']._serialized_end=1601
-  _globals['_COMPLETEWORKREQUEST']._serialized_start=1604
-  _globals['_COMPLETEWORKREQUEST']._serialized_end=1872
-  _globals['_COMPLETEWORKREQUEST_RETURNEDENTRY']._serialized_start=1825
-  _globals['_COMPLETEWORKREQUEST_RETURNEDENTRY']._serialized_end=1872
-  _globals['_COMPLETEWORKRESPONSE']._serialized_start=1874
-  _globals['_COMPLETEWORKRESPONSE']._serialized_end=1896
-  _globals['_REPORTPROGRESSREQUEST']._serialized_start=1899
-  _globals['_REPORTPROGRESSREQUEST']._serialized_end=2534
+  _globals['_UPDATEJOBREQUEST']._serialized_start=777
+  _globals['_UPDATEJOBREQUEST']._serialized_end=857
+  _globals['_DELETEJOBREQUEST']._serialized_start=859
+  _globals['_DELETEJOBREQUEST']._serialized_end=893
+  _globals['_DELETEJOBRESPONSE']._serialized_start=895
+  _globals['_DELETEJOBRESPONSE']._serialized_end=952
+  _globals['_WATCHJOBREQUEST']._serialized_start=954
+  _globals['_WATCHJOBREQUEST']._serialized_end=1011
+  _globals['_JOBEVENT']._serialized_start=1013
+  _globals['_JOBEVENT']._serialized_end=1121
+  _globals['_LISTMEMBERSREQUEST']._serialized_start=1123
+  _globals['_LISTMEMBERSREQUEST']._serialized_end=1176
+  _globals['_LISTMEMBERSRESPONSE']._serialized_start=1178
+  _globals['_LISTMEMBERSRESPONSE']._serialized_end=1283
+  _globals['_PROMPTGROUP']._serialized_start=1286
+  _globals['_PROMPTGROUP']._serialized_end=1438
+  _globals['_LEASEWORKREQUEST']._serialized_start=1440
+  _globals['_LEASEWORKREQUEST']._serialized_end=1550
+  _globals['_LEASEWORKRESPONSE']._serialized_start=1553
+  _globals['_LEASEWORKRESPONSE']._serialized_end=1683
+  _globals['_COMPLETEWORKREQUEST']._serialized_start=1686
+  _globals['_COMPLETEWORKREQUEST']._serialized_end=1954
+  _globals['_COMPLETEWORKREQUEST_RETURNEDENTRY']._serialized_start=1907
+  _globals['_COMPLETEWORKREQUEST_RETURNEDENTRY']._serialized_end=1954
+  _globals['_COMPLETEWORKRESPONSE']._serialized_start=1956
+  _globals['_COMPLETEWORKRESPONSE']._serialized_end=1978
+  _globals['_REPORTPROGRESSREQUEST']._serialized_start=1981
+  _globals['_REPORTPROGRESSREQUEST']._serialized_end=2616
   _globals['_REPORTPROGRESSREQUEST_METRICSENTRY']._serialized_start=420
   _globals['_REPORTPROGRESSREQUEST_METRICSENTRY']._serialized_end=466
-  _globals['_REPORTPROGRESSREQUEST_DISCARDEDGROUPSENTRY']._serialized_start=2423
-  _globals['_REPORTPROGRESSREQUEST_DISCARDEDGROUPSENTRY']._serialized_end=2477
-  _globals['_REPORTPROGRESSREQUEST_REGENERATEGROUPSENTRY']._serialized_start=2479
-  _globals['_REPORTPROGRESSREQUEST_REGENERATEGROUPSENTRY']._serialized_end=2534
-  _globals['_REPORTPROGRESSRESPONSE']._serialized_start=2536
-  _globals['_REPORTPROGRESSRESPONSE']._serialized_end=2580
-  _globals['_COORDINATOR']._serialized_start=2767
-  _globals['_COORDINATOR']._serialized_end=3510
+  _globals['_REPORTPROGRESSREQUEST_DISCARDEDGROUPSENTRY']._serialized_start=2505
+  _globals['_REPORTPROGRESSREQUEST_DISCARDEDGROUPSENTRY']._serialized_end=2559
+  _globals['_REPORTPROGRESSREQUEST_REGENERATEGROUPSENTRY']._serialized_start=2561
+  _globals['_REPORTPROGRESSREQUEST_REGENERATEGROUPSENTRY']._serialized_end=2616
+  _globals['_REPORTPROGRESSRESPONSE']._serialized_start=2618
+  _globals['_REPORTPROGRESSRESPONSE']._serialized_end=2677
+  _globals['_COORDINATOR']._serialized_start=2864
+  _globals['_COORDINATOR']._serialized_end=3669
 # @@protoc_insertion_point(module_scope)

@@ -251,6 +251,35 @@ class CancelJobRequest(_message.Message):
 Global___CancelJobRequest: _TypeAlias = CancelJobRequest  # noqa: Y015
 
 @_typing.final
+class UpdateJobRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    JOB_ID_FIELD_NUMBER: _builtins.int
+    OVERRIDES_FIELD_NUMBER: _builtins.int
+    EXPECTED_REVISION_FIELD_NUMBER: _builtins.int
+    job_id: _builtins.str
+    expected_revision: _builtins.int
+    """If non-zero, update only if the job record is still at this revision (else ABORTED)."""
+    @_builtins.property
+    def overrides(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """Dotted overrides, e.g. "trainer.steps=120"."""
+
+    def __init__(
+        self,
+        *,
+        job_id: _builtins.str = ...,
+        overrides: _abc.Iterable[_builtins.str] | None = ...,
+        expected_revision: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["expected_revision", b"expected_revision", "job_id", b"job_id", "overrides", b"overrides"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___UpdateJobRequest: _TypeAlias = UpdateJobRequest  # noqa: Y015
+
+@_typing.final
 class DeleteJobRequest(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
@@ -729,16 +758,22 @@ class ReportProgressResponse(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
     KEEP_GOING_FIELD_NUMBER: _builtins.int
+    STEPS_FIELD_NUMBER: _builtins.int
     keep_going: _builtins.bool
     """False once the job is over: the trainer stops."""
+    steps: _builtins.int
+    """The job's step budget (`trainer.steps`) now: UpdateJob may have changed it since the
+    trainer was bound. 0 from a coordinator that predates UpdateJob: keep the one it has.
+    """
     def __init__(
         self,
         *,
         keep_going: _builtins.bool = ...,
+        steps: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["keep_going", b"keep_going"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["keep_going", b"keep_going", "steps", b"steps"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

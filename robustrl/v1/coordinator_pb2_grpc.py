@@ -57,6 +57,11 @@ class CoordinatorStub:
                 request_serializer=robustrl_dot_v1_dot_coordinator__pb2.CancelJobRequest.SerializeToString,
                 response_deserializer=robustrl_dot_v1_dot_coordinator__pb2.Job.FromString,
                 _registered_method=True)
+        self.UpdateJob = channel.unary_unary(
+                '/robustrl.v1.Coordinator/UpdateJob',
+                request_serializer=robustrl_dot_v1_dot_coordinator__pb2.UpdateJobRequest.SerializeToString,
+                response_deserializer=robustrl_dot_v1_dot_coordinator__pb2.Job.FromString,
+                _registered_method=True)
         self.DeleteJob = channel.unary_unary(
                 '/robustrl.v1.Coordinator/DeleteJob',
                 request_serializer=robustrl_dot_v1_dot_coordinator__pb2.DeleteJobRequest.SerializeToString,
@@ -115,6 +120,17 @@ class CoordinatorServicer:
 
     def CancelJob(self, request, context):
         """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def UpdateJob(self, request, context):
+        """Changes a running job's spec with `key=value` overrides, as SubmitJob takes them. Only
+        `trainer.steps` may change (else INVALID_ARGUMENT naming the field), and only to a step
+        the job has not reached yet (else FAILED_PRECONDITION with the step it is at, and nothing
+        changes); an ended job is FAILED_PRECONDITION, an unknown one NOT_FOUND. The running
+        trainer adopts the new budget with its next progress report.
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
@@ -187,6 +203,11 @@ def add_CoordinatorServicer_to_server(servicer, server):
             'CancelJob': grpc.unary_unary_rpc_method_handler(
                     servicer.CancelJob,
                     request_deserializer=robustrl_dot_v1_dot_coordinator__pb2.CancelJobRequest.FromString,
+                    response_serializer=robustrl_dot_v1_dot_coordinator__pb2.Job.SerializeToString,
+            ),
+            'UpdateJob': grpc.unary_unary_rpc_method_handler(
+                    servicer.UpdateJob,
+                    request_deserializer=robustrl_dot_v1_dot_coordinator__pb2.UpdateJobRequest.FromString,
                     response_serializer=robustrl_dot_v1_dot_coordinator__pb2.Job.SerializeToString,
             ),
             'DeleteJob': grpc.unary_unary_rpc_method_handler(
@@ -330,6 +351,33 @@ class Coordinator:
             target,
             '/robustrl.v1.Coordinator/CancelJob',
             robustrl_dot_v1_dot_coordinator__pb2.CancelJobRequest.SerializeToString,
+            robustrl_dot_v1_dot_coordinator__pb2.Job.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def UpdateJob(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/robustrl.v1.Coordinator/UpdateJob',
+            robustrl_dot_v1_dot_coordinator__pb2.UpdateJobRequest.SerializeToString,
             robustrl_dot_v1_dot_coordinator__pb2.Job.FromString,
             options,
             channel_credentials,

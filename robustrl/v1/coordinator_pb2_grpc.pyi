@@ -40,6 +40,13 @@ class CoordinatorStub:
     GetJob: _grpc.UnaryUnaryMultiCallable[_coordinator_pb2.GetJobRequest, _coordinator_pb2.Job]
     ListJobs: _grpc.UnaryUnaryMultiCallable[_coordinator_pb2.ListJobsRequest, _coordinator_pb2.ListJobsResponse]
     CancelJob: _grpc.UnaryUnaryMultiCallable[_coordinator_pb2.CancelJobRequest, _coordinator_pb2.Job]
+    UpdateJob: _grpc.UnaryUnaryMultiCallable[_coordinator_pb2.UpdateJobRequest, _coordinator_pb2.Job]
+    """Changes a running job's spec with `key=value` overrides, as SubmitJob takes them. Only
+    `trainer.steps` may change (else INVALID_ARGUMENT naming the field), and only to a step
+    the job has not reached yet (else FAILED_PRECONDITION with the step it is at, and nothing
+    changes); an ended job is FAILED_PRECONDITION, an unknown one NOT_FOUND. The running
+    trainer adopts the new budget with its next progress report.
+    """
     DeleteJob: _grpc.UnaryUnaryMultiCallable[_coordinator_pb2.DeleteJobRequest, _coordinator_pb2.DeleteJobResponse]
     """Removes an ended job's state from etcd: its record, work ledger and dropped pages, weight
     versions, recovery records, ETTR account and incidents. FAILED_PRECONDITION while the
@@ -73,6 +80,13 @@ class CoordinatorAsyncStub(CoordinatorStub):
     GetJob: _aio.UnaryUnaryMultiCallable[_coordinator_pb2.GetJobRequest, _coordinator_pb2.Job]  # type: ignore[assignment]
     ListJobs: _aio.UnaryUnaryMultiCallable[_coordinator_pb2.ListJobsRequest, _coordinator_pb2.ListJobsResponse]  # type: ignore[assignment]
     CancelJob: _aio.UnaryUnaryMultiCallable[_coordinator_pb2.CancelJobRequest, _coordinator_pb2.Job]  # type: ignore[assignment]
+    UpdateJob: _aio.UnaryUnaryMultiCallable[_coordinator_pb2.UpdateJobRequest, _coordinator_pb2.Job]  # type: ignore[assignment]
+    """Changes a running job's spec with `key=value` overrides, as SubmitJob takes them. Only
+    `trainer.steps` may change (else INVALID_ARGUMENT naming the field), and only to a step
+    the job has not reached yet (else FAILED_PRECONDITION with the step it is at, and nothing
+    changes); an ended job is FAILED_PRECONDITION, an unknown one NOT_FOUND. The running
+    trainer adopts the new budget with its next progress report.
+    """
     DeleteJob: _aio.UnaryUnaryMultiCallable[_coordinator_pb2.DeleteJobRequest, _coordinator_pb2.DeleteJobResponse]  # type: ignore[assignment]
     """Removes an ended job's state from etcd: its record, work ledger and dropped pages, weight
     versions, recovery records, ETTR account and incidents. FAILED_PRECONDITION while the
@@ -127,6 +141,19 @@ class CoordinatorServicer(metaclass=_abc_1.ABCMeta):
         request: _coordinator_pb2.CancelJobRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_coordinator_pb2.Job, _abc.Awaitable[_coordinator_pb2.Job]]: ...
+
+    @_abc_1.abstractmethod
+    def UpdateJob(
+        self,
+        request: _coordinator_pb2.UpdateJobRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_coordinator_pb2.Job, _abc.Awaitable[_coordinator_pb2.Job]]:
+        """Changes a running job's spec with `key=value` overrides, as SubmitJob takes them. Only
+        `trainer.steps` may change (else INVALID_ARGUMENT naming the field), and only to a step
+        the job has not reached yet (else FAILED_PRECONDITION with the step it is at, and nothing
+        changes); an ended job is FAILED_PRECONDITION, an unknown one NOT_FOUND. The running
+        trainer adopts the new budget with its next progress report.
+        """
 
     @_abc_1.abstractmethod
     def DeleteJob(

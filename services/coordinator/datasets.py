@@ -26,7 +26,9 @@ def dataset_for(spec: JobSpec) -> list[TaskItem]:
         task = get_task(spec.task.name)
     except UnknownTaskError as exc:
         raise InvalidArgument(f"task.name: {exc}") from exc
-    size = max(1024, 2 * spec.trainer.steps * spec.trainer.groups_per_step)
+    # Sized by the planned steps, not the budget: an update of the budget must not change
+    # which item a group index maps to (a leader after a failover loads the data again).
+    size = max(1024, 2 * spec.trainer.planned_steps * spec.trainer.groups_per_step)
     return task.generate(size, spec.seed)
 
 

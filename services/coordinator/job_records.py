@@ -27,7 +27,8 @@ class JobRecords:
     def __init__(self, runtime: ServiceRuntime, leadership: Leadership) -> None:
         self.runtime = runtime
         self.leadership = leadership
-        self.specs: dict[str, JobSpec] = {}
+        self.specs: dict[str, tuple[dict[str, object], JobSpec]] = {}
+        """Job id -> its stored spec and that spec parsed."""
         self._locks: dict[str, asyncio.Lock] = {}
         self._members: MemberCache | None = None
 
@@ -65,9 +66,12 @@ class JobRecords:
         return self._locks.setdefault(job_id, asyncio.Lock())
 
     def spec(self, record: JobRecord) -> JobSpec:
-        spec = self.specs.get(record.job_id)
-        if spec is None:
-            spec = self.specs[record.job_id] = JobSpec.model_validate(record.spec)
+        cached = self.specs.get(record.job_id)
+        # UpdateJob changes a stored spec (its step budget), on whichever replica leads then.
+        if cached is not None and cached[0] == record.spec:
+            return cached[1]
+        spec = JobSpec.model_validate(record.spec)
+        self.specs[record.job_id] = (record.spec, spec)
         return spec
 
     def unsupervisable(self, record: JobRecord) -> str | None:

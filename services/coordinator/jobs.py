@@ -10,10 +10,12 @@ from __future__ import annotations
 import enum
 import time
 
+import yaml
 from google.protobuf.timestamp_pb2 import Timestamp
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Field, ValidationError
 
-from robustrl.contracts.errors import FailedPrecondition
+from robustrl.contracts.errors import FailedPrecondition, InvalidArgument, describe_validation_error
+from robustrl.contracts.jobspec import JobSpec
 from robustrl.v1 import coordinator_pb2
 
 
@@ -76,6 +78,69 @@ def transition(record: JobRecord, target: Phase, message: str, now: float) -> Jo
             f"job {record.job_id} is {record.phase.value}; it cannot become {target.value}"
         )
     return record.model_copy(update={"phase": target, "message": message, "updated_at": now})
+
+
+UPDATABLE = ("trainer.steps",)
+"""The spec fields UpdateJob may change on a submitted job. The step budget alone: every other
+field shapes what the job's members built (model, optimizer, data) and is read only then."""
+
+
+def requested_steps(overrides: list[str]) -> int:
+    """The step budget an UpdateJob asks for; InvalidArgument naming the field for anything
+    but one whole `trainer.steps=N` (its bounds are the spec's, checked by `with_steps`)."""
+    if not overrides:
+        raise InvalidArgument("name what to change as key=value, e.g. trainer.steps=120")
+    steps: int | None = None
+    for item in overrides:
+        path, sep, raw = item.partition("=")
+        if not sep or not path:
+            raise InvalidArgument(f"override {item!r} is not of the form key.sub=value")
+        if path not in UPDATABLE:
+            raise InvalidArgument(
+                f"{path}: cannot change on a submitted job; only {', '.join(UPDATABLE)} can"
+            )
+        try:
+            value = yaml.safe_load(raw)
+        except yaml.YAMLError:
+            value = raw
+        # YAML reads `true` as a bool, which is an int to Python (and to pydantic's lax mode).
+        if not isinstance(value, int) or isinstance(value, bool):
+            raise InvalidArgument(f"{path}: {raw!r} is not a whole number of steps")
+        steps = value
+    assert steps is not None
+    return steps
+
+
+def with_steps(record: JobRecord, steps: int, now: float) -> JobRecord:
+    """The record with its spec's step budget changed to `steps`, or the record itself when it
+    is that already. What the job was planned for stays (`TrainerSpec.planned_steps`, pinned
+    here in `lr_decay_steps` on the first change). FailedPrecondition for an ended job, one
+    that has done its budget (it is finishing), and one at `steps` or past it: the change would
+    come too late for the step it names."""
+    if record.phase in TERMINAL:
+        raise FailedPrecondition(
+            f"job {record.job_id} is already {record.phase.value}; its step budget cannot change"
+        )
+    spec = JobSpec.model_validate(record.spec)
+    if steps == spec.trainer.steps:
+        return record
+    trainer = spec.trainer.model_dump() | {"steps": steps}
+    trainer["lr_decay_steps"] = spec.trainer.planned_steps
+    try:
+        updated = JobSpec.model_validate(spec.model_dump() | {"trainer": trainer})
+    except ValidationError as exc:
+        raise InvalidArgument("invalid update: " + describe_validation_error(exc)) from exc
+    if record.step >= spec.trainer.steps:
+        raise FailedPrecondition(
+            f"job {record.job_id} is at step {record.step}, the last of its "
+            f"{spec.trainer.steps}, and is finishing; its step budget cannot change"
+        )
+    if steps <= record.step:
+        raise FailedPrecondition(
+            f"job {record.job_id} is at step {record.step}: trainer.steps={steps} must be beyond "
+            "it (cancel the job to stop it now)"
+        )
+    return record.model_copy(update={"spec": updated.model_dump(mode="json"), "updated_at": now})
 
 
 def _timestamp(seconds: float) -> Timestamp:

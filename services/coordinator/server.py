@@ -111,6 +111,36 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
                 log.info("coordinator.job_cancelled", job=job_id, reason=reason)
                 return jobs.to_proto(updated, new_revision)
 
+    async def UpdateJob(
+        self, request: coordinator_pb2.UpdateJobRequest, context: grpc.aio.ServicerContext
+    ) -> coordinator_pb2.Job:
+        job_id = validate_job_id(request.job_id)
+        steps = jobs.requested_steps(list(request.overrides))
+        guard = await self.leadership.require_leader()
+        # As CancelJob: under the job lock, so that the step it checks against is the one the
+        # trainer's reports leave; a lost compare-and-swap is re-read and checked again.
+        async with self.driver.lock(job_id):
+            attempt = 0
+            while True:
+                attempt += 1
+                record, revision = await self.store.get(job_id)
+                if request.expected_revision and request.expected_revision != revision:
+                    raise Aborted(
+                        f"job {job_id!r} is at revision {revision}, not "
+                        f"{request.expected_revision}; re-read it and retry"
+                    )
+                updated = jobs.with_steps(record, steps, jobs.now())
+                if updated is record:
+                    return jobs.to_proto(record, revision)
+                try:
+                    new_revision = await self.store.update(updated, revision, guard)
+                except Aborted:
+                    if request.expected_revision or attempt >= 5:
+                        raise
+                    continue
+                log.info("coordinator.job_updated", job=job_id, steps=steps, step=record.step)
+                return jobs.to_proto(updated, new_revision)
+
     async def DeleteJob(
         self, request: coordinator_pb2.DeleteJobRequest, context: grpc.aio.ServicerContext
     ) -> coordinator_pb2.DeleteJobResponse:
@@ -179,8 +209,7 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
     ) -> coordinator_pb2.ReportProgressResponse:
         validate_job_id(request.job_id)
         await self.leadership.require_leader()
-        keep_going = await self.driver.work.report_progress(request)
-        return coordinator_pb2.ReportProgressResponse(keep_going=keep_going)
+        return await self.driver.work.report_progress(request)
 
 
 class ProvisioningServicer(provisioning_pb2_grpc.ProvisioningServicer):

@@ -175,12 +175,17 @@ class WorkService:
             saved = self.ledgers.changed(ledger)
         await saved  # outside the lock, as in lease_work
 
-    async def report_progress(self, request: coordinator_pb2.ReportProgressRequest) -> bool:
+    async def report_progress(
+        self, request: coordinator_pb2.ReportProgressRequest
+    ) -> coordinator_pb2.ReportProgressResponse:
+        """Record the trainer's report; the answer says whether it goes on, and the job's step
+        budget now, which an UpdateJob (under the same lock) may have changed."""
+        stop = coordinator_pb2.ReportProgressResponse(keep_going=False)
         async with self.jobs.lock(request.job_id):
             read = await self.jobs.store.get(request.job_id)
             record = read[0]
             if record.phase in jobs.TERMINAL:
-                return False
+                return stop
             await self.bound_member(record, "trainer", request.instance_id)
             rank = record.member_ranks.get(request.instance_id, 0)
             if rank:
@@ -190,7 +195,7 @@ class WorkService:
                 )
             if request.error:
                 await self._trainer_error(record, request)
-                return False
+                return stop
             ledger = self.ledgers.ledgers.get(request.job_id)
             if ledger is not None:
                 discarded = dict(request.discarded_groups)
@@ -221,8 +226,8 @@ class WorkService:
                     **{k: v for k, v in request.metrics.items() if k not in ACCOUNTING_ONLY},
                 },
             }
+            spec = self.jobs.spec(record)
             if request.finished:
-                spec = self.jobs.spec(record)
                 await self.jobs.update(
                     request.job_id,
                     change,
@@ -232,10 +237,10 @@ class WorkService:
                 )
                 log.info("coordinator.job_succeeded", job=request.job_id, step=request.step)
                 await self.ledgers.save_account(request.job_id)
-                return False
+                return stop
             await self.jobs.update(request.job_id, change, read=read)
             await self.ledgers.save_account(request.job_id)
-            return True
+            return coordinator_pb2.ReportProgressResponse(keep_going=True, steps=spec.trainer.steps)
 
     async def _trainer_error(
         self, record: JobRecord, request: coordinator_pb2.ReportProgressRequest

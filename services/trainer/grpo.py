@@ -409,6 +409,6 @@ def grpo_config(spec: JobSpec) -> GRPOConfig:
         clip_eps_low=spec.trainer.clip_eps,
         clip_eps_high=spec.trainer.clip_eps,
         kl_coef=spec.trainer.kl_coef,
-        decay_steps=spec.trainer.steps,
+        decay_steps=spec.trainer.planned_steps,
         min_lr_ratio=spec.trainer.min_lr_ratio,
     )

@@ -56,15 +56,15 @@ async def report_to_coordinator(
     client: CoordinatorClient,
     request: coordinator_pb2.ReportProgressRequest,
     on_wait: Callable[[], None] | None = None,
-) -> bool:
+) -> coordinator_pb2.ReportProgressResponse:
     """ReportProgress to the leader, for as long as no leader answers
     (`CoordinatorClient.write_until_answered`). Training cannot go on without its reports:
-    the coordinator decides whether the job goes on. A report sent again is safe: the
-    coordinator ignores the groups it settled already."""
-    reply = await client.write_until_answered(
+    the coordinator decides whether the job goes on, and for how many steps. A report sent
+    again is safe: the coordinator ignores the groups it settled already."""
+    reply: coordinator_pb2.ReportProgressResponse = await client.write_until_answered(
         lambda s: s.ReportProgress(request, timeout=REPORT_DEADLINE),
         on_wait=on_wait,
         doing="reporting progress",
         step=request.step,
     )
-    return bool(reply.keep_going)
+    return reply

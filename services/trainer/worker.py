@@ -99,6 +99,8 @@ class TrainerWorker:
         """Steps [0, durable_step) are in a durable checkpoint (written, or restored from)."""
         self.restored_step = 0
         """The step of the checkpoint this trainer restored (0: it started afresh)."""
+        self.saved_step = 0
+        """The step of the last checkpoint this trainer handed to its writer."""
         self.rank = 0
         """This trainer's rank in the job's group (set at BIND): rank 0 runs the step loop."""
         self.nan_steps: set[int] = set(spec.faults.nan_loss_steps)
@@ -213,7 +215,7 @@ class TrainerWorker:
             if not self.sharded:
                 checkpoint.restore(restored, self.model, self.trainer.optimizer)
             self.step = restored.step
-            self.durable_step = self.restored_step = self.step
+            self.durable_step = self.restored_step = self.saved_step = self.step
             self.intake.trained_groups = TrainedGroups.from_json(
                 restored.extra.get("trained_groups", [])
             )
@@ -281,7 +283,8 @@ class TrainerWorker:
             # trainer became ready), within a bound on the wait for data (coordinator/ettr.py);
             # the time before a restored trainer was ready is not part of it.
             previous_end = time.time()
-            while self.step < spec.trainer.steps and not self._stopping:
+            # self.spec, not spec: the step budget can change while the job runs (`_report`).
+            while self.step < self.spec.trainer.steps and not self._stopping:
                 batch, stale = self.intake.take_batch(self.step, spec.trainer.groups_per_step)
                 dropped = self.acks.reject(stale)
                 if not batch:
@@ -304,7 +307,7 @@ class TrainerWorker:
                     metrics["gpu_peak_mib"] = peak / 2**20
                 await self._publish()
                 await self._checkpoint()
-                if self.step % spec.trainer.eval_every == 0 or self.step == spec.trainer.steps:
+                if self.step % spec.trainer.eval_every == 0 or self.step == self.spec.trainer.steps:
                     metrics["eval_reward"] = await self._evaluate()
                 metrics["step_started_at"] = previous_end
                 metrics["step_work_started_at"] = work_started
@@ -313,6 +316,10 @@ class TrainerWorker:
                 keep_going = await self._report(metrics, [g.group_id for g in batch], dropped)
                 if not keep_going:
                     return
+            if self.step > self.saved_step and not self._stopping:
+                # The budget came down to this step after it was done: the job's last step
+                # still ends in a checkpoint, as every finished job's does.
+                await self._checkpoint()
             if self.checkpoints is not None:
                 await asyncio.to_thread(self.checkpoints.wait)
             await self._close_ranks()
@@ -473,6 +480,7 @@ class TrainerWorker:
         self.progress.enter("checkpoint")
         self.acks.checkpointing(self.step)
         trainer, step = self.trainer, self.step
+        self.saved_step = step
         extra = {"trained_groups": self.intake.trained_groups.to_json(), "job_id": self.job_id}
         if self.group is not None and self.sharded:
             # Every rank copies its shards off and writes them in the background.
@@ -544,9 +552,24 @@ class TrainerWorker:
             durable_step=self.durable_step,
             restored_step=self.restored_step,
         )
-        return await report_to_coordinator(
+        reply = await report_to_coordinator(
             self.coordinator, request, on_wait=lambda: self.progress.enter(WAITING_COORDINATOR)
         )
+        if reply.keep_going:
+            self.adopt_steps(reply.steps)
+        return reply.keep_going
+
+    def adopt_steps(self, steps: int) -> None:
+        """Train to `steps` from now on: the job's step budget as the leader answers it, which
+        `robustrl update` may have changed since this trainer was bound (0: an older leader's
+        answer, which says nothing). The leader never lowers it to a step this trainer has
+        passed. The learning-rate schedule stays (`TrainerSpec.planned_steps`)."""
+        if steps <= 0 or steps == self.spec.trainer.steps:
+            return
+        log.info("trainer.steps_changed", job=self.job_id, step=self.step, steps=steps)
+        planned = self.spec.trainer.planned_steps
+        trainer = self.spec.trainer.model_copy(update={"steps": steps, "lr_decay_steps": planned})
+        self.spec = self.spec.model_copy(update={"trainer": trainer})
 
     # ------------------------------------------------------------------ chaos
 
