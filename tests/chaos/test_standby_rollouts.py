@@ -12,16 +12,25 @@ from typing import Any
 
 import pytest
 
-from tests.chaos.test_recovery import ROLLOUT_1_REPLACED, finish, pids, recoveries, submit
 from tests.support import eventually_sync
 from tests.support.accounting import assert_nothing_lost_or_trained_twice
 from tests.support.cli import Cli, etcd_json
 from tests.support.detection import detection_stack, incidents, wait_for_incident
+from tests.support.recovery import (
+    ROLLOUT_1_REPLACED,
+    end_after,
+    finish,
+    pids,
+    recovered,
+    recoveries,
+    submit,
+)
 
 pytestmark = [pytest.mark.chaos, pytest.mark.slow, pytest.mark.timeout(420)]
 
 STEPS = 300
-"""Outlasts the standbys' preparation, a standby's loss and a rollout's."""
+"""A ceiling: outlasts the standbys' preparation, a standby's loss and a rollout's on a loaded
+machine; once the standby has taken over and generates, the job is ended a few steps later."""
 
 
 def prepared_for(cli: Cli, job: str) -> list[str]:
@@ -50,6 +59,14 @@ def took_over_with_pulled_weights(log: str) -> bool:
     pulled = log.index("rollout.weights_loaded", prepared)
     took = log.index("rollout.took_prepared", pulled)
     return log.index("rollout.first_batch", took) > took
+
+
+def took_over_and_generated(log: Path) -> bool:
+    """took_over_with_pulled_weights, false while a line it looks for is not logged yet."""
+    try:
+        return took_over_with_pulled_weights(log.read_text())
+    except ValueError:  # str.index: not there (yet)
+        return False
 
 
 def refills(cli: Cli) -> list[str]:
@@ -88,6 +105,19 @@ def test_a_standby_rollout_takes_over_and_lost_or_hung_standbys_are_fenced_and_r
             wait_for_incident(cli, "MEMBER_LOST", "rollout-1", timeout=15)
         finally:
             os.kill(hung, signal.SIGCONT)  # it comes back, free, and looks bindable
+        # The takeover is done and seen generating before the job is ended soon after it.
+        eventually_sync(lambda: recovered(cli, "sr"), timeout=120)
+        [taken] = recoveries(cli, "sr")
+        assert taken["actions"] == ROLLOUT_1_REPLACED
+        [standby] = taken["replacements"]
+        assert standby.startswith("standby-rollout") and standby != "standby-rollout-2", taken
+        standby_log = tmp_path / "home" / "logs" / f"{standby}.log"
+        eventually_sync(
+            lambda: took_over_and_generated(standby_log),
+            timeout=60,
+            unmet=lambda: standby_log.read_text()[-3000:],
+        )
+        steps = end_after(cli, "sr", lambda: True)
         finish(cli, "sr")
         [rec] = recoveries(cli, "sr")
         assert rec["actions"] == ROLLOUT_1_REPLACED
@@ -100,4 +130,4 @@ def test_a_standby_rollout_takes_over_and_lost_or_hung_standbys_are_fenced_and_r
         assert pids(cli, "trainer-0", "rollout-0") == before  # nothing else was replaced
         # The killed standby, the hung one and the one bound were each refilled.
         eventually_sync(lambda: len(refills(cli)) == 3, timeout=120)
-        assert_nothing_lost_or_trained_twice(cli, "sr", tmp_path / "runs" / "sr", STEPS)
+        assert_nothing_lost_or_trained_twice(cli, "sr", tmp_path / "runs" / "sr", steps)
