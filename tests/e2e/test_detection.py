@@ -24,6 +24,7 @@ from tests.support.detection import (
     detection_stack,
     incidents,
     member,
+    run_a_fault_free_job_with_long_tails,
     step_of,
     submit,
     wait_for_incident,
@@ -38,29 +39,10 @@ def stack(tmp_path: Path) -> Iterator[Cli]:
 
 @pytest.mark.slow
 @pytest.mark.timeout(400)
-@pytest.mark.parametrize(("engine", "steps"), [("torch", 12), ("vllm", 6)])
 def test_a_fault_free_run_with_long_tails_checkpoints_and_idle_rollouts_has_no_incident(
-    stack: Cli, model_dir: Path, tmp_path: Path, engine: str, steps: int
+    stack: Cli, model_dir: Path, tmp_path: Path
 ) -> None:
-    # max_staleness 0: rollouts sit idle waiting for each new version; every step
-    # checkpoints; every 5th group generates 20x as many tokens as the others (one or two of
-    # a step's 8 groups). vLLM's long tails take ~10 s a step here: fewer steps.
-    submit(
-        stack,
-        model_dir,
-        "calm",
-        f"rollout.engine={engine}",
-        f"trainer.steps={steps}",
-        "trainer.max_staleness=0",
-        "trainer.checkpoint_every=1",
-        "rollout.long_tail_every=5",
-        "rollout.long_tail_factor=20",
-    )
-    watch = stack.run("watch", "calm", check=False, timeout=360)
-    assert watch.returncode == 0, watch.stdout + watch.stderr
-    assert incidents(stack) == []
-    rows = (tmp_path / "runs" / "calm" / "metrics.jsonl").read_text().splitlines()
-    assert json.loads(rows[-1])["step"] == steps
+    run_a_fault_free_job_with_long_tails(stack, model_dir, tmp_path / "runs", "torch", 12)
 
 
 @pytest.mark.slow

@@ -12,6 +12,7 @@ import shutil
 import subprocess
 import sys
 from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -21,7 +22,7 @@ from safetensors.torch import save_file
 
 from robustrl.contracts.keys import KeySpace
 from robustrl.core.processes import descendants, process_name, running
-from robustrl.generation.engine import SamplingParams, SourceGone, TorchEngine
+from robustrl.generation.engine import Completion, SamplingParams, SourceGone, TorchEngine
 from robustrl.generation.modelgen import ModelShape, init_model
 from robustrl.generation.vllm_engine import EngineStartError, VLLMEngine
 from robustrl.weights.ucx.holder import HolderFaults
@@ -57,11 +58,34 @@ def other_weights(model_dir: Path, out: Path, seed: int) -> list[tuple[str, torc
     return list(other.model.state_dict().items())
 
 
+UPDATE_SAMPLING = SamplingParams(n=3, temperature=1.0, max_new_tokens=6, seed=4)
+"""How the weight-update test samples: seeded, so the same weights give the same samples."""
+
+
+@dataclass(frozen=True)
+class Started:
+    engine: VLLMEngine
+    fresh: list[list[Completion]]
+    """Its UPDATE_SAMPLING outputs right after its start, on the weights read from disk."""
+
+
 @pytest.fixture(scope="module")
-def vllm(model_dir: Path) -> Iterator[VLLMEngine]:
+def started(model_dir: Path) -> Iterator[Started]:
+    """The one engine of this file (a vLLM start costs the better part of a minute here). Its
+    last user, test_the_engine_runs_its_own_processes_and_leaves_none_behind, closes it."""
     engine = VLLMEngine(model_dir, kv_cache_bytes=KV_CACHE)
-    yield engine
-    engine.close()
+    try:
+        yield Started(engine, engine.generate(PROMPTS, UPDATE_SAMPLING))
+    finally:
+        engine.close()
+
+
+@pytest.fixture
+def vllm(started: Started) -> VLLMEngine:
+    # pytest runs a file's tests in their order (and `--dist loadfile` a file on one worker):
+    # every test using the engine comes before the one that closes it.
+    assert started.engine.engine_pids(), "the module's engine was closed before this test"
+    return started.engine
 
 
 @pytest.fixture
@@ -136,9 +160,14 @@ def test_tokens_are_reported_as_they_stream_out(vllm: VLLMEngine) -> None:
 
 
 async def test_a_weight_update_over_ucx_gives_the_outputs_of_those_weights_loaded_fresh(
-    vllm: VLLMEngine, original: TorchEngine, holder: Any, model_dir: Path, tmp_path: Path
+    vllm: VLLMEngine,
+    started: Started,
+    original: TorchEngine,
+    holder: Any,
+    model_dir: Path,
+    tmp_path: Path,
 ) -> None:
-    params = SamplingParams(n=3, temperature=1.0, max_new_tokens=6, seed=4)
+    params = UPDATE_SAMPLING
     before = vllm.generate(PROMPTS, params)
     weights = other_weights(model_dir, tmp_path / "other", seed=3)
     transport = await holder()
@@ -152,16 +181,36 @@ async def test_a_weight_update_over_ucx_gives_the_outputs_of_those_weights_loade
     assert transport.counters.buckets_served > 1  # the engine's worker copied it over UCX
     updated = vllm.generate(PROMPTS, params)
     assert updated != before
-    fresh = await asyncio.to_thread(VLLMEngine, tmp_path / "other", kv_cache_bytes=KV_CACHE)
-    try:
-        loaded_fresh = fresh.generate(PROMPTS, params)
-    finally:
-        fresh.close()
-    assert [[c.token_ids for c in g] for g in updated] == [
-        [c.token_ids for c in g] for g in loaded_fresh
+    # Every token's logprob is the one the other weights give in torch, which the engine's
+    # outputs on weights it loads from disk equal (the tests above): no tensor was left out,
+    # misplaced or half copied.
+    other = TorchEngine.from_pretrained(tmp_path / "other")
+    for completion in (c for g in updated for c in g):
+        expected = full_forward_logprobs(other, completion.prompt_ids, completion.token_ids, 1.0)
+        assert completion.logprobs == pytest.approx(expected, abs=LOGPROB_TOLERANCE)
+    greedy = SamplingParams(n=1, temperature=0.0, max_new_tokens=6)
+    assert [[c.token_ids for c in g] for g in vllm.generate(PROMPTS, greedy)] == [
+        [c.token_ids for c in g] for g in other.generate(PROMPTS, greedy)
+    ]
+
+    # The weights on disk, back over UCX: the samples of the engine as it started on them,
+    # fresh from disk, to the token (a seeded sample follows every bit of the weights).
+    on_disk = list(original.model.state_dict().items())
+    await transport.publish(6, on_disk)
+    source = transport.local_source(6)
+    assert source is not None and source.version == 6
+    served = transport.counters.buckets_served
+
+    await asyncio.to_thread(vllm.load_weights, on_disk, 6, source)
+
+    assert vllm.weight_version == 6
+    assert transport.counters.buckets_served > served + 1
+    back = vllm.generate(PROMPTS, params)
+    assert [[c.token_ids for c in g] for g in back] == [
+        [c.token_ids for c in g] for g in started.fresh
     ]
     for a, b in zip(
-        (c for g in updated for c in g), (c for g in loaded_fresh for c in g), strict=True
+        (c for g in back for c in g), (c for g in started.fresh for c in g), strict=True
     ):
         assert a.logprobs == pytest.approx(b.logprobs, abs=LOGPROB_TOLERANCE)
 
@@ -234,8 +283,10 @@ def test_an_update_with_a_missing_tensor_is_refused_before_anything_is_sent(
     assert vllm.weight_version == 0
 
 
-def test_the_engine_runs_its_own_processes_and_leaves_none_behind(model_dir: Path) -> None:
-    engine = VLLMEngine(model_dir, kv_cache_bytes=KV_CACHE)
+def test_the_engine_runs_its_own_processes_and_leaves_none_behind(started: Started) -> None:
+    # The module's engine, after all it served above: this test closes it, so it comes after
+    # every test that uses it.
+    engine = started.engine
     pids = engine.engine_pids()
     try:
         assert len(pids) >= 1

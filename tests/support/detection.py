@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import json
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -103,3 +104,28 @@ def wait_for_incident(cli: Cli, kind: str, instance_id: str, timeout: float) -> 
 
     eventually_sync(reported, timeout=timeout, interval=0.2)
     return found[0]
+
+
+def run_a_fault_free_job_with_long_tails(
+    stack: Cli, model_dir: Path, runs: Path, engine: str, steps: int
+) -> None:
+    """A job that meets what looks like failure but is not, and the stack reports nothing:
+    max_staleness 0, so rollouts sit idle waiting for each new version; every step
+    checkpoints; every 5th group generates 20x as many tokens as the others (one or two of a
+    step's 8 groups). Asserts on the whole stack's incidents: a stack's first job."""
+    submit(
+        stack,
+        model_dir,
+        "calm",
+        f"rollout.engine={engine}",
+        f"trainer.steps={steps}",
+        "trainer.max_staleness=0",
+        "trainer.checkpoint_every=1",
+        "rollout.long_tail_every=5",
+        "rollout.long_tail_factor=20",
+    )
+    watch = stack.run("watch", "calm", check=False, timeout=360)
+    assert watch.returncode == 0, watch.stdout + watch.stderr
+    assert incidents(stack) == []
+    rows = (runs / "calm" / "metrics.jsonl").read_text().splitlines()
+    assert json.loads(rows[-1])["step"] == steps
