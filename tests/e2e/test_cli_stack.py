@@ -147,7 +147,11 @@ def test_kill_9_of_the_leader_hands_over_within_the_ttl_and_keeps_every_job(cli:
     # Sooner in fact: the replica next in line found the dead leader's address refusing
     # connections and revoked its lease, instead of waiting for the lease to run out.
     successor = next(m for m in cli.members() if m["leader"])
-    log = (cli.home / "logs" / f"{successor['instance_id']}.log").read_text()
+    log_file = cli.home / "logs" / f"{successor['instance_id']}.log"
+    # Its election is in etcd before its log line is written: wait for the line, whose
+    # stamp is the time of the election.
+    eventually_sync(lambda: "coordinator.elected" in log_file.read_text(), timeout=5)
+    log = log_file.read_text()
     assert "election.leader_unseated" in log
     elected = [line for line in log.splitlines() if "coordinator.elected" in line][-1]
     stamp = datetime.datetime.fromisoformat(elected.split()[0].replace("Z", "+00:00"))
