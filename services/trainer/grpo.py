@@ -18,6 +18,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
+import torch.utils.checkpoint
+from torch.distributed.tensor import DTensor
 
 from robustrl.contracts.jobspec import JobSpec
 
@@ -139,20 +141,72 @@ def batch_tensors(
     return input_ids, attention, mask, old, adv
 
 
+LOGPROB_CHUNK_POSITIONS = 1024
+"""Positions whose logits `token_logprobs` holds at once: 1024 x a 151,936-token vocabulary is
+0.6 GB in fp32, where a batch of 512 sequences of 512 tokens would hold 160 GB."""
+
+
 def token_logprobs(
     model: torch.nn.Module,
     input_ids: torch.Tensor,
     attention_mask: torch.Tensor,
     temperature: float,
+    *,
+    chunk: int = LOGPROB_CHUNK_POSITIONS,
 ) -> torch.Tensor:
     """``[B, T-1]`` logprob of each next token under ``model`` at ``temperature``.
 
-    Rows are right-padded, so the causal mask alone keeps padding out of real positions.
+    Rows are right-padded, so the causal mask alone keeps padding out of real positions. The
+    output head runs `chunk` positions at a time, each chunk's logits recomputed in the
+    backward pass instead of kept (0: the whole batch at once). A model whose head this cannot
+    call apart from the rest (sharded by FSDP2, or with logits post-processed in its forward)
+    takes the whole batch at once.
     """
-    logits = model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits
     scale = temperature if temperature > 0 else 1.0
-    logp = torch.log_softmax(logits[:, :-1].float() / scale, dim=-1)
-    return logp.gather(-1, input_ids[:, 1:, None]).squeeze(-1)
+    get_head = getattr(model, "get_output_embeddings", None)
+    head, decoder = get_head() if callable(get_head) else None, getattr(model, "model", None)
+    if chunk <= 0 or not _head_apart(model, head, decoder):
+        logits = model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits
+        logp = torch.log_softmax(logits[:, :-1].float() / scale, dim=-1)
+        return logp.gather(-1, input_ids[:, 1:, None]).squeeze(-1)
+    assert isinstance(head, torch.nn.Module) and isinstance(decoder, torch.nn.Module)
+    hidden = decoder(
+        input_ids=input_ids, attention_mask=attention_mask, use_cache=False
+    ).last_hidden_state[:, :-1]
+    rows, positions, width = hidden.shape
+    flat, targets = hidden.reshape(rows * positions, width), input_ids[:, 1:].reshape(-1)
+    pieces = []
+    for start in range(0, rows * positions, chunk):
+        h, t = flat[start : start + chunk], targets[start : start + chunk]
+        if torch.is_grad_enabled():
+            piece = torch.utils.checkpoint.checkpoint(
+                _chunk_logprobs, head, h, t, scale, use_reentrant=False
+            )
+        else:
+            piece = _chunk_logprobs(head, h, t, scale)
+        assert isinstance(piece, torch.Tensor)
+        pieces.append(piece)
+    return torch.cat(pieces).view(rows, positions)
+
+
+def _chunk_logprobs(
+    head: torch.nn.Module, hidden: torch.Tensor, targets: torch.Tensor, scale: float
+) -> torch.Tensor:
+    logp = torch.log_softmax(head(hidden).float() / scale, dim=-1)
+    return logp.gather(-1, targets[:, None]).squeeze(-1)
+
+
+def _head_apart(model: torch.nn.Module, head: object, decoder: object) -> bool:
+    """Whether `model`'s logits are `head(decoder(...).last_hidden_state)`, nothing more: a
+    Hugging Face causal LM whose head is a plain linear layer, not sharded, and whose config
+    scales or caps no logits."""
+    if not isinstance(head, torch.nn.Linear) or not isinstance(decoder, torch.nn.Module):
+        return False
+    if isinstance(head.weight, DTensor):
+        return False  # FSDP2 gathers it in the model's own forward
+    config = getattr(model, "config", None)
+    altered = ("final_logit_softcapping", "logit_scale", "logits_scaling", "output_multiplier")
+    return not any(getattr(config, name, None) for name in altered)
 
 
 def completion_logprobs(

@@ -19,6 +19,7 @@ from services.trainer.grpo import (
     group_advantages,
     lr_at,
     policy_loss,
+    token_logprobs,
 )
 
 PAD = 0
@@ -369,3 +370,45 @@ def test_an_empty_shard_still_joins_the_sum(tiny_model_dir: Path) -> None:
     metrics = trainer.step([], token_normaliser=3, before_optimizer=hook)
     assert calls == [False]
     assert metrics.num_samples == 0 and metrics.num_tokens == 0 and metrics.loss == 0.0
+
+
+# --- logprobs by chunks of positions --------------------------------------------------------
+
+
+@pytest.mark.parametrize("chunk", [1, 5, 1024])
+def test_logprobs_by_chunks_equal_the_whole_batchs_and_so_do_their_gradients(
+    tiny_model_dir: Path, chunk: int
+) -> None:
+    whole = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    chunked = copy.deepcopy(whole)
+    samples = [
+        Sample([1, 5, 6], [7, 8, 9, 2], [-1.0] * 4, 1.0),
+        Sample([1, 6], [5, 2], [-1.5] * 2, -0.5),
+        Sample([1, 7, 7, 7], [6], [-0.5], 0.25),
+    ]
+    input_ids, attention, mask, old, adv = batch_tensors(samples, PAD)
+    results = []
+    for model, size in ((whole, 0), (chunked, chunk)):
+        logp = token_logprobs(model, input_ids, attention, 0.7, chunk=size)
+        policy_loss(logp, old, adv, mask, clip_eps_low=0.2, clip_eps_high=0.2).loss.backward()
+        results.append((logp.detach(), {n: p.grad for n, p in model.named_parameters()}))
+    (logp_whole, grads_whole), (logp_chunked, grads_chunked) = results
+    assert logp_chunked.shape == logp_whole.shape == (3, 6)
+    torch.testing.assert_close(logp_chunked, logp_whole, rtol=0, atol=1e-5)
+    for name, grad in grads_whole.items():
+        assert grad is not None and grads_chunked[name] is not None, name
+        torch.testing.assert_close(grads_chunked[name], grad, rtol=1e-4, atol=1e-6)
+
+
+def test_a_model_whose_head_is_not_a_plain_linear_layer_takes_the_whole_batch(
+    tiny_model_dir: Path,
+) -> None:
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    input_ids, attention, *_ = batch_tensors([Sample([1, 5], [6, 2], [-1.0] * 2, 1.0)], PAD)
+    expected = token_logprobs(model, input_ids, attention, 1.0, chunk=0)
+    model.config.final_logit_softcapping = 30.0  # a head this could not call apart
+    calls: list[int] = []
+    model.register_forward_hook(lambda *_: calls.append(1))
+    got = token_logprobs(model, input_ids, attention, 1.0, chunk=1)
+    assert calls == [1]  # the model's own forward, logits and all
+    torch.testing.assert_close(got, expected)
