@@ -43,6 +43,9 @@ def manifest_summary(raw: bytes) -> dict[str, Any]:
             "bucket_bytes": int(body["bucket_bytes"]),
             "buckets": len(body["checksums"]),
             "tensors": len(body["tensors"]),
+            # [name, dtype, shape, offset, nbytes] each (weights/protocol.py)
+            "dtypes": sorted({str(t[1]) for t in body["tensors"]}),
+            "tensor_bytes": sum(int(t[4]) for t in body["tensors"]),
             "checksum_algorithm": str(body.get("checksum_algorithm", "")),
             "published_at": float(body.get("published_at", 0.0)),
             "digest": str(body.get("digest", "")),

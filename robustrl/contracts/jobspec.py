@@ -193,6 +193,11 @@ class FaultSpec(_Strict):
     """The trainer rank that stops with the error at `error_steps` (below
     `trainer.world_size`); its group fails with it."""
 
+    unloadable_from_step: NonNegativeInt = 0
+    """From this step (1-based) on, the trainer publishes each weight version without the
+    checkpoint's last tensor, as a trainer whose model no longer matches its checkpoint would:
+    every engine refuses the version, and the job fails once, naming the tensor (0: never)."""
+
     crash_groups: list[NonNegativeInt] = Field(default_factory=list)
     """Prompt group indices (0-based, in lease order) whose lease makes the rollout that holds
     it crash, every rollout alike, as a prompt that crashes the engine would: the group is

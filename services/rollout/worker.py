@@ -35,7 +35,13 @@ from robustrl.core.etcd_client import etcd_unavailable, until_etcd_answers
 from robustrl.core.interceptors import REPEAT_WINDOW_S, Repeats
 from robustrl.core.logs import get_logger
 from robustrl.core.runtime import ServiceRuntime, long_lived_objects
-from robustrl.generation.engine import ContextExceeded, Engine, SamplingParams, SourceGone
+from robustrl.generation.engine import (
+    ContextExceeded,
+    Engine,
+    SamplingParams,
+    SourceGone,
+    WeightsRefused,
+)
 from robustrl.generation.rewards import RewardError, RewardFn, load_reward, score
 from robustrl.v1 import coordinator_pb2, trainer_pb2
 from robustrl.weights import (
@@ -161,7 +167,11 @@ class RolloutWorker:
     async def _follow_weights(self) -> None:
         await self._open_transport()
         while not self._warm_ends.is_set():
-            await self._ensure_weights(0, report=False)
+            try:
+                await self._ensure_weights(0, report=False)
+            except JobError as exc:  # once bound, the worker meets it again and reports it
+                log.warning("rollout.warm_weights_refused", job=self.job_id, error=str(exc))
+                return
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._warm_ends.wait(), WARM_POLL_S)
 
@@ -453,6 +463,13 @@ class RolloutWorker:
                 except SourceGone as exc:  # superseded while the engine copied it: the next
                     log.info("rollout.weights_superseded", version=latest.version, error=str(exc))
                     continue
+                except WeightsRefused as exc:
+                    # The version, not this host: a replacement on the same checkpoint would
+                    # refuse it too. The job fails with what is wrong.
+                    raise JobError(
+                        f"weight version {latest.version} cannot be loaded into the "
+                        f"{self.spec.rollout.engine} engine: {exc}"
+                    ) from exc
                 self.loaded_epoch = latest.trainer_epoch
                 log.info(
                     "rollout.weights_loaded",

@@ -48,6 +48,8 @@ def test_the_summary_of_a_manifest_is_what_the_transport_wrote() -> None:
         "bucket_bytes": 2048,
         "buckets": 4,
         "tensors": 2,
+        "dtypes": ["float32", "int64"],
+        "tensor_bytes": 1000 * 4 + 300 * 8,
         "checksum_algorithm": "xxh3_128",
         "published_at": m.published_at,
         "digest": m.digest,

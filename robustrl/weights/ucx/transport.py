@@ -397,6 +397,8 @@ class UcxTransport(WeightTransport):
             job=self.job_id,
             version=manifest.version,
             bytes=manifest.total_bytes,
+            tensor_bytes=sum(t.nbytes for t in manifest.tensors),
+            dtypes=",".join(sorted({t.dtype for t in manifest.tensors})),
             buckets=len(manifest.buckets),
             held=[first, stop],
             epoch=self.epoch,

@@ -1,0 +1,116 @@
+"""A job on a checkpoint shaped like a release (Qwen2.5-0.5B's architecture cut to 2 layers:
+bf16 on disk, tied embeddings, a 151,936-token vocabulary), through real service processes,
+on each engine: every version the trainer publishes is bf16, the tied matrix once, and loads
+into the rollouts' engines, and the job succeeds with nothing lost or trained twice."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from safetensors import safe_open
+
+from tests.support.accounting import assert_nothing_lost_or_trained_twice
+from tests.support.cli import Cli
+from tests.support.detection import detection_stack, incidents, submit
+
+pytestmark = [pytest.mark.slow]
+
+STEPS = 3
+PUBLISHED = re.compile(r"weights\.published .*?dtypes=(\S+).*? tensor_bytes=(\d+).*? version=(\d+)")
+LOADED = re.compile(r"rollout\.weights_loaded .*?version=(\d+)")
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cli]:
+    with detection_stack(tmp_path_factory.mktemp("real")) as cli:
+        yield cli
+
+
+def parameters(model_dir: Path) -> int:
+    with safe_open(str(model_dir / "model.safetensors"), framework="pt") as st:
+        total = 0
+        for name in st.keys():  # noqa: SIM118 - safe_open is not a mapping
+            shape = st.get_slice(name).get_shape()
+            count = 1
+            for n in shape:
+                count *= n
+            total += count
+    return total
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("engine", ["torch", "vllm"])
+def test_a_bf16_tied_checkpoint_with_a_real_vocabulary_trains_on_each_engine(
+    stack: Cli, like_model_dir: Path, engine: str
+) -> None:
+    job = f"real-{engine}"
+    before = {p.name: p.read_text() for p in (stack.home / "logs").glob("*.log")}
+    submit(
+        stack,
+        like_model_dir,
+        job,
+        f"rollout.engine={engine}",
+        f"trainer.steps={STEPS}",
+        "trainer.groups_per_step=2",
+        "rollout.group_size=2",
+        "rollout.max_new_tokens=6",
+        # Each step waits for the version before it: every version is loaded by a rollout.
+        "trainer.max_staleness=0",
+    )
+    watch = stack.run("watch", job, check=False, timeout=540)
+    assert watch.returncode == 0, watch.stdout + watch.stderr
+    assert incidents(stack, job) == []
+
+    logs = {p.name: p.read_text() for p in (stack.home / "logs").glob("*.log")}
+    new = {name: text[len(before.get(name, "")) :] for name, text in logs.items()}
+    published = {
+        int(m[3]): (m[1], int(m[2]))
+        for text in (t for n, t in new.items() if n.startswith("trainer"))
+        for m in PUBLISHED.finditer(text)
+    }
+    # bf16 on the wire, the tied matrix once: two bytes a parameter of the checkpoint's.
+    wire = 2 * parameters(like_model_dir)
+    assert published, "the trainer published no version"
+    assert all(v == ("bfloat16", wire) for v in published.values()), published
+    loaded = {
+        int(m[1])
+        for text in (t for n, t in new.items() if n.startswith("rollout"))
+        for m in LOADED.finditer(text)
+    }
+    assert set(range(1, STEPS)) <= loaded, (sorted(loaded), sorted(published))
+    run = Path(stack.env["ROBUSTRL_TRAINER_RUNS_DIR"]) / job
+    assert_nothing_lost_or_trained_twice(stack, job, run, STEPS, groups_per_step=2)
+
+
+@pytest.mark.timeout(600)
+def test_a_version_vllm_cannot_load_fails_the_job_once_naming_the_tensor(
+    stack: Cli, like_model_dir: Path
+) -> None:
+    rollouts = {m["instance_id"]: m["pid"] for m in stack.members() if m["role"] == "rollout"}
+    submit(
+        stack,
+        like_model_dir,
+        "unloadable",
+        "rollout.engine=vllm",
+        "trainer.steps=20",
+        "trainer.groups_per_step=2",
+        "rollout.group_size=2",
+        "rollout.max_new_tokens=6",
+        # From step 2 on, each version lacks the checkpoint's last tensor, the final norm.
+        "faults.unloadable_from_step=2",
+    )
+    watch = stack.run("watch", "unloadable", check=False, timeout=540)
+    assert watch.returncode != 0
+    status = stack.status("unloadable")
+    assert status["phase"] == "FAILED", status
+    message = status["message"]
+    assert "cannot be loaded into the vllm engine" in message, message
+    assert "missing: model.norm.weight" in message, message
+    # The job's fault, not a machine's: no rollout was lost, fenced or replaced for it.
+    assert incidents(stack, "unloadable") == []
+    assert status["recoveries"] == []
+    members = {m["instance_id"]: m for m in stack.members()}
+    assert {name: members[name]["pid"] for name in rollouts} == rollouts
