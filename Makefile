@@ -66,6 +66,8 @@ TEST_MODEL := .robustrl/test-model/$(shell cat robustrl/generation/*.py | sha1su
 $(TEST_MODEL)/made: $(STAMP)
 	rm -rf $(TEST_MODEL)
 	OMP_NUM_THREADS=1 $(PY) -m robustrl.cli.main model init --out $(TEST_MODEL)/tiny-qwen >/dev/null
+	OMP_NUM_THREADS=1 $(PY) -m robustrl.cli.main model init --out $(TEST_MODEL)/like-qwen \
+		--like qwen2.5-0.5b --layers 2 >/dev/null
 	@touch $@
 
 test-model: $(TEST_MODEL)/made
@@ -73,7 +75,8 @@ test-model: $(TEST_MODEL)/made
 ## The whole test suite (unit, integration with a real etcd, e2e through real processes).
 ## Test files run longest first (tests/durations.json); the 25 slowest tests are printed.
 test: $(STAMP) $(TEST_MODEL)/made
-	ROBUSTRL_TEST_MODEL=$(abspath $(TEST_MODEL))/tiny-qwen $(PY) -m pytest -m "not gpu" \
+	ROBUSTRL_TEST_MODEL=$(abspath $(TEST_MODEL))/tiny-qwen \
+	ROBUSTRL_TEST_LIKE_MODEL=$(abspath $(TEST_MODEL))/like-qwen $(PY) -m pytest -m "not gpu" \
 		-p no:cacheprovider --durations=25 -n $(TEST_WORKERS) --dist loadfile $(PYTEST_ARGS)
 
 ## `make test`, writing each test file's seconds to tests/durations.json (commit it).

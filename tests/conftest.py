@@ -155,28 +155,51 @@ async def etcd_client(etcd_settings: EtcdSettings) -> AsyncIterator[object]:
 TEST_MODEL_ENV = "ROBUSTRL_TEST_MODEL"
 """The tiny model made before the run (`make test` builds it once, off every test's clock);
 unset, the first test that needs it makes it."""
+TEST_LIKE_MODEL_ENV = "ROBUSTRL_TEST_LIKE_MODEL"
+"""The same for LIKE_MODEL, the checkpoint shaped like a release."""
+LIKE_MODEL = ("qwen2.5-0.5b", 2)
+"""The real-shaped checkpoint of the tests: Qwen2.5-0.5B's architecture, bf16, tied, a
+151,936-token vocabulary and a chat template, cut to 2 layers (`model init --like`)."""
 
 
 @pytest.fixture(scope="session")
 def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The tiny model, made once per run by the repo's own command (seeded, so the same every
-    run). Read-only. Under pytest-xdist the workers share one copy: the first to get here makes
-    it in the run's common folder, the others wait on the lock and use it."""
-    prebuilt = os.environ.get(TEST_MODEL_ENV)
+    run). Read-only."""
+    return _made_once(tmp_path_factory, TEST_MODEL_ENV, "tiny-qwen", [])
+
+
+@pytest.fixture(scope="session")
+def like_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """LIKE_MODEL, made once per run by the repo's own command. Read-only."""
+    name, layers = LIKE_MODEL
+    return _made_once(
+        tmp_path_factory, TEST_LIKE_MODEL_ENV, name, ["--like", name, "--layers", str(layers)]
+    )
+
+
+def _made_once(
+    tmp_path_factory: pytest.TempPathFactory, env: str, name: str, options: list[str]
+) -> Path:
+    """`robustrl model init OPTIONS` once per run, or the copy `env` names. Under
+    pytest-xdist the workers share one copy: the first to get here makes it in the run's
+    common folder, the others wait on the lock and use it."""
+    prebuilt = os.environ.get(env)
     if prebuilt:
         made = Path(prebuilt)
-        assert (made / "config.json").exists(), f"{TEST_MODEL_ENV}={prebuilt} holds no model"
+        assert (made / "config.json").exists(), f"{env}={prebuilt} holds no model"
         return made
     root = tmp_path_factory.getbasetemp()
     if os.environ.get("PYTEST_XDIST_WORKER"):
         root = root.parent
-    out, made = root / "model" / "tiny-qwen", root / "model" / "made"
-    with (root / "model.lock").open("w") as lock:
+    out, made = root / "model" / name, root / "model" / f"{name}.made"
+    with (root / f"{name}.lock").open("w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         if not made.exists():
             shutil.rmtree(out, ignore_errors=True)  # what a worker that failed left
+            init = [sys.executable, "-m", "robustrl.cli.main", "model", "init", "--out", str(out)]
             subprocess.run(
-                [sys.executable, "-m", "robustrl.cli.main", "model", "init", "--out", str(out)],
+                [*init, *options],
                 cwd=Path(__file__).resolve().parents[1],
                 check=True,
                 capture_output=True,

@@ -39,6 +39,9 @@ from robustrl.cli.job_commands import (
 from robustrl.cli.stack_commands import cmd_down, cmd_provider, cmd_up
 
 DEFAULT_MODEL = ".robustrl/models/tiny-qwen"
+LIKE_NAMES = ("qwen2.5-0.5b", "qwen3-0.6b", "llama-3.2-1b")
+"""`model init --like` (generation/real_shapes.py's LIKE, named here: the CLI imports no torch
+to parse its arguments)."""
 
 
 def cmd_model_init(args: argparse.Namespace) -> int:
@@ -47,6 +50,19 @@ def cmd_model_init(args: argparse.Namespace) -> int:
         console.print(f"model already at {out} (use --force to make it again)")
         return 0
     # torch is imported only here: the rest of the CLI stays free of the model stack.
+    if args.like:
+        from robustrl.generation.real_shapes import write_like
+
+        try:
+            write_like(args.like, out, seed=args.seed, layers=args.layers)
+        except ValueError as exc:
+            err_console.print(f"robustrl: error: {exc}")
+            return 2
+        console.print(f"model like {args.like} written to {out}")
+        return 0
+    if args.layers is not None:
+        err_console.print("robustrl: error: --layers goes with --like")
+        return 2
     from robustrl.generation import modelgen
 
     argv = ["--out", str(out), "--seed", str(args.seed)]
@@ -201,9 +217,22 @@ def build_parser() -> argparse.ArgumentParser:
 
     model = sub.add_parser("model", help="the local tiny model")
     model_sub = model.add_subparsers(dest="model_command", required=True, metavar="ACTION")
-    init = model_sub.add_parser("init", help="write a tiny Qwen-family model (+ SFT warm-up)")
+    init = model_sub.add_parser(
+        "init",
+        help="write the tiny Qwen-family model (+ SFT warm-up), or one shaped like a release",
+    )
     init.add_argument("--out", default=DEFAULT_MODEL, help=f"directory (default {DEFAULT_MODEL})")
     init.add_argument("--seed", type=int, default=0)
+    init.add_argument(
+        "--like",
+        choices=LIKE_NAMES,
+        help="a release's architecture, config and vocabulary, random weights, bf16",
+    )
+    init.add_argument(
+        "--layers",
+        type=_whole_number(1, None, "--layers: at least 1"),
+        help="with --like: keep the first N layers (a shallow copy for tests)",
+    )
     init.add_argument("--sft-steps", type=int, default=None, help="0 skips the warm-up")
     init.add_argument("--force", action="store_true", help="overwrite an existing model")
     init.set_defaults(func=cmd_model_init)

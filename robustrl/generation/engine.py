@@ -38,7 +38,15 @@ from typing import Literal
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerBase
 
+from robustrl.generation.serving import (
+    TensorSpec,
+    checkpoint_dtype,
+    checkpoint_specs,
+    distinct_tensors,
+)
 from robustrl.weights.transport import LocalSource
+
+__all__ = ["TensorSpec"]  # re-exported: engines and their callers name it from here
 
 FinishReason = Literal["stop", "length"]
 
@@ -92,10 +100,9 @@ class Completion:
     """Decoded completion without special tokens: what a reward function sees."""
 
 
-@dataclass(frozen=True)
-class TensorSpec:
-    shape: tuple[int, ...]
-    dtype: torch.dtype
+class WeightsRefused(ValueError):
+    """A weight update whose names, shapes or dtypes are not the model's: nothing changed. Any
+    engine on the same checkpoint refuses it the same way."""
 
 
 class SourceGone(RuntimeError):
@@ -208,7 +215,7 @@ def validate_weights(
         if tensor.dtype != spec.dtype:
             problems.append(f"{name}: dtype {tensor.dtype}, expected {spec.dtype}")
     if problems:
-        raise ValueError("weight update rejected, model unchanged: " + "; ".join(problems))
+        raise WeightsRefused("weight update rejected, model unchanged: " + "; ".join(problems))
     return incoming
 
 
@@ -242,14 +249,19 @@ class TorchEngine(Engine):
         # Held for a whole generate() and a whole load_weights(), so a weight swap lands
         # between generation calls, never inside one.
         self._lock = threading.Lock()
+        # A tied matrix once, under the name its checkpoint keeps (serving.py).
         self._specs = {
-            name: TensorSpec(tuple(t.shape), t.dtype) for name, t in model.state_dict().items()
+            name: TensorSpec(tuple(t.shape), t.dtype)
+            for name, t in distinct_tensors(model.state_dict().items())
         }
 
     @classmethod
     def from_pretrained(
-        cls, model_dir: str | Path, *, device: str = "cpu", dtype: torch.dtype = torch.float32
+        cls, model_dir: str | Path, *, device: str = "cpu", dtype: torch.dtype | None = None
     ) -> TorchEngine:
+        """The model in `dtype`, by default its checkpoint's own (fp32 where it mixes)."""
+        if dtype is None:
+            dtype = checkpoint_dtype(checkpoint_specs(model_dir)) or torch.float32
         tokenizer = AutoTokenizer.from_pretrained(model_dir)
         model: torch.nn.Module = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype)
         return cls(model.to(device), tokenizer)
@@ -382,6 +394,7 @@ class TorchEngine(Engine):
         incoming = validate_weights(self._specs, named_tensors)
         with self._lock, torch.no_grad():
             # Validation above guarantees every copy_ below succeeds, so the swap is all or none.
-            for name, target in self.model.state_dict().items():
+            # A tied alias shares its storage with a name copied here.
+            for name, target in distinct_tensors(self.model.state_dict().items()):
                 target.copy_(incoming[name])
             self.weight_version = self.weight_version + 1 if version is None else version

@@ -52,6 +52,7 @@ from robustrl.generation.engine import (
     TokenCallback,
     validate_weights,
 )
+from robustrl.generation.serving import checkpoint_dtype, checkpoint_specs
 from robustrl.generation.vllm_plugin import BACKEND, BUSY_LOOP_ENV, ERRORS_ENV, OWNER_ENV
 from robustrl.weights.protocol import NOT_HELD
 from robustrl.weights.transport import LocalSource
@@ -59,18 +60,6 @@ from robustrl.weights.transport import LocalSource
 T = TypeVar("T")
 Dtype = Literal["auto", "half", "float16", "bfloat16", "float", "float32"]
 
-_SAFETENSORS_DTYPES = {
-    "F64": torch.float64,
-    "F32": torch.float32,
-    "F16": torch.float16,
-    "BF16": torch.bfloat16,
-    "I64": torch.int64,
-    "I32": torch.int32,
-    "I16": torch.int16,
-    "I8": torch.int8,
-    "U8": torch.uint8,
-    "BOOL": torch.bool,
-}
 
 START_TIMEOUT_S = 600.0
 """The longest the engine's processes may take to start (a large model's load on a GPU)."""
@@ -86,31 +75,6 @@ class EngineStartError(RuntimeError):
 
 class EngineDead(RuntimeError):
     """The engine's own process died under a call (its message says how)."""
-
-
-def checkpoint_specs(model_dir: str | Path) -> dict[str, TensorSpec]:
-    """Name -> shape/dtype of every tensor in a Hugging Face safetensors checkpoint (header
-    only; no tensor is read)."""
-    from safetensors import safe_open
-
-    files = sorted(Path(model_dir).glob("*.safetensors"))
-    if not files:
-        raise ValueError(f"no *.safetensors files in {model_dir}")
-    specs: dict[str, TensorSpec] = {}
-    for f in files:
-        try:
-            with safe_open(str(f), framework="pt") as st:
-                for name in st.keys():  # noqa: SIM118 - safe_open is not a mapping
-                    sl = st.get_slice(name)
-                    dtype_name = sl.get_dtype()
-                    if dtype_name not in _SAFETENSORS_DTYPES:
-                        raise ValueError(f"{f}: tensor {name} has unsupported dtype {dtype_name}")
-                    specs[name] = TensorSpec(tuple(sl.get_shape()), _SAFETENSORS_DTYPES[dtype_name])
-        except ValueError:
-            raise
-        except Exception as exc:  # safetensors' own error for a file it cannot read
-            raise ValueError(f"{f}: not a readable safetensors file ({exc})") from exc
-    return specs
 
 
 def completion_from_output(prompt_ids: list[int], output: Any, eos_id: int) -> Completion:
@@ -429,15 +393,13 @@ def _gist(exc: BaseException | str, limit: int = 300) -> str:
 
 
 def _checkpoint_dtype(specs: dict[str, TensorSpec]) -> Dtype:
-    floats = {spec.dtype for spec in specs.values() if spec.dtype.is_floating_point}
     names: dict[torch.dtype, Dtype] = {
         torch.float32: "float32",
         torch.bfloat16: "bfloat16",
         torch.float16: "float16",
     }
-    if len(floats) != 1 or next(iter(floats)) not in names:
-        return "auto"
-    return names[next(iter(floats))]
+    dtype = checkpoint_dtype(specs)
+    return "auto" if dtype is None else names.get(dtype, "auto")
 
 
 def _stage(tensors: dict[str, torch.Tensor], version: int) -> Path:

@@ -20,7 +20,7 @@ def build_engine(spec: JobSpec, settings: RolloutSettings) -> Engine:
     start (the model, or the host)."""
     path = Path(spec.model.path)
     if spec.rollout.engine == "torch":
-        # On the host's GPU where it has one, in fp32 as on the CPU.
+        # On the host's GPU where it has one, in the checkpoint's dtype.
         return TorchEngine.from_pretrained(
             str(path), device="cuda" if torch.cuda.is_available() else "cpu"
         )

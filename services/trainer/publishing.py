@@ -14,6 +14,7 @@ from robustrl.contracts.jobspec import JobSpec
 from robustrl.core.etcd_client import until_etcd_answers
 from robustrl.core.logs import get_logger
 from robustrl.core.runtime import ServiceRuntime
+from robustrl.generation.serving import TensorSpec, checkpoint_specs, serving_state
 from robustrl.weights import WeightTransport, make_transport
 from robustrl.weights.checksums import algorithm_for
 from robustrl.weights.ucx.transport import UcxTransport
@@ -62,15 +63,20 @@ async def publish_weights(
     model: torch.nn.Module,
     step: int,
     *,
+    form: dict[str, TensorSpec],
     on_nonfinite: Callable[[str], None],
     on_wait: Callable[[], None],
+    unloadable: bool = False,
 ) -> None:
-    """Publish `model`'s weights as version `step`. Non-finite values are never published:
-    `on_nonfinite("weights")`, then NonFiniteWeights. `on_wait` runs while etcd does not
-    answer."""
-    # No copy here: the transport copies before publish returns, and the model does not
-    # change while this step awaits it.
-    tensors = [(name, t.detach()) for name, t in model.state_dict().items()]
+    """Publish `model`'s weights as version `step`, in their serving `form` (the checkpoint's
+    names and dtypes). Non-finite values are never published: `on_nonfinite("weights")`, then
+    NonFiniteWeights. `on_wait` runs while etcd does not answer. `unloadable`: without the
+    last tensor (`faults.unloadable_from_step`)."""
+    # No copy where the dtypes agree: the transport copies before publish returns, and the
+    # model does not change while this step awaits it.
+    tensors = await asyncio.to_thread(serving_state, model, form)
+    if unloadable:
+        tensors = tensors[:-1]
 
     def nonfinite() -> list[str]:
         return [name for name, t in tensors if not bool(torch.isfinite(t).all())]
@@ -97,7 +103,12 @@ def share_settings(
             f"this trainer's weight transport is {transport.name} (UCX could not start here)"
         )
     algorithm = transport.publisher.checksum_algorithm or algorithm_for(device)
-    return ShareSettings(spec.trainer.weight_bucket_mib << 20, algorithm, transport.take_buffer)
+    return ShareSettings(
+        spec.trainer.weight_bucket_mib << 20,
+        algorithm,
+        transport.take_buffer,
+        checkpoint_specs(spec.model.path),
+    )
 
 
 async def publish_share(

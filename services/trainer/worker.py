@@ -35,6 +35,7 @@ from robustrl.core.logs import get_logger
 from robustrl.core.runtime import ServiceRuntime, long_lived_objects
 from robustrl.generation.engine import ContextExceeded
 from robustrl.generation.rewards import RewardError
+from robustrl.generation.serving import TensorSpec, checkpoint_specs, serving_state
 from robustrl.generation.tasks import UnknownTaskError
 from robustrl.v1 import coordinator_pb2, trainer_pb2
 from robustrl.weights import WeightTransport, warm_up_ucxx
@@ -125,6 +126,8 @@ class TrainerWorker:
         self._stopping = False
         # Filled by prepare() and load():
         self.model: Any = None
+        self.serving_form: dict[str, TensorSpec] = {}
+        """What each version is published as: the checkpoint's tensors (generation/serving.py)."""
         self.tokenizer: Any = None
         self.trainer: grpo.GRPOTrainer | None = None
         self.evaluation: Evaluation | None = None
@@ -163,8 +166,15 @@ class TrainerWorker:
         torch.manual_seed(spec.seed)
         with long_lived_objects():
             self.tokenizer = AutoTokenizer.from_pretrained(path)
+            # fp32 master weights whatever the checkpoint's dtype; versions are published in
+            # the checkpoint's (docs/decisions/0406).
             self.model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
             self.model.to(self.compute.device)
+        try:
+            self.serving_form = checkpoint_specs(path)
+            serving_state(self.model, self.serving_form)
+        except ValueError as exc:
+            raise InvalidArgument(f"model.path: {exc}") from exc
         self.trainer = grpo.GRPOTrainer(
             self.model,
             grpo.grpo_config(spec),
@@ -190,6 +200,10 @@ class TrainerWorker:
             )
         if self.rank > 0:
             self.compute = compute_for(self.spec.trainer, self.rank)
+            if self.compute.device.type == "cuda":
+                # Its own GPU for what runs on "the current device" too (NCCL, new tensors),
+                # not cuda:0, which rank 0 of a multi-GPU host computes on.
+                torch.cuda.set_device(self.compute.device)
             self.model.to(self.compute.device)
             return
         if self.epoch == FIRST_EPOCH:
@@ -465,8 +479,10 @@ class TrainerWorker:
                 transport,
                 self.model,
                 self.step,
+                form=self.serving_form,
                 on_nonfinite=self._count_nonfinite,
                 on_wait=on_wait,
+                unloadable=0 < self.spec.faults.unloadable_from_step <= self.step,
             )
         # The weight plane's counts (buckets served to rollouts so far), as of this publish.
         self.progress.counters.update(

@@ -294,7 +294,7 @@ def test_a_weight_swap_waits_for_the_generation_in_progress(
 def test_vllm_weight_specs_come_from_the_checkpoint_header(
     engine: TorchEngine, tiny_model_dir: Path
 ) -> None:
-    from robustrl.generation.vllm_engine import checkpoint_specs
+    from robustrl.generation.serving import checkpoint_specs
 
     assert checkpoint_specs(tiny_model_dir) == engine.weight_specs()
 

@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Shard
 
+from robustrl.generation.serving import TensorSpec, serving_state
 from robustrl.weights.checksums import bucket_checksum
 from robustrl.weights.protocol import TensorEntry, bucket_share, plan_layout
 from robustrl.weights.ucx.publisher import VersionShare
@@ -41,6 +42,8 @@ class ShareSettings:
     bucket_bytes: int
     algorithm: str
     take_buffer: TakeBuffer
+    form: dict[str, TensorSpec]
+    """The serving form the version is packed in (generation/serving.py)."""
 
 
 @dataclass(frozen=True)
@@ -63,6 +66,7 @@ def pack_group_share(
             bucket_bytes=settings.bucket_bytes,
             algorithm=settings.algorithm,
             take_buffer=settings.take_buffer,
+            form=settings.form,
         )
 
 
@@ -74,10 +78,12 @@ def pack_share(
     bucket_bytes: int,
     algorithm: str,
     take_buffer: TakeBuffer,
+    form: dict[str, TensorSpec] | None = None,
 ) -> PackedShare:
     """This rank's share of `model`'s weights as a version (see the module docstring). Joins
-    one collective per piece that crosses ranks and one that shares the checksums."""
-    state = list(model.state_dict().items())
+    one collective per piece that crosses ranks and one that shares the checksums. In its
+    serving `form` where given, else as the model holds it."""
+    state = list(model.state_dict().items()) if form is None else serving_state(model, form)
     meta = [(name, torch.empty(t.shape, dtype=t.dtype, device="meta")) for name, t in state]
     entries, total, spans = plan_layout(meta, bucket_bytes)
     owned = [bucket_share(len(spans), r, world_size) for r in range(world_size)]
