@@ -57,7 +57,9 @@ def test_a_bf16_tied_checkpoint_with_a_real_vocabulary_trains_on_each_engine(
         "trainer.groups_per_step=2",
         "rollout.group_size=2",
         "rollout.max_new_tokens=6",
-        # Each step waits for the version before it: every version is loaded by a rollout.
+        # One rollout, one engine to start. Each step waits for the version before it: the
+        # rollout loads every version.
+        "rollout.replicas=1",
         "trainer.max_staleness=0",
     )
     watch = stack.run("watch", job, check=False, timeout=540)
@@ -99,6 +101,7 @@ def test_a_version_vllm_cannot_load_fails_the_job_once_naming_the_tensor(
         "trainer.groups_per_step=2",
         "rollout.group_size=2",
         "rollout.max_new_tokens=6",
+        "rollout.replicas=1",
         # From step 2 on, each version lacks the checkpoint's last tensor, the final norm.
         "faults.unloadable_from_step=2",
     )
