@@ -81,12 +81,11 @@ def distinct_tensors(
     return kept
 
 
-def serving_state(
+def check_form(
     model: torch.nn.Module, form: dict[str, TensorSpec]
 ) -> list[tuple[str, torch.Tensor]]:
-    """The model's weights in its serving form, in the model's order: each tensor of `form`,
-    cast to the dtype `form` gives it (a view where it already has it). ValueError naming the
-    tensors when the model and the form disagree on names or shapes."""
+    """The model's distinct tensors, in its order, once they match `form`'s names and shapes;
+    ValueError naming the tensors where they do not. Casts nothing."""
     state = distinct_tensors(model.state_dict().items())
     names = {name for name, _ in state}
     problems = []
@@ -100,4 +99,13 @@ def serving_state(
             problems.append(f"{name}: shape {tuple(tensor.shape)}, the checkpoint's {spec.shape}")
     if problems:
         raise ValueError("the model does not match its checkpoint: " + "; ".join(problems))
-    return [(name, tensor.detach().to(form[name].dtype)) for name, tensor in state]
+    return state
+
+
+def serving_state(
+    model: torch.nn.Module, form: dict[str, TensorSpec]
+) -> list[tuple[str, torch.Tensor]]:
+    """The model's weights in its serving form, in the model's order: each tensor of `form`,
+    cast to the dtype `form` gives it (a view where it already has it). ValueError naming the
+    tensors when the model and the form disagree on names or shapes (`check_form`)."""
+    return [(name, t.detach().to(form[name].dtype)) for name, t in check_form(model, form)]

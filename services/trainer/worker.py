@@ -35,7 +35,7 @@ from robustrl.core.logs import get_logger
 from robustrl.core.runtime import ServiceRuntime, long_lived_objects
 from robustrl.generation.engine import ContextExceeded
 from robustrl.generation.rewards import RewardError
-from robustrl.generation.serving import TensorSpec, checkpoint_specs, serving_state
+from robustrl.generation.serving import TensorSpec, check_form, checkpoint_specs
 from robustrl.generation.tasks import UnknownTaskError
 from robustrl.v1 import coordinator_pb2, trainer_pb2
 from robustrl.weights import WeightTransport, warm_up_ucxx
@@ -172,7 +172,7 @@ class TrainerWorker:
             self.model.to(self.compute.device)
         try:
             self.serving_form = checkpoint_specs(path)
-            serving_state(self.model, self.serving_form)
+            check_form(self.model, self.serving_form)  # at the start, without a copy
         except ValueError as exc:
             raise InvalidArgument(f"model.path: {exc}") from exc
         self.trainer = grpo.GRPOTrainer(
