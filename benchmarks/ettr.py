@@ -214,6 +214,7 @@ def run_mode(
             "--standby-rollouts",
             str(standby_rollouts),
             *([] if standby_nice is None else ["--standby-nice", str(standby_nice)]),
+            *([] if template else ["--no-template"]),
         )
         try:
             job = f"ettr-{name.replace('_', '-')}"
@@ -323,8 +324,8 @@ def main() -> None:
         "--no-template",
         dest="template",
         action="store_false",
-        help="start every provisioned member as a fresh interpreter (the coordinator's "
-        "provision_template off), to measure what the warm template saves",
+        help="start every member as a fresh interpreter (`robustrl up --no-template`), "
+        "to measure what the warm template saves",
     )
     parser.add_argument(
         "--standby-nice",

@@ -152,6 +152,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="how much history etcd keeps before compacting it, e.g. 30s, 5m, 1h "
         f"(default {stack.ETCD_HISTORY_RETENTION})",
     )
+    up.add_argument(
+        "--no-template",
+        dest="template",
+        action="store_false",
+        help="start every trainer and rollout as a fresh interpreter, those started here and "
+        "the coordinators' replacements, instead of forking them from a warm template",
+    )
     up.add_argument("--timeout", type=float, default=60.0, help="seconds to wait for health")
     up.add_argument("--job", help="submit this job spec once the stack is up")
     up.add_argument("--json", action="store_true", help=argparse.SUPPRESS)

@@ -17,6 +17,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
@@ -30,6 +31,7 @@ from robustrl.contracts.provisioning import ProvisionedRecord, list_provisioned
 from robustrl.core.config import EtcdSettings, member_argv, member_env
 from robustrl.core.etcd_client import connect_etcd
 from robustrl.core.processes import running
+from robustrl.core.template import PRELOAD, TemplateRefused, request_fork
 
 STATE_FILE = "stack.json"
 
@@ -54,6 +56,8 @@ class StackState:
     etcd_client_port: int = 0
     etcd_peer_port: int = 0
     prefix: str = "/robustrl"
+    template_socket: str = ""
+    """The Unix socket of the stack's warm template, if `up` started one."""
     procs: list[Proc] = field(default_factory=list)
 
     def save(self) -> None:
@@ -281,12 +285,73 @@ def service_env(
     return {**member_env(state.etcd_endpoints, state.prefix, role, instance_id), **extra}
 
 
+FORKED_ROLES = ("trainer", "rollout")
+"""The members `up` forks from the stack's warm template: those that import torch."""
+
+
+def start_template(state: StackState) -> Proc:
+    """The stack's warm template (`robustrl/core/template.py`): it imports the trainer's and
+    the rollout's libraries once, and `up` and the coordinators' local provisioner fork those
+    members from it (decision 0023). It serves until `down` stops it."""
+    socket_dir = Path(tempfile.mkdtemp(prefix="robustrl-tpl-"))  # short: the AF_UNIX limit
+    state.template_socket = str(socket_dir / "fork.sock")
+    argv = [sys.executable, "-m", "robustrl.core.template", "--stay", state.template_socket]
+    return spawn(state, "template", [*argv, *PRELOAD], {}, role="template")
+
+
+def template_ready(state: StackState, template: Proc, timeout: float) -> bool:
+    """Wait until the template serves (it imports for 5-10 s of a core): False where it
+    exited or did not get there within `timeout` (members then start fresh)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and is_running(template):
+        if Path(state.template_socket).exists():
+            return True
+        time.sleep(0.1)
+    return False
+
+
+def remove_template(state: StackState) -> None:
+    """The template's socket directory, once the template is stopped."""
+    if state.template_socket:
+        shutil.rmtree(Path(state.template_socket).parent, ignore_errors=True)
+        state.template_socket = ""
+
+
 def start_service(
-    state: StackState, role: str, instance_id: str, extra_env: dict[str, str] | None = None
+    state: StackState,
+    role: str,
+    instance_id: str,
+    extra_env: dict[str, str] | None = None,
+    *,
+    fork: bool = False,
 ) -> Proc:
+    """`fork`: from the stack's template where it answers, else (and otherwise) fresh."""
     argv = member_argv(role)
     env = service_env(state, role, instance_id, extra_env or {})
+    if fork and state.template_socket and role in FORKED_ROLES:
+        forked = fork_service(state, instance_id, argv[-1], env, role)
+        if forked is not None:
+            return forked
     return spawn(state, instance_id, argv, env, role=role)
+
+
+def fork_service(
+    state: StackState, name: str, module: str, env: dict[str, str], role: str
+) -> Proc | None:
+    logs = Path(state.home) / "logs"
+    logs.mkdir(parents=True, exist_ok=True)
+    log_path = logs / f"{name}.log"
+    try:
+        pid, argv = request_fork(state.template_socket, module, {**os.environ, **env}, log_path)
+    except (OSError, TimeoutError, TemplateRefused) as exc:
+        print(
+            f"warning: the template did not fork {name} ({exc}); starting it fresh", file=sys.stderr
+        )
+        return None
+    proc = Proc(name=name, pid=pid, argv=argv, log=str(log_path), role=role)
+    state.procs.append(proc)
+    state.save()
+    return proc
 
 
 def wait_until(predicate: Callable[[], bool], timeout: float, what: str, procs: list[Proc]) -> None:
@@ -324,7 +389,7 @@ def stop_procs(procs: list[Proc], timeout: float = 10.0) -> list[str]:
     return stopped
 
 
-STOP_ORDER = {"coordinator": 0, "monitor": 2, "etcd": 3}
+STOP_ORDER = {"coordinator": 0, "template": 0, "monitor": 2, "etcd": 3}
 """When `stop_stack` stops each kind of process; the data plane (trainers, rollouts) at 1."""
 
 
@@ -344,6 +409,7 @@ def stop_stack(state: StackState) -> list[str]:
     stopped += stop_procs(at(1) + provisioned_procs(state))
     stopped += stop_procs(at(2))
     stopped += stop_procs(at(3))
+    remove_template(state)
     return stopped
 
 

@@ -32,8 +32,12 @@ def cmd_up(args: argparse.Namespace) -> int:
         state.etcd_peer_port = previous.etcd_peer_port
     state.save()
     nice = standby_nice(args.standby_nice)
+    members = args.trainers + args.standby_trainers + args.rollouts + args.standby_rollouts
     try:
         etcd = stack.start_etcd(state, args.etcd_history)
+        # Importing torch takes the template 5-10 s of a core: it does so while etcd, the
+        # monitors and the coordinators start (decision 0023).
+        template = stack.start_template(state) if members and args.template else None
         wait_for_etcd(state, etcd)
         services = [
             stack.start_service(state, "monitor", f"monitor-{i}") for i in range(args.monitors)
@@ -43,22 +47,35 @@ def cmd_up(args: argparse.Namespace) -> int:
             extra = {
                 "ROBUSTRL_COORDINATOR_PROVISION_LOG_DIR": str(home / "logs"),
                 "ROBUSTRL_COORDINATOR_PROVISIONER": args.provisioner,
+                "ROBUSTRL_COORDINATOR_PROVISION_TEMPLATE_SOCKET": state.template_socket,
+                **({} if args.template else {"ROBUSTRL_COORDINATOR_PROVISION_TEMPLATE": "false"}),
                 **nice,  # the local provisioner's members inherit it (only standbys use it)
             }
             services.append(stack.start_service(state, "coordinator", f"coordinator-{i}", extra))
+        fork = template is not None and stack.template_ready(state, template, args.timeout)
+        if template is not None and not fork:
+            console.print(
+                f"[yellow]warning[/yellow]: the warm template is not serving; members start "
+                f"fresh. Its log ends:\n{stack.log_tail(template)}"
+            )
         for i in range(args.trainers):
-            services.append(stack.start_service(state, "trainer", f"trainer-{i}"))
+            services.append(stack.start_service(state, "trainer", f"trainer-{i}", fork=fork))
         for i in range(args.standby_trainers):
             standby = {"ROBUSTRL_TRAINER_STANDBY": "true", **nice}
-            services.append(stack.start_service(state, "trainer", f"standby-{i}", standby))
+            services.append(
+                stack.start_service(state, "trainer", f"standby-{i}", standby, fork=fork)
+            )
         for i in range(args.rollouts):
-            services.append(stack.start_service(state, "rollout", f"rollout-{i}"))
+            services.append(stack.start_service(state, "rollout", f"rollout-{i}", fork=fork))
         for i in range(args.standby_rollouts):
             standby = {"ROBUSTRL_ROLLOUT_STANDBY": "true", **nice}
-            services.append(stack.start_service(state, "rollout", f"standby-rollout-{i}", standby))
+            services.append(
+                stack.start_service(state, "rollout", f"standby-rollout-{i}", standby, fork=fork)
+            )
         wait_for_members(state, services, timeout=args.timeout)
     except (stack.StackError, KeyboardInterrupt):
         stack.stop_procs(state.procs)
+        stack.remove_template(state)
         raise
     console.print(f"[green]stack up[/green]: etcd at {state.etcd_endpoints}, state in {home}")
     rc = with_client(args, lambda c: print_members(c, as_json=False))

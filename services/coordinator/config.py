@@ -54,3 +54,8 @@ class CoordinatorSettings(ServiceSettings):
     trainer's and rollout's libraries once (started with the first member it provisions): a
     member then skips about 5 s of a core of imports (decision 0307). False: every member
     starts as a fresh interpreter."""
+
+    provision_template_socket: str = ""
+    """The Unix socket of a template already running on this host (`robustrl up` starts one
+    for its stack and sets this): the local provisioner forks from it instead of starting its
+    own (decision 0023). Empty: its own, as `provision_template` says."""

@@ -31,8 +31,8 @@ from robustrl.contracts.roles import ROLE_FROM_PROTO, ROLE_TO_PROTO
 from robustrl.core.aio import cancel_and_wait
 from robustrl.core.config import EtcdSettings, member_argv, member_env
 from robustrl.core.logs import get_logger
+from robustrl.core.template import WarmTemplate
 from robustrl.v1 import provisioning_pb2
-from services.coordinator.template import WarmTemplate
 
 log = get_logger(__name__)
 
@@ -69,7 +69,8 @@ class NoProvisioner(Provisioner):
 
 class LocalProvisioner(Provisioner):
     """Starts `python -m services.<role>` on this host, with this process's ROBUSTRL_* env:
-    forked from the warm template (`template.py`) once it is up, else a fresh interpreter."""
+    forked from the warm template (`robustrl/core/template.py`: the stack's, or one of its
+    own started with the first member) once it is up, else a fresh interpreter."""
 
     def __init__(
         self,
@@ -79,6 +80,7 @@ class LocalProvisioner(Provisioner):
         log_dir: str = "",
         *,
         template: bool = True,
+        template_socket: str = "",
     ) -> None:
         self.client = client
         self.keys = keys
@@ -87,6 +89,8 @@ class LocalProvisioner(Provisioner):
         # coordinator that never provisions leaves no empty directory behind.
         self.log_dir = Path(log_dir) if log_dir else None
         self.use_template = template
+        self.template_socket = template_socket
+        """The stack's template (`robustrl up` started it): used instead of one of our own."""
         self.template: WarmTemplate | None = None
         """Started with the first member: a coordinator that never provisions runs none."""
         # Held so asyncio keeps reaping them; nothing else reads it.
@@ -110,7 +114,7 @@ class LocalProvisioner(Provisioner):
         self.log_dir.mkdir(parents=True, exist_ok=True)
         log_path = self.log_dir / f"{instance_id}.log"
         if self.use_template and self.template is None:
-            self.template = WarmTemplate(self.log_dir)
+            self.template = WarmTemplate(self.log_dir, attached=self.template_socket)
             await self.template.start()
         launch = self._launch(instance_id, role, env, log_path, job_id, reason)
         if self.template is None or self.template.ready:

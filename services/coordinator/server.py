@@ -331,6 +331,7 @@ async def serve(settings: CoordinatorSettings, etcd: EtcdSettings) -> ServiceRun
             etcd,
             settings.provision_log_dir,
             template=settings.provision_template,
+            template_socket=settings.provision_template_socket,
         )
     elif settings.provisioner == "external":
         driver.provisioner = ExternalProvisioner(etcd)

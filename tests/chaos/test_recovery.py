@@ -30,6 +30,7 @@ from tests.support.accounting import assert_nothing_lost_or_trained_twice
 from tests.support.cli import Cli
 from tests.support.detection import detection_stack, incidents, member, step_of
 from tests.support.paths import REPO
+from tests.support.processes import parent_of
 from tests.support.recovery import (
     LONG_STEPS,
     ROLLOUT_1_REPLACED,
@@ -330,6 +331,11 @@ def test_a_killed_rollout_is_replaced_and_the_trainer_never_pauses(
     assert rec["actions"] == ROLLOUT_1_REPLACED
     assert rec["done_at"] and rec["replacements"][0].startswith("rollout-p")
     assert member(stack, "trainer-0")  # the trainer was never replaced
+    # The leader forked the replacement from the stack's template (no imports of its own).
+    state = StackState.load(stack.home)
+    assert state is not None
+    template = next(p for p in state.procs if p.role == "template")
+    assert parent_of(int(member(stack, rec["replacements"][0])["pid"])) == template.pid
     run = runs_of(stack) / "rc"
     assert_nothing_lost_or_trained_twice(stack, "rc", run, steps_run=steps)
     # The trainer kept stepping through the recovery, at its normal pace or near it, also

@@ -18,6 +18,7 @@ from robustrl.cli.stack import StackState, find_etcd, is_running
 from tests.support import eventually_sync
 from tests.support.cli import Cli
 from tests.support.paths import EXAMPLE, REPO
+from tests.support.processes import parent_of
 from tests.support.recovery import end_after_recoveries
 
 TTL = 5.0  # the default session TTL the stack runs with
@@ -194,9 +195,16 @@ def test_a_member_killed_with_9_leaves_and_the_monitor_reports_it(cli: Cli) -> N
 @pytest.mark.slow
 def test_down_stops_exactly_what_up_started(cli: Cli) -> None:
     state = StackState.load(cli.home)
-    assert state is not None and len(state.procs) == 6  # etcd + 5 services
+    assert state is not None and len(state.procs) == 7  # etcd, the warm template, 5 services
+    # The trainer and the rollout were forked from the stack's template (their imports done).
+    template = next(p for p in state.procs if p.role == "template")
+    forked = [p for p in state.procs if p.role in ("trainer", "rollout")]
+    assert len(forked) == 2 and all(parent_of(p.pid) == template.pid for p in forked)
+    socket_dir = Path(state.template_socket).parent
+    assert socket_dir.is_dir()
     cli.run("down")
     assert not any(is_running(p) for p in state.procs)
+    assert not socket_dir.exists()
     assert "no local stack running" in cli.run("jobs", check=False).stderr
 
 

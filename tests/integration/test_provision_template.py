@@ -20,13 +20,9 @@ from robustrl.core.processes import running
 from robustrl.core.registry import Registry
 from services.coordinator.provisioner import LocalProvisioner
 from tests.support import eventually
+from tests.support.processes import parent_of
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]
-
-
-def parent_of(pid: int) -> int:
-    stat = Path(f"/proc/{pid}/stat").read_text()
-    return int(stat[stat.rindex(")") + 2 :].split()[1])
 
 
 async def test_members_are_forked_from_the_template_register_and_outlive_it(

@@ -18,6 +18,12 @@ def process_state(pid: int, thread: int | None = None) -> str:
     return stat.read_text().rsplit(")", 1)[-1].split()[0]
 
 
+def parent_of(pid: int) -> int:
+    """The parent pid /proc shows for pid."""
+    stat = Path(f"/proc/{pid}/stat").read_text()
+    return int(stat[stat.rindex(")") + 2 :].split()[1])
+
+
 def stop_process(pid: int, timeout: float = 10.0) -> None:
     """SIGSTOP pid and return once every thread of it is stopped.
 

@@ -1,19 +1,20 @@
-"""The local provisioner's warm template: one process that has imported the trainer's and the
-rollout's libraries once, and forks each member the provisioner starts.
+"""The warm template: one process that has imported the trainer's and the rollout's libraries
+once, and forks each member the local stack or the local provisioner starts.
 
-A member started as a fresh interpreter spends about 5 s of a core importing torch,
-transformers and our services before it does anything of its own; on the local stack that
-core is one the job runs on (decision 0307). A forked child has them imported already, and
-shares their pages with the template until it writes to them.
+A member started as a fresh interpreter spends 5-9 s of a core importing torch, transformers
+and our services before it does anything of its own; on the local stack that core is one the
+job runs on (decisions 0307, 0023). A forked child has them imported already, and shares their
+pages with the template until it writes to them.
 
-    python -m services.coordinator.template SOCKET MODULE...
+    python -m robustrl.core.template [--stay] SOCKET MODULE...
 
 imports each MODULE, then serves on the Unix socket SOCKET. A request is one JSON line,
 {"module": "services.rollout", "env": {...}, "log": "/path/member.log"}; the reply is one JSON
-line, {"pid": N}. The child starts a session of its own, writes to its log, takes exactly the
-environment asked for and runs the module as `python -m` would; the kernel reaps it (the
-template ignores SIGCHLD), so the template holds no child state. The template exits when the
-process that started it has gone, or on SIGTERM.
+line, {"pid": N, "argv": [...]}. The child starts a session of its own, writes to its log,
+takes exactly the environment asked for and runs the module as `python -m` would; the kernel
+reaps it (the template ignores SIGCHLD), so the template holds no child state. The template
+exits on SIGTERM, and, without --stay, once the process that started it has gone (a
+coordinator's own template); `robustrl up` starts one with --stay and `down` stops it.
 """
 
 from __future__ import annotations
@@ -47,8 +48,34 @@ PRELOAD = ("services.trainer.server", "services.rollout.server")
 """What a template imports: the member's whole library stack (torch, transformers, ours)."""
 
 
+class TemplateRefused(RuntimeError):
+    """The template answered a fork request with an error (a bad request, fork failed)."""
+
+
+def request_fork(
+    socket_path: str | Path, module: str, env: dict[str, str], log_path: str | Path
+) -> tuple[int, list[str]]:
+    """Ask the template at `socket_path` to fork `python -m <module>`: its pid and its command
+    line (the template's). OSError or TimeoutError where nothing answers, TemplateRefused where
+    it refuses: the caller then starts the member fresh."""
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as conn:
+        conn.settimeout(10.0)
+        conn.connect(str(socket_path))
+        request = {"module": module, "env": env, "log": str(log_path)}
+        conn.sendall(json.dumps(request).encode() + b"\n")
+        line = conn.makefile("rb").readline()
+    try:
+        reply = json.loads(line)
+    except ValueError as exc:
+        raise TemplateRefused(f"unreadable reply {line[:200]!r}") from exc
+    if "pid" not in reply:
+        raise TemplateRefused(str(reply.get("error", reply)))
+    return int(reply["pid"]), [str(arg) for arg in reply["argv"]]
+
+
 class WarmTemplate:
-    """The provisioner's side: starts the template, asks it to fork members.
+    """The provisioner's side: starts the template (or uses the stack's, `attached`), asks it
+    to fork members.
 
     A member asked for while the template is still importing waits for it, up to
     `ready_wait_s`: a fresh interpreter would spend that time on the same imports, and the
@@ -58,13 +85,27 @@ class WarmTemplate:
     """
 
     def __init__(
-        self, log_dir: Path, preload: tuple[str, ...] = PRELOAD, ready_wait_s: float = 30.0
+        self,
+        log_dir: Path,
+        preload: tuple[str, ...] = PRELOAD,
+        ready_wait_s: float = 30.0,
+        *,
+        attached: str = "",
     ) -> None:
+        """`attached`: the socket of the template `robustrl up` started for its stack; this
+        side then neither starts nor stops one, and a fork it does not answer starts the
+        member fresh."""
         self.log_dir = log_dir
         self.preload = preload
         self.ready_wait_s = ready_wait_s
-        self._dir = Path(tempfile.mkdtemp(prefix="robustrl-tpl-"))  # short: AF_UNIX limit
-        self.socket_path = self._dir / "fork.sock"
+        self._attached = bool(attached)
+        # Short (the AF_UNIX path limit), and not the stack's own: close() removes it.
+        self._dir: Path | None = None
+        if attached:
+            self.socket_path = Path(attached)
+        else:
+            self._dir = Path(tempfile.mkdtemp(prefix="robustrl-tpl-"))
+            self.socket_path = self._dir / "fork.sock"
         self._proc: asyncio.subprocess.Process | None = None
         self._gone_logged = False
 
@@ -75,6 +116,8 @@ class WarmTemplate:
     @property
     def ready(self) -> bool:
         """Forks at once: up and serving, or gone (the member then starts fresh at once)."""
+        if self._attached:
+            return True  # the stack started its members from it: serving, or gone for good
         proc = self._proc
         return proc is not None and (proc.returncode is not None or self.socket_path.exists())
 
@@ -87,25 +130,21 @@ class WarmTemplate:
         if not await self._ready():
             return None
         try:
-            reader, writer = await asyncio.wait_for(
-                asyncio.open_unix_connection(str(self.socket_path)), 5.0
-            )
-            try:
-                request = {"module": module, "env": env, "log": str(log_path)}
-                writer.write(json.dumps(request).encode() + b"\n")
-                await writer.drain()
-                reply = json.loads(await asyncio.wait_for(reader.readline(), 10.0))
-            finally:
-                writer.close()
-        except (OSError, TimeoutError, ValueError) as exc:
+            return await asyncio.to_thread(request_fork, self.socket_path, module, env, log_path)
+        except (OSError, TimeoutError) as exc:
             log.warning("provision.template_unanswered", error=repr(exc)[:200])
-            return None
-        if "pid" not in reply:
-            log.warning("provision.template_refused", error=reply.get("error", reply))
-            return None
-        return int(reply["pid"]), [str(arg) for arg in reply["argv"]]
+        except TemplateRefused as exc:
+            log.warning("provision.template_refused", error=str(exc)[:500])
+        return None
 
     async def _ready(self) -> bool:
+        if self._attached:
+            if self.socket_path.exists():
+                return True
+            if not self._gone_logged:
+                self._gone_logged = True
+                log.warning("provision.template_gone", socket=str(self.socket_path))
+            return False
         proc = self._proc
         assert proc is not None, "start() the template first"
         deadline = time.monotonic() + self.ready_wait_s
@@ -122,6 +161,8 @@ class WarmTemplate:
         return True
 
     async def start(self) -> None:
+        if self._attached:
+            return
         self.log_dir.mkdir(parents=True, exist_ok=True)
         fd = os.open(self.log_dir / "template.log", os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
         try:
@@ -140,7 +181,10 @@ class WarmTemplate:
         log.info("provision.template_started", pid=self._proc.pid, socket=str(self.socket_path))
 
     async def close(self) -> None:
-        """Stop the template (members it forked go on: each is a session of its own)."""
+        """Stop the template (members it forked go on: each is a session of its own); the
+        stack's stays, for the stack's `down` to stop."""
+        if self._attached:
+            return
         proc, self._proc = self._proc, None
         if proc is not None and proc.returncode is None:
             proc.terminate()
@@ -149,10 +193,12 @@ class WarmTemplate:
             except TimeoutError:
                 proc.kill()
                 await proc.wait()
-        shutil.rmtree(self._dir, ignore_errors=True)
+        if self._dir is not None:
+            shutil.rmtree(self._dir, ignore_errors=True)
 
 
-def serve(socket_path: str, preload: list[str]) -> int:
+def serve(socket_path: str, preload: list[str], stay: bool = False) -> int:
+    """`stay`: serve until SIGTERM, not only while the process that started it lives."""
     parent = os.getppid()
     for name in preload:
         importlib.import_module(name)
@@ -165,7 +211,7 @@ def serve(socket_path: str, preload: list[str]) -> int:
     listener.settimeout(_ACCEPT_POLL_S)
     print(f"template.ready socket={socket_path} preloaded={','.join(preload)}", flush=True)
     try:
-        while os.getppid() == parent:
+        while stay or os.getppid() == parent:
             try:
                 conn, _ = listener.accept()
             except TimeoutError:
@@ -243,12 +289,15 @@ def _become(
 
 
 if __name__ == "__main__":
-    if len(sys.argv) < 2:
-        sys.exit("usage: python -m services.coordinator.template SOCKET MODULE...")
+    args = sys.argv[1:]
+    stay = bool(args) and args[0] == "--stay"
+    args = args[1:] if stay else args
+    if not args:
+        sys.exit("usage: python -m robustrl.core.template [--stay] SOCKET MODULE...")
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     code = 0
     try:
-        code = serve(sys.argv[1], sys.argv[2:])
+        code = serve(args[0], args[1:], stay)
     except SystemExit as exc:
         code = exc.code if isinstance(exc.code, int) else 0
     sys.stdout.flush()
