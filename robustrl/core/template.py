@@ -9,9 +9,12 @@ pages with the template until it writes to them.
     python -m robustrl.core.template [--stay] SOCKET MODULE...
 
 imports each MODULE, then serves on the Unix socket SOCKET. A request is one JSON line,
-{"module": "services.rollout", "env": {...}, "log": "/path/member.log"}; the reply is one JSON
-line, {"pid": N, "argv": [...]}. The child starts a session of its own, writes to its log,
-takes exactly the environment asked for and runs the module as `python -m` would; the kernel
+{"module": "services.rollout", "env": {...}, "log": "/path/member.log", "args": [...]}; the
+reply is one JSON line, {"pid": N, "argv": [...]}. Only a preloaded module, or a package above
+one, is run. A request that comes with three file descriptors (SCM_RIGHTS) gets them as the
+child's stdin, stdout and stderr instead of /dev/null and the log. The child starts a session
+of its own, takes exactly the environment asked for and runs the module with `args` as
+`python -m` would; the kernel
 reaps it (the template ignores SIGCHLD), so the template holds no child state. The template
 exits on SIGTERM, and, without --stay, once the process that started it has gone (a
 coordinator's own template); `robustrl up` starts one with --stay and `down` stops it.
@@ -34,6 +37,7 @@ import sys
 import tempfile
 import time
 import traceback
+import warnings
 from pathlib import Path
 from typing import Any, NoReturn
 
@@ -53,16 +57,25 @@ class TemplateRefused(RuntimeError):
 
 
 def request_fork(
-    socket_path: str | Path, module: str, env: dict[str, str], log_path: str | Path
+    socket_path: str | Path,
+    module: str,
+    env: dict[str, str],
+    log_path: str | Path = "",
+    *,
+    args: tuple[str, ...] = (),
+    stdio: tuple[int, int, int] | None = None,
 ) -> tuple[int, list[str]]:
-    """Ask the template at `socket_path` to fork `python -m <module>`: its pid and its command
-    line (the template's). OSError or TimeoutError where nothing answers, TemplateRefused where
-    it refuses: the caller then starts the member fresh."""
+    """Ask the template at `socket_path` to fork `python -m <module> <args>`: its pid and its
+    command line (the template's). Its output goes to `log_path`, or, with `stdio`, it gets
+    those descriptors as its stdin, stdout and stderr. OSError or TimeoutError where nothing
+    answers, TemplateRefused where it refuses: the caller then starts the member fresh."""
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as conn:
         conn.settimeout(10.0)
         conn.connect(str(socket_path))
-        request = {"module": module, "env": env, "log": str(log_path)}
-        conn.sendall(json.dumps(request).encode() + b"\n")
+        request = {"module": module, "env": env, "log": str(log_path), "args": list(args)}
+        payload = json.dumps(request).encode() + b"\n"
+        sent = socket.send_fds(conn, [payload], list(stdio)) if stdio else 0
+        conn.sendall(payload[sent:])
         line = conn.makefile("rb").readline()
     try:
         reply = json.loads(line)
@@ -210,6 +223,7 @@ def serve(socket_path: str, preload: list[str], stay: bool = False) -> int:
     listener.listen(16)
     listener.settimeout(_ACCEPT_POLL_S)
     print(f"template.ready socket={socket_path} preloaded={','.join(preload)}", flush=True)
+    runnable = tuple(preload)
     try:
         while stay or os.getppid() == parent:
             try:
@@ -219,12 +233,17 @@ def serve(socket_path: str, preload: list[str], stay: bool = False) -> int:
             with conn:
                 conn.settimeout(10.0)
                 reply: dict[str, object]
+                fds: list[int] = []
                 try:
-                    request = json.loads(conn.makefile("rb").readline())
+                    request, fds = _read_request(conn)
                     # The child's command line is the template's (fork does not change it).
-                    reply = {"pid": _fork(request, listener, conn), "argv": sys.orig_argv}
+                    pid = _fork(request, fds, runnable, listener, conn)
+                    reply = {"pid": pid, "argv": sys.orig_argv}
                 except Exception as exc:  # a bad request costs that request only
                     reply = {"error": repr(exc)[:500]}
+                finally:
+                    for fd in fds:
+                        os.close(fd)  # the child has its copies
                 with contextlib.suppress(OSError):
                     conn.sendall(json.dumps(reply).encode() + b"\n")
     finally:
@@ -234,27 +253,73 @@ def serve(socket_path: str, preload: list[str], stay: bool = False) -> int:
     return 0
 
 
-def _fork(request: dict[str, Any], listener: socket.socket, conn: socket.socket) -> int:
-    module, env, log = str(request["module"]), dict(request["env"]), str(request["log"])
-    if not module.startswith("services."):
-        raise ValueError(f"not a service module: {module!r}")
-    fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+def _read_request(conn: socket.socket) -> tuple[dict[str, Any], list[int]]:
+    """One request line, and the descriptors that came with it (none, or stdin, stdout and
+    stderr for the child)."""
+    data, fds, _flags, _address = socket.recv_fds(conn, 1 << 16, 3)
+    while not data.endswith(b"\n"):
+        more = conn.recv(1 << 16)
+        if not more:
+            break
+        data += more
+    try:
+        request = json.loads(data)
+        if fds and len(fds) != 3:
+            raise ValueError(f"{len(fds)} descriptors: stdin, stdout and stderr, or none")
+    except Exception:
+        for fd in fds:
+            os.close(fd)
+        raise
+    return request, fds
+
+
+def _runs(module: str, preloaded: tuple[str, ...]) -> bool:
+    """Whether the template runs `module`: one it preloaded, or a package above one."""
+    return any(name == module or name.startswith(module + ".") for name in preloaded)
+
+
+def _fork(
+    request: dict[str, Any],
+    fds: list[int],
+    preloaded: tuple[str, ...],
+    listener: socket.socket,
+    conn: socket.socket,
+) -> int:
+    module, env, log = str(request["module"]), dict(request["env"]), str(request.get("log", ""))
+    args = [str(arg) for arg in request.get("args", [])]
+    if not _runs(module, preloaded):
+        raise ValueError(f"{module!r} is neither preloaded nor a package above one")
+    if fds:
+        stdio = (fds[0], fds[1], fds[2])
+    elif log:
+        out = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+        stdio = (os.open(os.devnull, os.O_RDONLY), out, out)
+    else:
+        raise ValueError("neither a log nor stdin, stdout and stderr")
+    opened = () if fds else set(stdio)  # the template's own: serve() closes the sent ones
     try:
         pid = os.fork()
     except OSError:
-        os.close(fd)
+        for fd in opened:
+            os.close(fd)
         raise
     if pid:
-        os.close(fd)
+        for fd in opened:
+            os.close(fd)
         print(f"template.forked module={module} pid={pid} log={log}", flush=True)
         return pid
-    _become(module, env, fd, listener, conn)  # never returns
+    _become(module, args, env, stdio, listener, conn)  # never returns
 
 
 def _become(
-    module: str, env: dict[str, str], fd: int, listener: socket.socket, conn: socket.socket
+    module: str,
+    args: list[str],
+    env: dict[str, str],
+    stdio: tuple[int, int, int],
+    listener: socket.socket,
+    conn: socket.socket,
 ) -> NoReturn:
-    """In the child: the member `python -m <module>` with `env` would be."""
+    """In the child: the member `python -m <module> <args>` with `env` would be."""
     code = 1
     try:
         listener.close()
@@ -262,19 +327,20 @@ def _become(
         signal.signal(signal.SIGCHLD, signal.SIG_DFL)
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
         os.setsid()  # outlives the coordinator, as a member started fresh does
-        null = os.open(os.devnull, os.O_RDONLY)
-        os.dup2(null, 0)
-        os.dup2(fd, 1)
-        os.dup2(fd, 2)
-        os.close(null)
-        os.close(fd)
+        for target, fd in enumerate(stdio):
+            os.dup2(fd, target)
+        for fd in set(stdio) - {0, 1, 2}:
+            os.close(fd)
         os.environ.clear()
         os.environ.update(env)
         # What an interpreter reads from the environment as it starts and the template read
         # from its own: the member's output buffering (its logs are followed as it runs).
         if isinstance(sys.stdout, io.TextIOWrapper):
             sys.stdout.reconfigure(write_through=bool(env.get("PYTHONUNBUFFERED")))
-        sys.argv = [module]
+        sys.argv = [module, *args]
+        # runpy warns where the module it runs as __main__ is imported already, as the
+        # template imported it: the member runs it afresh all the same.
+        warnings.filterwarnings("ignore", "'.*' found in sys.modules", RuntimeWarning)
         runpy.run_module(module, run_name="__main__", alter_sys=True)
         code = 0
     except SystemExit as exc:

@@ -182,4 +182,13 @@ def test_bad_job_input_fails_the_job_with_a_clear_message_and_no_crash(
         "rollout-1",
         "trainer-0",
     ]
-    assert all(not m["job_id"] for m in members)
+    # A failed job releases its members after it records FAILED: they come free, each.
+    bound: list[tuple[str, str]] = []
+
+    def all_free() -> bool:
+        bound[:] = [
+            (str(m["instance_id"]), str(m["job_id"])) for m in stack.members() if m["job_id"]
+        ]
+        return not bound
+
+    eventually_sync(all_free, timeout=30, interval=0.2, unmet=lambda: f"still bound: {bound}")

@@ -5,6 +5,7 @@ template; with the template off, a member starts as a fresh interpreter."""
 
 from __future__ import annotations
 
+import asyncio
 import os
 import signal
 from pathlib import Path
@@ -18,8 +19,10 @@ from robustrl.contracts.provisioning import ProvisionedRecord
 from robustrl.core.config import EtcdSettings
 from robustrl.core.processes import running
 from robustrl.core.registry import Registry
+from robustrl.core.template import TemplateRefused, request_fork
 from services.coordinator.provisioner import LocalProvisioner
 from tests.support import eventually
+from tests.support.forked import template
 from tests.support.processes import parent_of
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]
@@ -86,3 +89,34 @@ async def test_members_are_forked_from_the_template_register_and_outlive_it(
         for pid in pids:
             if running(pid):
                 os.kill(pid, signal.SIGKILL)
+
+
+async def test_the_template_runs_only_what_it_preloaded_with_the_args_and_pipes_asked_for(
+    tmp_path: Path,
+) -> None:
+    """`json.tool` stands in for a member: it reads stdin, writes stdout, takes arguments."""
+    with template("json.tool") as warm:
+        proc = await warm.spawn("json.tool", ["--compact"], dict(os.environ), tmp_path / "err")
+        assert parent_of(proc.pid) == warm.proc.pid
+        proc.stdin.write(b'{"a": [1, 2]}\n')
+        proc.stdin.close()
+        assert await asyncio.wait_for(proc.stdout.read(), 30) == b'{"a":[1,2]}\n'
+        await asyncio.wait_for(proc.wait(), 30)
+        assert proc.returncode is not None
+        for module in ("os", "services.trainer", "json.decoder", "json.tool.x"):
+            with pytest.raises(TemplateRefused, match="neither preloaded"):
+                request_fork(warm.socket, module, {}, tmp_path / "never.log")
+        assert not (tmp_path / "never.log").exists()
+        with pytest.raises(TemplateRefused, match="neither a log nor"):
+            request_fork(warm.socket, "json.tool", {})
+        # A request with a log and no pipes: stdin is /dev/null, output goes to the log.
+        (tmp_path / "in.json").write_text('{"b": 1}')
+        out = tmp_path / "out.log"
+        request_fork(
+            warm.socket, "json.tool", {}, out, args=("--compact", str(tmp_path / "in.json"))
+        )
+
+        async def logged() -> bool:
+            return out.exists() and out.read_text() == '{"b":1}\n'
+
+        await eventually(logged, timeout=30)

@@ -1,8 +1,8 @@
 """The UCX weight plane across real processes: real ucxx endpoints on loopback, real etcd.
 
-Every trainer, relay and puller is its own process (tests/support/ucx_peer.py) driven
-over stdin/stdout; the test kills them by pid. Tensors are small (about 2 MiB in nine 256 KiB
-buckets): process start-up dominates, and the file takes about 40 s on two idle cores.
+Every trainer, relay and puller is its own process (tests/support/ucx_peer.py), forked from
+one warm template per file and driven over stdin/stdout; the test kills them by pid. Tensors
+are small (about 2 MiB in nine 256 KiB buckets): process start-up dominates.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import random
 import re
 import sys
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -54,6 +54,7 @@ from robustrl.weights.ucx.directory import VersionsView
 from robustrl.weights.ucx.puller import choose_holder
 from robustrl.weights.ucx.transport import UcxTransport, make_transport
 from tests.support import eventually, stop_process, stopped
+from tests.support.forked import ForkedProcess, Template, template
 from tests.support.ucx_peer import make_tensors, tensors_digest
 
 JOB = "job-1"
@@ -64,7 +65,7 @@ N_BUCKETS = len(plan_layout(make_tensors(0), 256 << 10)[2])
 class Peer:
     """One ucx_peer process: send a command, await its reply line."""
 
-    def __init__(self, name: str, proc: asyncio.subprocess.Process, log_path: Path) -> None:
+    def __init__(self, name: str, proc: ForkedProcess, log_path: Path) -> None:
         self.name = name
         self.proc = proc
         self.log_path = log_path
@@ -108,31 +109,29 @@ class Peer:
             self.proc.kill()
 
 
+@pytest.fixture(scope="module")
+def peer_template() -> Iterator[Template]:
+    """The peers' warm template: they fork from it with torch and our code imported, instead of
+    spending seconds of a core each on the imports (about 90 peers in this file)."""
+    with template("tests.support.ucx_peer") as warm:  # not ucxx: UCX reads its environment then
+        yield warm
+
+
 @pytest.fixture
-async def peers(etcd_settings: EtcdSettings, tmp_path: Path) -> AsyncIterator[Any]:
+async def peers(
+    etcd_settings: EtcdSettings, tmp_path: Path, peer_template: Template
+) -> AsyncIterator[Any]:
     """A factory for peer processes; every one still running at the end is killed by pid."""
     started: list[Peer] = []
 
     async def spawn(name: str, *extra: str) -> Peer:
         log_path = tmp_path / f"{name}.log"
-        proc = await asyncio.create_subprocess_exec(
-            sys.executable,
-            "-m",
+        args = ["--endpoints", etcd_settings.endpoints, "--prefix", etcd_settings.prefix]
+        proc = await peer_template.spawn(
             "tests.support.ucx_peer",
-            "--endpoints",
-            etcd_settings.endpoints,
-            "--prefix",
-            etcd_settings.prefix,
-            "--job",
-            JOB,
-            "--instance",
-            name,
-            *extra,
-            cwd=REPO,
-            stdin=asyncio.subprocess.PIPE,
-            stdout=asyncio.subprocess.PIPE,
-            stderr=log_path.open("wb"),
-            env={**os.environ, "PYTHONUNBUFFERED": "1"},
+            [*args, "--job", JOB, "--instance", name, *extra],
+            {**os.environ, "PYTHONUNBUFFERED": "1"},
+            log_path,
         )
         peer = Peer(name, proc, log_path)
         started.append(peer)

@@ -2,6 +2,7 @@
 
 waiting      eventually(...) instead of fixed sleeps
 processes    /proc state of a process, SIGSTOP for a block
+forked       processes forked from a warm template, driven over pipes
 etcd         a real etcd process on free ports
 loops        an event loop closed in bounded time
 cluster      coordinators, members and small etcds in the test's process
