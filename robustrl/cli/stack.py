@@ -17,7 +17,6 @@ import signal
 import socket
 import subprocess
 import sys
-import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
@@ -31,7 +30,7 @@ from robustrl.contracts.provisioning import ProvisionedRecord, list_provisioned
 from robustrl.core.config import EtcdSettings, member_argv, member_env
 from robustrl.core.etcd_client import connect_etcd
 from robustrl.core.processes import running
-from robustrl.core.template import PRELOAD, TemplateRefused, request_fork
+from robustrl.core.template import TemplateRefused, new_socket_path, request_fork, template_argv
 
 STATE_FILE = "stack.json"
 
@@ -138,9 +137,7 @@ def is_running(proc: Proc) -> bool:
 def spawn(
     state: StackState, name: str, argv: list[str], env: dict[str, str], role: str = ""
 ) -> Proc:
-    logs = Path(state.home) / "logs"
-    logs.mkdir(parents=True, exist_ok=True)
-    log_path = logs / f"{name}.log"
+    log_path = _log_path(state, name)
     with open(log_path, "ab") as log_file:
         popen = subprocess.Popen(
             argv,
@@ -151,7 +148,17 @@ def spawn(
             start_new_session=True,  # the stack outlives this CLI process and its terminal
         )
     _children[popen.pid] = popen
-    proc = Proc(name=name, pid=popen.pid, argv=argv, log=str(log_path), role=role)
+    return _record(state, Proc(name=name, pid=popen.pid, argv=argv, log=str(log_path), role=role))
+
+
+def _log_path(state: StackState, name: str) -> Path:
+    logs = Path(state.home) / "logs"
+    logs.mkdir(parents=True, exist_ok=True)
+    return logs / f"{name}.log"
+
+
+def _record(state: StackState, proc: Proc) -> Proc:
+    """`proc` is the stack's: in stack.json, for `down` to stop."""
     state.procs.append(proc)
     state.save()
     return proc
@@ -293,10 +300,8 @@ def start_template(state: StackState) -> Proc:
     """The stack's warm template (`robustrl/core/template.py`): it imports the trainer's and
     the rollout's libraries once, and `up` and the coordinators' local provisioner fork those
     members from it (decision 0023). It serves until `down` stops it."""
-    socket_dir = Path(tempfile.mkdtemp(prefix="robustrl-tpl-"))  # short: the AF_UNIX limit
-    state.template_socket = str(socket_dir / "fork.sock")
-    argv = [sys.executable, "-m", "robustrl.core.template", "--stay", state.template_socket]
-    return spawn(state, "template", [*argv, *PRELOAD], {}, role="template")
+    state.template_socket = str(new_socket_path())
+    return spawn(state, "template", template_argv(state.template_socket, stay=True), {}, "template")
 
 
 def template_ready(state: StackState, template: Proc, timeout: float) -> bool:
@@ -338,9 +343,7 @@ def start_service(
 def fork_service(
     state: StackState, name: str, module: str, env: dict[str, str], role: str
 ) -> Proc | None:
-    logs = Path(state.home) / "logs"
-    logs.mkdir(parents=True, exist_ok=True)
-    log_path = logs / f"{name}.log"
+    log_path = _log_path(state, name)
     try:
         pid, argv = request_fork(state.template_socket, module, {**os.environ, **env}, log_path)
     except (OSError, TimeoutError, TemplateRefused) as exc:
@@ -348,10 +351,7 @@ def fork_service(
             f"warning: the template did not fork {name} ({exc}); starting it fresh", file=sys.stderr
         )
         return None
-    proc = Proc(name=name, pid=pid, argv=argv, log=str(log_path), role=role)
-    state.procs.append(proc)
-    state.save()
-    return proc
+    return _record(state, Proc(name=name, pid=pid, argv=argv, log=str(log_path), role=role))
 
 
 def wait_until(predicate: Callable[[], bool], timeout: float, what: str, procs: list[Proc]) -> None:

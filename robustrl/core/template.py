@@ -86,9 +86,65 @@ def request_fork(
     return int(reply["pid"]), [str(arg) for arg in reply["argv"]]
 
 
+def new_socket_path() -> Path:
+    """A socket path in a fresh directory of its own: short (the AF_UNIX path limit), and
+    removed whole with its directory once the template is stopped."""
+    return Path(tempfile.mkdtemp(prefix="robustrl-tpl-")) / "fork.sock"
+
+
+def template_argv(
+    socket_path: str | Path, preload: tuple[str, ...] = PRELOAD, *, stay: bool = False
+) -> list[str]:
+    """The command line of a template serving on `socket_path`."""
+    stays = ["--stay"] if stay else []
+    return [sys.executable, "-m", "robustrl.core.template", *stays, str(socket_path), *preload]
+
+
+async def _ask(
+    socket_path: Path, module: str, env: dict[str, str], log_path: Path
+) -> tuple[int, list[str]] | None:
+    """`request_fork` off the event loop; None (logged) where the template does not fork."""
+    try:
+        return await asyncio.to_thread(request_fork, socket_path, module, env, log_path)
+    except (OSError, TimeoutError) as exc:
+        log.warning("provision.template_unanswered", error=repr(exc)[:200])
+    except TemplateRefused as exc:
+        log.warning("provision.template_refused", error=str(exc)[:500])
+    return None
+
+
+class AttachedTemplate:
+    """The provisioner's side of a template it did not start (the stack's, `robustrl up`'s):
+    it neither starts nor stops it, and a fork it does not answer starts the member fresh."""
+
+    pid = None
+    ready = True
+    """Forks at once: the stack started its members from it, so it serves, or is gone."""
+
+    def __init__(self, socket_path: str | Path) -> None:
+        self.socket_path = Path(socket_path)
+        self._gone_logged = False
+
+    async def start(self) -> None:
+        pass
+
+    async def close(self) -> None:
+        pass
+
+    async def fork(
+        self, module: str, env: dict[str, str], log_path: Path
+    ) -> tuple[int, list[str]] | None:
+        """As WarmTemplate.fork."""
+        if not self.socket_path.exists():
+            if not self._gone_logged:
+                self._gone_logged = True
+                log.warning("provision.template_gone", socket=str(self.socket_path))
+            return None
+        return await _ask(self.socket_path, module, env, log_path)
+
+
 class WarmTemplate:
-    """The provisioner's side: starts the template (or uses the stack's, `attached`), asks it
-    to fork members.
+    """The provisioner's side of a template of its own: starts it, asks it to fork members.
 
     A member asked for while the template is still importing waits for it, up to
     `ready_wait_s`: a fresh interpreter would spend that time on the same imports, and the
@@ -98,27 +154,12 @@ class WarmTemplate:
     """
 
     def __init__(
-        self,
-        log_dir: Path,
-        preload: tuple[str, ...] = PRELOAD,
-        ready_wait_s: float = 30.0,
-        *,
-        attached: str = "",
+        self, log_dir: Path, preload: tuple[str, ...] = PRELOAD, ready_wait_s: float = 30.0
     ) -> None:
-        """`attached`: the socket of the template `robustrl up` started for its stack; this
-        side then neither starts nor stops one, and a fork it does not answer starts the
-        member fresh."""
         self.log_dir = log_dir
         self.preload = preload
         self.ready_wait_s = ready_wait_s
-        self._attached = bool(attached)
-        # Short (the AF_UNIX path limit), and not the stack's own: close() removes it.
-        self._dir: Path | None = None
-        if attached:
-            self.socket_path = Path(attached)
-        else:
-            self._dir = Path(tempfile.mkdtemp(prefix="robustrl-tpl-"))
-            self.socket_path = self._dir / "fork.sock"
+        self.socket_path = new_socket_path()
         self._proc: asyncio.subprocess.Process | None = None
         self._gone_logged = False
 
@@ -129,8 +170,6 @@ class WarmTemplate:
     @property
     def ready(self) -> bool:
         """Forks at once: up and serving, or gone (the member then starts fresh at once)."""
-        if self._attached:
-            return True  # the stack started its members from it: serving, or gone for good
         proc = self._proc
         return proc is not None and (proc.returncode is not None or self.socket_path.exists())
 
@@ -142,22 +181,9 @@ class WarmTemplate:
         start it fresh."""
         if not await self._ready():
             return None
-        try:
-            return await asyncio.to_thread(request_fork, self.socket_path, module, env, log_path)
-        except (OSError, TimeoutError) as exc:
-            log.warning("provision.template_unanswered", error=repr(exc)[:200])
-        except TemplateRefused as exc:
-            log.warning("provision.template_refused", error=str(exc)[:500])
-        return None
+        return await _ask(self.socket_path, module, env, log_path)
 
     async def _ready(self) -> bool:
-        if self._attached:
-            if self.socket_path.exists():
-                return True
-            if not self._gone_logged:
-                self._gone_logged = True
-                log.warning("provision.template_gone", socket=str(self.socket_path))
-            return False
         proc = self._proc
         assert proc is not None, "start() the template first"
         deadline = time.monotonic() + self.ready_wait_s
@@ -174,17 +200,11 @@ class WarmTemplate:
         return True
 
     async def start(self) -> None:
-        if self._attached:
-            return
         self.log_dir.mkdir(parents=True, exist_ok=True)
         fd = os.open(self.log_dir / "template.log", os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
         try:
             self._proc = await asyncio.create_subprocess_exec(
-                sys.executable,
-                "-m",
-                __name__,
-                str(self.socket_path),
-                *self.preload,
+                *template_argv(self.socket_path, self.preload),
                 stdout=fd,
                 stderr=asyncio.subprocess.STDOUT,
                 stdin=asyncio.subprocess.DEVNULL,
@@ -194,10 +214,7 @@ class WarmTemplate:
         log.info("provision.template_started", pid=self._proc.pid, socket=str(self.socket_path))
 
     async def close(self) -> None:
-        """Stop the template (members it forked go on: each is a session of its own); the
-        stack's stays, for the stack's `down` to stop."""
-        if self._attached:
-            return
+        """Stop the template (members it forked go on: each is a session of its own)."""
         proc, self._proc = self._proc, None
         if proc is not None and proc.returncode is None:
             proc.terminate()
@@ -206,8 +223,7 @@ class WarmTemplate:
             except TimeoutError:
                 proc.kill()
                 await proc.wait()
-        if self._dir is not None:
-            shutil.rmtree(self._dir, ignore_errors=True)
+        shutil.rmtree(self.socket_path.parent, ignore_errors=True)
 
 
 def serve(socket_path: str, preload: list[str], stay: bool = False) -> int:

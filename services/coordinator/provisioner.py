@@ -31,7 +31,7 @@ from robustrl.contracts.roles import ROLE_FROM_PROTO, ROLE_TO_PROTO
 from robustrl.core.aio import cancel_and_wait
 from robustrl.core.config import EtcdSettings, member_argv, member_env
 from robustrl.core.logs import get_logger
-from robustrl.core.template import WarmTemplate
+from robustrl.core.template import AttachedTemplate, WarmTemplate
 from robustrl.v1 import provisioning_pb2
 
 log = get_logger(__name__)
@@ -91,7 +91,7 @@ class LocalProvisioner(Provisioner):
         self.use_template = template
         self.template_socket = template_socket
         """The stack's template (`robustrl up` started it): used instead of one of our own."""
-        self.template: WarmTemplate | None = None
+        self.template: WarmTemplate | AttachedTemplate | None = None
         """Started with the first member: a coordinator that never provisions runs none."""
         # Held so asyncio keeps reaping them; nothing else reads it.
         self._procs: list[asyncio.subprocess.Process] = []
@@ -114,7 +114,11 @@ class LocalProvisioner(Provisioner):
         self.log_dir.mkdir(parents=True, exist_ok=True)
         log_path = self.log_dir / f"{instance_id}.log"
         if self.use_template and self.template is None:
-            self.template = WarmTemplate(self.log_dir, attached=self.template_socket)
+            self.template = (
+                AttachedTemplate(self.template_socket)
+                if self.template_socket
+                else WarmTemplate(self.log_dir)
+            )
             await self.template.start()
         launch = self._launch(instance_id, role, env, log_path, job_id, reason)
         if self.template is None or self.template.ready:

@@ -8,15 +8,14 @@ import asyncio
 import contextlib
 import os
 import select
+import shutil
 import signal
 import subprocess
-import sys
-import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
-from robustrl.core.template import request_fork
+from robustrl.core.template import new_socket_path, request_fork, template_argv
 from tests.support.paths import REPO
 
 READY_TIMEOUT_S = 60.0
@@ -75,12 +74,11 @@ class Template:
     """A template process that preloaded `modules`, for this test process; it exits with it."""
 
     def __init__(self, *modules: str) -> None:
-        self._dir = Path(tempfile.mkdtemp(prefix="robustrl-tst-"))
-        self.socket = self._dir / "fork.sock"
-        self._log = self._dir / "template.log"
+        self.socket = new_socket_path()
+        self._log = self.socket.with_name("template.log")
         with self._log.open("wb") as log:
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", "robustrl.core.template", str(self.socket), *modules],
+                template_argv(self.socket, modules),
                 cwd=REPO,
                 stdin=subprocess.DEVNULL,
                 stdout=log,
@@ -138,12 +136,7 @@ class Template:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
-        with contextlib.suppress(OSError):
-            self.socket.unlink()
-        with contextlib.suppress(OSError):
-            self._log.unlink()
-        with contextlib.suppress(OSError):
-            self._dir.rmdir()
+        shutil.rmtree(self.socket.parent, ignore_errors=True)
 
 
 @contextlib.contextmanager
