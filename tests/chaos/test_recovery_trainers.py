@@ -21,7 +21,7 @@ from robustrl.cli.stack_commands import DEFAULT_STANDBY_NICE
 from robustrl.contracts.binding import FIRST_EPOCH
 from robustrl.core.processes import may_raise_priority
 from services.trainer import checkpoint
-from tests.support import eventually_sync, process_state
+from tests.support import eventually_sync
 from tests.support.accounting import assert_nothing_lost_or_trained_twice
 from tests.support.cli import Cli, chaos
 from tests.support.detection import (
@@ -31,7 +31,7 @@ from tests.support.detection import (
     step_of,
     wait_for_incident,
 )
-from tests.support.processes import thread_niceness
+from tests.support.processes import exited, thread_niceness
 from tests.support.recovery import (
     LONG_STEPS,
     data_plane_pids,
@@ -112,14 +112,6 @@ def test_a_hung_trainer_is_replaced_and_its_zombie_changes_nothing(
         assert owner is not None and owner > FIRST_EPOCH, "the replacement's epoch owns them"
         assert "Traceback" not in zombie_log.read_text()
         assert_nothing_lost_or_trained_twice(cli, "th", run, steps)
-
-
-def exited(pid: int) -> bool:
-    """Gone, or exited and not reaped yet (a zombie)."""
-    try:
-        return process_state(pid) == "Z"
-    except FileNotFoundError:
-        return True
 
 
 def test_a_full_restart_replaces_every_role_with_a_new_process(

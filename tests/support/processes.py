@@ -18,6 +18,14 @@ def process_state(pid: int, thread: int | None = None) -> str:
     return stat.read_text().rsplit(")", 1)[-1].split()[0]
 
 
+def exited(pid: int) -> bool:
+    """Gone, or exited and not reaped yet (a zombie)."""
+    try:
+        return process_state(pid) == "Z"
+    except FileNotFoundError:
+        return True
+
+
 def parent_of(pid: int) -> int:
     """The parent pid /proc shows for pid."""
     stat = Path(f"/proc/{pid}/stat").read_text()

@@ -17,6 +17,7 @@ from tests.support.accounting import assert_nothing_lost_or_trained_twice
 from tests.support.cli import Cli
 from tests.support.detection import incidents, step_of
 from tests.support.paths import EXAMPLE
+from tests.support.processes import exited
 
 STEPS = 80
 """A job's budget unless a test says otherwise."""
@@ -74,9 +75,12 @@ def pids(cli: Cli, *instance_ids: str) -> dict[str, int]:
 
 
 def data_plane_pids(cli: Cli) -> dict[object, object]:
-    """Trainer and rollout members by instance id -> their pid."""
+    """Trainer and rollout members by instance id -> their pid, the living ones: on a stack that
+    earlier tests used, a member they killed stays registered until its lease lapses."""
     return {
-        m["instance_id"]: m["pid"] for m in cli.members() if m["role"] in ("trainer", "rollout")
+        m["instance_id"]: m["pid"]
+        for m in cli.members()
+        if m["role"] in ("trainer", "rollout") and not exited(int(str(m["pid"])))
     }
 
 
