@@ -80,6 +80,9 @@ class Injection:
     fault: str
     role: str
     pick: int
+    last: int | None = None
+    """The last step of its window (a schedule's): a fault not injected by then is skipped,
+    never pushed into the next window. None: no bound (`--once`)."""
 
 
 @dataclass(frozen=True)
@@ -114,9 +117,11 @@ def fault_choices(faults: Sequence[str], roles: Sequence[str]) -> list[tuple[str
     return pairs
 
 
-def _draw(rng: random.Random, pairs: list[tuple[str, str]], step: int) -> Injection:
+def _draw(
+    rng: random.Random, pairs: list[tuple[str, str]], step: int, last: int | None = None
+) -> Injection:
     fault, role = rng.choice(pairs)
-    return Injection(step=step, fault=fault, role=role, pick=rng.randrange(1 << 30))
+    return Injection(step=step, fault=fault, role=role, pick=rng.randrange(1 << 30), last=last)
 
 
 def plan_once(seed: int, faults: Sequence[str], roles: Sequence[str]) -> Injection:
@@ -130,7 +135,8 @@ def plan_schedule(
     """One fault per `every_pct`% of `steps`: window i is steps [i*w, (i+1)*w) with
     w = steps * every_pct / 100, and its fault lands on a step drawn from the seed, inside
     (0, steps) — never before the first step nor on the last (there is nothing after it to
-    recover into). Deterministic for a seed."""
+    recover into). A fault sent late still lands in its own window, or is skipped (`missed`).
+    Deterministic for a seed."""
     if not math.isfinite(every_pct) or not 0 < every_pct <= 100:
         raise ChaosError(f"--every-pct must be a percentage in (0, 100], not {every_pct}")
     pct = Fraction(str(every_pct))
@@ -147,7 +153,7 @@ def plan_schedule(
     for i in range(math.floor(100 / pct)):
         lo = max(1, math.ceil(i * width))
         hi = min(steps - 1, math.ceil((i + 1) * width) - 1)
-        plan.append(_draw(rng, pairs, rng.randint(lo, hi)))
+        plan.append(_draw(rng, pairs, rng.randint(lo, hi), last=hi))
     return plan
 
 
@@ -171,6 +177,18 @@ def can_take(member: MemberRecord, fault: str, engine: bool = False) -> bool:
     if engine:
         return ENGINE_PID_LABEL in member.labels
     return fault not in CONTROL_FAULTS or member.labels.get("follower") != "true"
+
+
+def missed(injection: Injection, next_step: int) -> bool:
+    """Whether the earliest step a fault could still take lies past its window's end."""
+    return injection.last is not None and next_step > injection.last
+
+
+def control_target(injection: Injection, job_step: int, taken: int) -> int | None:
+    """The step a NaN or an error is asked for: its own, or the job's next if that is later,
+    and after `taken` (the last step an earlier one of the run took). None past its window."""
+    target = max(injection.step, job_step + 1, taken + 1)
+    return None if missed(injection, target) else target
 
 
 def phase_name(job: coordinator_pb2.Job) -> str:
@@ -349,12 +367,18 @@ class Chaos:
             return
         step = int(job.step)
         pid = victim.pid
+        if missed(injection, step + 1 if injection.fault in CONTROL_FAULTS else step):
+            self.say(
+                f"step {injection.step}: {injection.fault} missed its window, which ends at "
+                f"step {injection.last}: the job is at step {step}; skipped"
+            )
+            return
         if injection.fault in CONTROL_FAULTS:
             taken = await self._control(victim, injection, step)
             if taken is None:
                 self.say(
-                    f"step {injection.step}: {injection.fault} came too late: the job has no "
-                    "step left that an earlier fault did not take; skipped"
+                    f"step {injection.step}: {injection.fault} came too late: its window has "
+                    "no step left that an earlier fault did not take; skipped"
                 )
                 return
             step = taken
@@ -405,29 +429,37 @@ class Chaos:
     ) -> int | None:
         """INJECT_NAN or INJECT_ERROR; the trainer answers with the step it takes. Never a step
         an earlier injection of this run took: a late fault would merge into it and be lost.
-        None when the trainer could only put it into such a step (the job is at its end)."""
+        None when the trainer could only put it into such a step, or one past the injection's
+        window (the job is at its end, or the window is spent)."""
         args: dict[str, str] = {}
         taken = max((i.step for i in self.injected if i.fault in CONTROL_FAULTS), default=0)
         if injection.step or taken:
-            args["step"] = str(max(injection.step, job_step + 1, taken + 1))
+            target = control_target(injection, job_step, taken)
+            if target is None:
+                return None
+            args["step"] = str(target)
         request = trainer_pb2.ControlRequest(
             action=CONTROL_FAULTS[injection.fault],
             job_id=self.options.job,
             epoch=victim.epoch,
             args=args,
         )
-        async with open_channel(victim.address) as channel:
+        step = await self._send(victim.address, request)
+        return None if step <= taken else step
+
+    async def _send(self, address: str, request: trainer_pb2.ControlRequest) -> int:
+        """The Control call; the step the trainer put the fault into."""
+        async with open_channel(address) as channel:
             stub = trainer_pb2_grpc.TrainerStub(channel)
             try:
                 reply = await stub.Control(request, timeout=DEFAULT_DEADLINE)
             except grpc.aio.AioRpcError as exc:
-                if exc.code() != grpc.StatusCode.INVALID_ARGUMENT or not args:
+                if exc.code() != grpc.StatusCode.INVALID_ARGUMENT or "step" not in request.args:
                     raise
                 # The trainer got further than the job record said: its next step, then.
                 del request.args["step"]
                 reply = await stub.Control(request, timeout=DEFAULT_DEADLINE)
-        step = int(reply.status.metrics[FAULT_STEP_KEY])
-        return None if step <= taken else step
+        return int(reply.status.metrics[FAULT_STEP_KEY])
 
     async def _resume_later(self, victim: MemberRecord, pid: int, after: float) -> None:
         await asyncio.sleep(after)

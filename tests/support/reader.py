@@ -33,11 +33,16 @@ class StackReader:
         self._thread.start()
         self._client = self._run(StackClient.connect(endpoints, prefix))
 
-    def _run(self, call: Awaitable[T]) -> T:
+    def _run(self, call: Awaitable[T], timeout: float = READ_TIMEOUT_S) -> T:
         async def wrapped() -> T:
             return await call
 
-        return asyncio.run_coroutine_threadsafe(wrapped(), self._loop).result(READ_TIMEOUT_S)
+        return asyncio.run_coroutine_threadsafe(wrapped(), self._loop).result(timeout)
+
+    def call(self, work: Callable[[StackClient], Awaitable[T]], timeout: float) -> T:
+        """`work` on the reader's client, in its loop: a command's own code, run in the test's
+        process where a cold CLI start would come too late for what the test follows."""
+        return self._run(work(self._client), timeout)
 
     def _json(self, read: Callable[[StackClient], Awaitable[Any]]) -> Any:
         # Through JSON, as the CLI prints it: the same types a test of the CLI's output sees.

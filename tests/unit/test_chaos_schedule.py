@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import signal
 import socket
@@ -14,10 +15,14 @@ from typing import Any
 
 import pytest
 
+from robustrl.cli import chaos as chaos_cli
 from robustrl.cli.chaos import (
+    Chaos,
     ChaosError,
+    ChaosOptions,
     Injection,
     choose,
+    control_target,
     engine_process,
     fault_choices,
     local_problem,
@@ -30,7 +35,7 @@ from robustrl.contracts.jobspec import JobSpec
 from robustrl.contracts.members import ENGINE_PID_LABEL, MemberRecord
 from robustrl.core.heartbeat import Progress
 from robustrl.core.role_server import FAULT_STEP_KEY, RoleControl, fault_step
-from robustrl.v1 import trainer_pb2
+from robustrl.v1 import coordinator_pb2, trainer_pb2
 
 # ----------------------------------------------------------------------------- the plan
 
@@ -96,6 +101,59 @@ def test_once_is_one_fault_now() -> None:
     once = plan_once(4, ["hang"], ["rollout"])
     assert (once.step, once.fault, once.role) == (0, "hang", "rollout")
     assert plan_once(4, ["random"], ["random"]) == plan_once(4, ["random"], ["random"])
+
+
+def test_a_late_fault_keeps_to_its_window_or_is_skipped() -> None:
+    first, second = plan_schedule(48, 50, 8, ["nan"], ["trainer"])
+    assert (first.step, first.last, second.step, second.last) == (8, 23, 28, 47)
+    assert control_target(first, job_step=3, taken=0) == 8
+    assert control_target(first, job_step=20, taken=0) == 21  # late: the next step, in its half
+    assert control_target(first, job_step=23, taken=0) is None  # step 24 is the next half's
+    assert control_target(second, job_step=10, taken=27) == 28
+    assert control_target(plan_once(1, ["nan"], ["trainer"]), job_step=99, taken=0) == 100
+
+
+class FollowedJob(Chaos):
+    """A schedule over a job that reads as `steps`, one per poll, then ends; its trainer takes
+    each fault into the step it is asked for."""
+
+    def __init__(self, steps: list[int], lines: list[str]) -> None:
+        super().__init__(
+            client=None,
+            options=ChaosOptions("j", ["nan"], ["trainer"], every_pct=50, seed=8),
+            say=lines.append,
+        )  # type: ignore[arg-type]
+        self.steps = steps
+
+    async def _read_job(self, request: coordinator_pb2.GetJobRequest) -> coordinator_pb2.Job:
+        step = self.steps.pop(0) if len(self.steps) > 1 else self.steps[0]
+        phase = "RUNNING" if self.steps else "SUCCEEDED"
+        return coordinator_pb2.Job(
+            job_id="j",
+            step=step,
+            phase=coordinator_pb2.JobPhase.Value(f"JOB_PHASE_{phase}"),
+            spec_json=json.dumps({"trainer": {"steps": 48}}),
+        )
+
+    async def _members(self) -> list[MemberRecord]:
+        return [member("trainer-0", "trainer")]
+
+    async def _send(self, address: str, request: trainer_pb2.ControlRequest) -> int:
+        return int(request.args["step"])
+
+
+async def test_a_schedule_that_first_sees_the_job_late_skips_the_missed_window(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(chaos_cli, "POLL_S", 0.0)
+    lines: list[str] = []
+    # Seen first at step 23, the last of the first half: its fault (planned for step 8) would
+    # land in step 24, the second half's. It is skipped, and the second half still gets its own.
+    injected = await FollowedJob([0, 23, 26, 30, 48], lines).run()
+    assert [(i.fault, i.step) for i in injected] == [("nan", 28)]
+    assert any("step 8: nan missed its window" in line for line in lines), lines
+    on_time = await FollowedJob([0, 6, 26, 48], []).run()
+    assert [i.step for i in on_time] == [8, 28]
 
 
 def member(instance_id: str, role: str = "rollout", **extra: Any) -> MemberRecord:
