@@ -33,9 +33,17 @@ past that adds time."""
 pytestmark = [pytest.mark.chaos, pytest.mark.slow, pytest.mark.timeout(420)]
 
 
+SILENCE = 6.0
+"""The monitor's silence window here (2 s in the other detection tests). A stopped rank goes
+silent as rank 0 enters the collective it misses; the collective's budget (2 s) must run out
+before the silence window and its probe would report the rank as a TRAINER_HANG. With 2 s,
+rank 0 waiting a moment longer for its batch (a loaded host) lost that race."""
+
+
 @pytest.fixture
 def stack(tmp_path: Path) -> Iterator[Cli]:
-    with detection_stack(tmp_path, "--trainers", "2") as cli:
+    env = {"ROBUSTRL_MONITOR_SILENCE_WINDOW": str(SILENCE)}
+    with detection_stack(tmp_path, "--trainers", "2", env=env) as cli:
         yield cli
 
 
@@ -56,7 +64,11 @@ def test_fsdp_ranks_are_members_a_stopped_one_is_named_and_a_killed_one_is_recov
         f"trainer.steps={STEPS}",
         "trainer.strategy=fsdp",
         "trainer.world_size=2",
-        "trainer.weight_bucket_mib=1",  # the model's 1.1 MiB: each rank serves a bucket
+        # The model's 1.1 MiB in one bucket, which rank 0 serves: the rollouts never pull from
+        # rank 1. Stopped while holding a bucket of the newest version, it would stall every
+        # rollout's pull (up to the UCX stall timeout), no batch would reach rank 0, and rank 0
+        # would never enter the collective that names the stopped rank. A bucket on each rank
+        # is test_stack_across_hosts' case.
     )
     eventually_sync(lambda: step_of(stack, "fs") >= 4, timeout=180)
     # Each rank is a trainer member of its own, started on its own by `up` (neither is the
