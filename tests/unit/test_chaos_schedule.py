@@ -119,10 +119,10 @@ class FollowedJob(Chaos):
 
     def __init__(self, steps: list[int], lines: list[str]) -> None:
         super().__init__(
-            client=None,
+            client=None,  # type: ignore[arg-type]  # every call that would use it is ours
             options=ChaosOptions("j", ["nan"], ["trainer"], every_pct=50, seed=8),
             say=lines.append,
-        )  # type: ignore[arg-type]
+        )
         self.steps = steps
 
     async def _read_job(self, request: coordinator_pb2.GetJobRequest) -> coordinator_pb2.Job:
