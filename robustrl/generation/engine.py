@@ -177,8 +177,8 @@ class Engine(ABC):
         limit = self.max_positions - max_new_tokens
         if len(ids) > limit:
             raise ContextExceeded(
-                f"prompt of {len(ids)} tokens exceeds the context: max_position_embeddings "
-                f"{self.max_positions} - max_new_tokens {max_new_tokens} = {limit}"
+                f"prompt of {len(ids)} tokens exceeds the context: {self.max_positions} positions "
+                f"- max_new_tokens {max_new_tokens} = {limit}"
             )
         return ids
 

@@ -112,6 +112,7 @@ class VLLMEngine(Engine):
         seed: int = 0,
         dtype: Dtype = "auto",
         kv_cache_bytes: int | None = None,
+        max_model_len: int | None = None,
         gpu_memory_utilization: float = 0.5,
         enforce_eager: bool = True,
         cpu_threads: int | None = None,
@@ -146,6 +147,8 @@ class VLLMEngine(Engine):
         self.pad_id: int = pad if isinstance(pad, int) else eos
         config = AutoConfig.from_pretrained(self.model_dir)
         self.max_positions = int(config.max_position_embeddings)
+        if max_model_len is not None:
+            self.max_positions = min(self.max_positions, max_model_len)
         self._specs = checkpoint_specs(self.model_dir)
         if dtype == "auto":
             # The checkpoint's own: vLLM's "auto" would run an fp32 model in bf16 on a CPU,
@@ -178,6 +181,7 @@ class VLLMEngine(Engine):
         os.environ[ERRORS_ENV] = errors  # the engine core writes why it failed there
         try:
             self._llm = self._run(self._start(AsyncLLM, args), START_TIMEOUT_S)
+            self.max_positions = int(self._llm.model_config.max_model_len)  # what vLLM serves
             self._run(self._warm_up(), START_TIMEOUT_S)
         except Exception as exc:
             cause = self._cause()

@@ -19,6 +19,12 @@ class RolloutSettings(MemberSettings):
     CUDA (vLLM's CPU backend otherwise reserves a share of the host's memory), and
     `vllm_gpu_memory_utilization` of the GPU on a GPU host."""
 
+    vllm_max_model_len: int = Field(default=0, ge=0)
+    """Positions a vLLM engine serves (vLLM's `max_model_len`): prompt and completion
+    together. 0: the model's whole context (`max_position_embeddings`). Less starts sooner:
+    vLLM sizes its start-up run by it. A prompt that leaves fewer than `max_new_tokens` of it
+    is refused as over the context, as one over the model's would be."""
+
     vllm_gpu_memory_utilization: float = Field(default=0.5, gt=0, le=1)
     """Share of the GPU's memory a vLLM engine may take on a GPU host (weights, activations
     and KV cache), when `vllm_kv_cache_mib` is 0."""

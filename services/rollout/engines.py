@@ -33,10 +33,20 @@ def build_engine(spec: JobSpec, settings: RolloutSettings) -> Engine:
     return VLLMEngine(
         path,
         seed=spec.seed,
+        max_model_len=settings.vllm_max_model_len or None,
         kv_cache_bytes=kv_mib << 20 if kv_mib else None,
         gpu_memory_utilization=settings.vllm_gpu_memory_utilization,
         cpu_threads=settings.torch_threads if on_cpu else None,
     )
+
+
+def engine_context(spec: JobSpec, settings: RolloutSettings, path: Path) -> int:
+    """The positions the job's engine will serve: the model's context, or less where a vLLM
+    engine is limited (`vllm_max_model_len`); ValueError when the config cannot say."""
+    context = model_context(path)
+    if spec.rollout.engine == "vllm" and settings.vllm_max_model_len:
+        return min(context, settings.vllm_max_model_len)
+    return context
 
 
 def model_context(path: Path) -> int:

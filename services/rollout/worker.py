@@ -51,7 +51,7 @@ from robustrl.weights import (
     make_transport,
 )
 from services.rollout.config import RolloutSettings
-from services.rollout.engines import build_engine, model_context
+from services.rollout.engines import build_engine, engine_context
 from services.rollout.gauges import GenerationMeter, keep_gauges_fresh
 from services.rollout.stream import TrajectoryStream
 
@@ -133,21 +133,21 @@ class RolloutWorker:
         # The lengths are checked against the model's context before an engine starts: a
         # vLLM engine takes seconds to start and would only be stopped again.
         try:
-            context = model_context(path)
+            context = engine_context(self.spec, self.settings, path)
         except ValueError as exc:
             raise InvalidArgument(f"model.path: {exc}") from exc
         rollout = self.spec.rollout
         if rollout.max_new_tokens >= context:
             raise InvalidArgument(
                 f"rollout.max_new_tokens: {rollout.max_new_tokens} tokens leave no room for a "
-                f"prompt in the model's context of {context} positions"
+                f"prompt in the {context} positions of context the engine serves"
             )
         longest = rollout.max_new_tokens * rollout.long_tail_factor
         if rollout.long_tail_every and longest >= context:
             raise InvalidArgument(
                 f"rollout.long_tail_factor: a long-tail group generates max_new_tokens * "
-                f"long_tail_factor = {longest} tokens, more than the model's context of "
-                f"{context} positions leaves room for after a prompt"
+                f"long_tail_factor = {longest} tokens, more than the {context} positions of "
+                "context the engine serves leave room for after a prompt"
             )
         try:
             with long_lived_objects():
@@ -156,6 +156,12 @@ class RolloutWorker:
             raise InvalidArgument(
                 f"rollout.engine: {self.spec.rollout.engine} cannot run model.path {path}: {exc}"
             ) from exc
+        log.info(
+            "rollout.engine_ready",
+            job=self.job_id,
+            engine=rollout.engine,
+            context=self.engine.max_positions,
+        )
 
     def keep_warm(self) -> None:
         """Prepared as a standby for the job: pull each weight version as it is announced (and
