@@ -105,7 +105,7 @@ def test_a_fault_free_run_with_long_tails_checkpoints_and_idle_rollouts_has_no_i
 ) -> None:
     # The stack's first job: none before it to have reported anything. vLLM's long tails take
     # ~10 s a step here: fewer steps than test_detection's torch run.
-    run_a_fault_free_job_with_long_tails(stack, model_dir, runs(stack), "vllm", 6)
+    run_a_fault_free_job_with_long_tails(stack, model_dir, runs(stack), "vllm", 4)
 
 
 @pytest.mark.timeout(400)
