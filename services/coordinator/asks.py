@@ -1,6 +1,8 @@
-"""Replacements asked of the provisioner: how many (policy.asks_due), and when each was asked
-for, kept in etcd at <prefix>/provisioning/<job> until the job needs none, so that a leader
-elected while they start does not ask for them again."""
+"""Replacements asked of the provisioner: how many (policy.asks_due), when each was asked for
+and the member it starts, kept in etcd at <prefix>/provisioning/<job> until the job needs none,
+so that a leader elected while they start does not ask for them again. An ask is spent once
+its member registers: from then on that member is counted as a free member of the job, and
+the ask no longer counts as one coming."""
 
 from __future__ import annotations
 
@@ -16,14 +18,18 @@ from services.coordinator.provisioner import NoProvisioner, Provisioner
 
 log = get_logger(__name__)
 
+Ask = tuple[float, str]
+"""When a replacement was asked for, and the instance id the provisioner gave its member ("":
+none, as when no provisioner runs or the ask was stored before ids were)."""
+
 
 class ProvisioningAsks:
     def __init__(self, runtime: ServiceRuntime, leadership: Leadership) -> None:
         self.runtime = runtime
         self.leadership = leadership
         self.provisioner: Provisioner = NoProvisioner()
-        self.asked: dict[tuple[str, str], list[float]] = {}
-        """(job, role) -> when replacements were asked for and have not registered yet."""
+        self.asked: dict[tuple[str, str], list[Ask]] = {}
+        """(job, role) -> replacements asked for whose members have not registered yet."""
 
     def clear(self) -> None:
         self.asked.clear()
@@ -37,27 +43,36 @@ class ProvisioningAsks:
             return
         try:
             asks = json.loads(raw.value)
-            for role, times in asks.items():
-                self.asked[(job_id, str(role))] = [float(t) for t in times]
-        except (ValueError, TypeError, AttributeError) as exc:
+            for role, entries in asks.items():
+                # [time, instance id]; a bare time (stored before ids were) names no member.
+                self.asked[(job_id, str(role))] = [
+                    (float(e), "") if isinstance(e, int | float) else (float(e[0]), str(e[1]))
+                    for e in entries
+                ]
+        except (ValueError, TypeError, AttributeError, IndexError) as exc:
             log.warning("coordinator.asks_unreadable", job=job_id, error=repr(exc))
 
-    async def ask(self, job_id: str, role: str, count: int) -> None:
-        """Have `count` members of `role` coming: ask for those not asked for recently."""
+    async def ask(self, job_id: str, role: str, count: int, registered: set[str]) -> None:
+        """Have `count` more members of `role` coming, beyond those `registered` (the
+        registry's instance ids): ask for those not asked for recently. An ask whose member
+        has registered is spent, whether or not that member is still there."""
         now = time.time()
         earlier = self.asked.get((job_id, role), [])
-        coming, due = policy.asks_due(earlier, count, now)
-        asked = self.asked[(job_id, role)] = coming
+        waiting = [(t, i) for t, i in earlier if not i or i not in registered]
+        coming, due = policy.asks_due([t for t, _ in waiting], count, now)
+        asked = self.asked[(job_id, role)] = [(t, i) for t, i in waiting if t in coming]
         try:
             for _ in range(due):
                 try:
-                    await self.provisioner.request(role, job_id, f"replacement for job {job_id}")
+                    member = await self.provisioner.request(
+                        role, job_id, f"replacement for job {job_id}"
+                    )
                 except Exception as exc:
                     log.error(
                         "coordinator.provision_failed", role=role, job=job_id, error=repr(exc)
                     )
                     return
-                asked.append(now)
+                asked.append((now, member))
         finally:
             if asked != earlier:
                 await self.save(job_id)
@@ -80,13 +95,13 @@ class ProvisioningAsks:
         that role coming for the job: a loss before it registers waits for it instead of
         asking for a cold member as well (two process starts on the job's hosts for one)."""
         try:
-            await self.provisioner.request(
+            member = await self.provisioner.request(
                 standby.role, job_id, f"replacing standby {standby.instance_id}", True
             )
         except Exception as exc:
             log.error("coordinator.provision_failed", role="standby", error=repr(exc))
             return
-        self.asked.setdefault((job_id, standby.role), []).append(time.time())
+        self.asked.setdefault((job_id, standby.role), []).append((time.time(), member))
         await self.save(job_id)
 
     def awaiting(self, job_id: str) -> bool:
@@ -102,7 +117,7 @@ class ProvisioningAsks:
         client = self.runtime.client
         assert client is not None
         key, tx = self.runtime.keys.provisioning(job_id), client.transactions
-        asks = {role: times for (job, role), times in self.asked.items() if job == job_id}
+        asks = {role: entries for (job, role), entries in self.asked.items() if job == job_id}
         write = tx.put(key, json.dumps(asks).encode()) if any(asks.values()) else tx.delete(key)
         try:
             ok, _ = await client.transaction(

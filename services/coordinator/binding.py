@@ -240,7 +240,7 @@ class Binder:
             bound += [m for m in group if m.instance_id in ranks]
         for role, short in shortfall.items():
             if short:
-                await self.asks.ask(record.job_id, role, short)
+                await self.asks.ask(record.job_id, role, short, {m.instance_id for m in members})
             else:
                 await self.asks.satisfied(record.job_id, role)
         if not bound:

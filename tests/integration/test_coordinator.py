@@ -396,6 +396,40 @@ async def test_a_round_supervises_the_job_record_as_it_is_once_it_holds_the_lock
         assert [r.members for r in seen] == [["t", "r0"]]
 
 
+async def test_an_ask_is_spent_once_its_member_registers(etcd_settings: EtcdSettings) -> None:
+    """A real leader and etcd. A rollout is lost and its replacement asked for; it registers
+    and is being prepared when the job's other rollout is lost. The round counts the first
+    replacement as a free member and is one short: that is one more to ask for. Counted as
+    still coming as well, the first ask held the second back until it was ASKED_FOR_S old
+    (seen: a poison-group job ran on one rollout for 120 s)."""
+    from services.coordinator.provisioner import Provisioner
+
+    class Naming(Provisioner):
+        def __init__(self) -> None:
+            self.started: list[str] = []
+
+        async def request(self, role: str, job_id: str, reason: str, standby: bool = False) -> str:
+            self.started.append(f"{role}-p{len(self.started)}")
+            return self.started[-1]
+
+    async with lone_leader(etcd_settings, "spent") as (runtime, _, driver):
+        assert runtime.client is not None
+        provisioner = driver.asks.provisioner = Naming()
+        await driver.asks.ask("sp", "rollout", 1, set())
+        await driver.asks.ask("sp", "rollout", 1, set())  # the next round: it is still coming
+        assert provisioner.started == ["rollout-p0"]
+        # rollout-p0 registered: counted as a free member, and the round is still one short.
+        await driver.asks.ask("sp", "rollout", 1, {"rollout-p0", "trainer-0"})
+        assert provisioner.started == ["rollout-p0", "rollout-p1"]
+        # Spent, p0's ask stays spent if p0 goes again before it is bound: the round that
+        # finds two short asks for one more, not two.
+        await driver.asks.ask("sp", "rollout", 2, {"trainer-0"})
+        assert provisioner.started == ["rollout-p0", "rollout-p1", "rollout-p2"]
+        stored = await runtime.client.get(runtime.keys.provisioning("sp"))
+        assert stored is not None
+        assert [i for _, i in json.loads(stored.value)["rollout"]] == ["rollout-p1", "rollout-p2"]
+
+
 async def test_a_new_leader_does_not_ask_again_for_replacements_already_asked_for(
     etcd_settings: EtcdSettings,
 ) -> None:
@@ -725,7 +759,7 @@ async def test_the_job_fails_once_poison_groups_reach_the_limit_and_not_before(
 
         # Once released, the leader keeps nothing of the ended job in memory.
         driver.supervisor.missing[("pg", "rollout-b")] = 2.0
-        driver.asks.asked[("pg", "rollout")] = [2.0]
+        driver.asks.asked[("pg", "rollout")] = [(2.0, "")]
         driver.supervisor.missing[("other", "rollout-c")] = 2.0
         await driver.supervisor.release("pg", [])
         assert "pg" not in driver.ledgers and "pg" not in driver.accounts

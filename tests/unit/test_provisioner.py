@@ -138,11 +138,11 @@ async def test_a_standby_refill_counts_as_a_replacement_coming(
     bound = MemberRecord(role="rollout", instance_id="sr0", address="h:1", pid=1, host="h")
     await asks.replace_standby("j", bound)
     # The job loses a rollout before the refill registered: no cold rollout as well.
-    await asks.ask("j", "rollout", 1)
+    await asks.ask("j", "rollout", 1, set())
     assert [(p.role, p.message.standby) for p in provisioner.pending.values()] == [
         ("rollout", True)
     ]
     # The refill will not come (its scheduler said so): the next round asks at once.
     asks.failed("j", "rollout")
-    await asks.ask("j", "rollout", 1)
+    await asks.ask("j", "rollout", 1, set())
     assert sorted(p.message.standby for p in provisioner.pending.values()) == [False, True]
