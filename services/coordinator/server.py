@@ -224,6 +224,9 @@ class ProvisioningServicer(provisioning_pb2_grpc.ProvisioningServicer):
         request_iterator: AsyncIterator[provisioning_pb2.ProvisionerMessage],
         context: grpc.aio.ServicerContext,
     ) -> AsyncIterator[provisioning_pb2.ProvisionRequest]:
+        # The hello is read before any refusal: a stream ended while the scheduler's first
+        # write is in flight reached it as INTERNAL, not as the refusal's own code.
+        first = await anext(aiter(request_iterator), None)
         await self.leadership.require_leader()
         provisioner = self.driver.provisioner
         if not isinstance(provisioner, ExternalProvisioner):
@@ -231,7 +234,6 @@ class ProvisioningServicer(provisioning_pb2_grpc.ProvisioningServicer):
                 "this coordinator does not take an external provisioner; start it with "
                 "ROBUSTRL_COORDINATOR_PROVISIONER=external"
             )
-        first = await anext(aiter(request_iterator), None)
         if first is None or not first.HasField("hello"):
             raise InvalidArgument("the first message on the stream must be a hello")
         scheduler = provisioner.connect(first.hello)
