@@ -328,9 +328,13 @@ class Binder:
         should it come back (a hung one resumes), and ask for another standby in its place."""
         member = self.prepared.pop(incident.instance_id, None)
         if member is None:
+            member = await self._labelled_prepared(incident.instance_id)
+        if member is None:
             return
         job_id = member.labels[PREPARED_LABEL]
         record, _ = await self.jobs.store.get(job_id)
+        if record.phase not in (Phase.RUNNING, Phase.RECOVERING):
+            return
         reason = f"{incident.kind} of a standby prepared for the job: {incident.evidence}"
         await self.fence(job_id, record.epoch, member.role, member.instance_id, reason)
         log.warning(
@@ -341,6 +345,16 @@ class Binder:
             kind=incident.kind,
         )
         await self.asks.replace_standby(job_id, member)
+
+    async def _labelled_prepared(self, instance_id: str) -> MemberRecord | None:
+        """The free standby `instance_id` as the member cache holds it, if it is labelled as
+        prepared for a job: one lost right after it prepared, before a round saw its label."""
+        members, _ = await self.jobs.members.list()
+        for member in members:
+            if member.instance_id == instance_id and policy.is_standby(member):
+                prepared = not member.job_id and PREPARED_LABEL in member.labels
+                return member if prepared else None
+        return None
 
     async def release(self, job_id: str, members: list[MemberRecord]) -> None:
         """Release the members still bound to an ended job (every rank of its trainer group)."""

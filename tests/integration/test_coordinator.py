@@ -596,6 +596,34 @@ async def test_a_prepared_standby_lost_is_fenced_its_holder_records_go_and_it_is
         assert [(p.role, p.message.standby) for p in asks.pending.values()] == [("rollout", True)]
         assert "standby-x" not in driver.binder.prepared
 
+        # Lost right after it labelled itself prepared, before a round saw the label: the
+        # member cache's record says so, and it is fenced and refilled all the same.
+        late = standby.model_copy(update={"instance_id": "standby-y", "address": "127.0.0.1:2"})
+        await driver.jobs.registry.register(runtime.session, late)
+
+        async def cached() -> bool:
+            members, _ = await driver.jobs.members.list()
+            return "standby-y" in {m.instance_id for m in members}
+
+        await eventually(cached, timeout=10)
+        assert "standby-y" not in driver.binder.prepared
+        lost = IncidentRecord(
+            incident_id="i-late",
+            job_id="",
+            role="rollout",
+            instance_id="standby-y",
+            rank=0,
+            kind="MEMBER_LOST",
+            evidence="refused",
+            confidence=1.0,
+            detected_at=2.0,
+            epoch=0,
+        )
+        await driver.free_member_lost(lost)
+        fence = await client.get(runtime.keys.fence("standby-y"))
+        assert fence is not None and json.loads(fence.value)["job_id"] == "sj", fence
+        assert [p.message.standby for p in asks.pending.values()] == [True, True]
+
 
 async def test_the_leader_pages_dropped_groups_out_of_the_ledger_in_the_same_write(
     etcd_settings: EtcdSettings,
