@@ -180,7 +180,9 @@ class VLLMEngine(Engine):
         self._errors = Path(errors)
         os.environ[ERRORS_ENV] = errors  # the engine core writes why it failed there
         try:
-            self._llm = self._run(self._start(AsyncLLM, args), START_TIMEOUT_S)
+            self._llm = self._run(
+                self._start(AsyncLLM, args, one_process=cpu_threads is not None), START_TIMEOUT_S
+            )
             self.max_positions = int(self._llm.model_config.max_model_len)  # what vLLM serves
             self._run(self._warm_up(), START_TIMEOUT_S)
         except Exception as exc:
@@ -191,8 +193,25 @@ class VLLMEngine(Engine):
             ) from exc
 
     @staticmethod
-    async def _start(async_llm: Any, args: Any) -> Any:
-        llm = async_llm.from_engine_args(args)
+    async def _start(async_llm: Any, args: Any, *, one_process: bool) -> Any:
+        """The engine as `AsyncLLM.from_engine_args` builds it; with `one_process`, its one
+        worker runs inside the engine core, as vLLM runs a single worker on a GPU. vLLM's CPU
+        platform starts it as a process of its own, to bind its OpenMP threads, which a
+        VLLMEngine given `cpu_threads` has set already: that process imported vLLM again and
+        took 15-30 s of each start here (decision 0407)."""
+        from vllm.usage.usage_lib import UsageContext
+        from vllm.v1.executor.abstract import Executor
+
+        config = args.create_engine_config(UsageContext.ENGINE_CONTEXT)
+        if one_process and config.parallel_config.world_size == 1:
+            config.parallel_config.distributed_executor_backend = "uni"
+        llm = async_llm(
+            vllm_config=config,
+            executor_class=Executor.get_class(config),
+            log_requests=args.enable_log_requests,
+            log_stats=not args.disable_log_stats,
+            usage_context=UsageContext.ENGINE_CONTEXT,
+        )
         from vllm.distributed.weight_transfer.base import WeightTransferInitRequest
 
         await llm.init_weight_transfer_engine(WeightTransferInitRequest(init_info={}))
@@ -238,7 +257,9 @@ class VLLMEngine(Engine):
             failure = self.failure()
             if failure is not None:
                 raise EngineDead(failure) from exc
-            if f"'{NOT_HELD}:" in str(exc):
+            # The worker's error as text: quoted by the multiprocess executor, bare by the
+            # single-process one.
+            if f"{NOT_HELD}: holder" in str(exc):
                 raise SourceGone(_gist(exc)) from exc
             raise
 
