@@ -37,6 +37,7 @@ from robustrl.cli.job_commands import (
     cmd_watch,
 )
 from robustrl.cli.stack_commands import cmd_down, cmd_provider, cmd_up
+from robustrl.core.template import PRELOAD
 
 DEFAULT_MODEL = ".robustrl/models/tiny-qwen"
 LIKE_NAMES = ("qwen2.5-0.5b", "qwen3-0.6b", "llama-3.2-1b")
@@ -158,6 +159,15 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_false",
         help="start every trainer and rollout as a fresh interpreter, those started here and "
         "the coordinators' replacements, instead of forking them from a warm template",
+    )
+    up.add_argument(
+        "--template-socket",
+        default=os.environ.get("ROBUSTRL_TEMPLATE_SOCKET", ""),
+        metavar="PATH",
+        help="fork the trainers and rollouts, and the coordinators' replacements, from the warm "
+        "template already serving at PATH (`python -m robustrl.core.template --stay PATH "
+        f"{' '.join(PRELOAD)}`, or another stack's) instead of starting one; `down` leaves it "
+        "running (default: $ROBUSTRL_TEMPLATE_SOCKET)",
     )
     up.add_argument("--timeout", type=float, default=60.0, help="seconds to wait for health")
     up.add_argument("--job", help="submit this job spec once the stack is up")

@@ -56,7 +56,9 @@ class StackState:
     etcd_peer_port: int = 0
     prefix: str = "/robustrl"
     template_socket: str = ""
-    """The Unix socket of the stack's warm template, if `up` started one."""
+    """The Unix socket of the stack's warm template, if `up` started one or was given one."""
+    template_shared: bool = False
+    """The template was given (`up --template-socket`): another's, which `down` leaves be."""
     procs: list[Proc] = field(default_factory=list)
 
     def save(self) -> None:
@@ -316,8 +318,8 @@ def template_ready(state: StackState, template: Proc, timeout: float) -> bool:
 
 
 def remove_template(state: StackState) -> None:
-    """The template's socket directory, once the template is stopped."""
-    if state.template_socket:
+    """The template's socket directory, once the template is stopped (not a shared one's)."""
+    if state.template_socket and not state.template_shared:
         shutil.rmtree(Path(state.template_socket).parent, ignore_errors=True)
         state.template_socket = ""
 

@@ -37,7 +37,10 @@ def cmd_up(args: argparse.Namespace) -> int:
         etcd = stack.start_etcd(state, args.etcd_history)
         # Importing torch takes the template 5-10 s of a core: it does so while etcd, the
         # monitors and the coordinators start (decision 0023).
-        template = stack.start_template(state) if members and args.template else None
+        shared = bool(members and args.template and args.template_socket)
+        if shared:
+            state.template_socket, state.template_shared = args.template_socket, True
+        template = stack.start_template(state) if members and args.template and not shared else None
         wait_for_etcd(state, etcd)
         services = [
             stack.start_service(state, "monitor", f"monitor-{i}") for i in range(args.monitors)
@@ -58,6 +61,13 @@ def cmd_up(args: argparse.Namespace) -> int:
                 f"[yellow]warning[/yellow]: the warm template is not serving; members start "
                 f"fresh. Its log ends:\n{stack.log_tail(template)}"
             )
+        if shared:
+            fork = os.path.exists(state.template_socket)
+            if not fork:
+                console.print(
+                    f"[yellow]warning[/yellow]: no template serves at {state.template_socket}; "
+                    "members start fresh"
+                )
         for i in range(args.trainers):
             services.append(stack.start_service(state, "trainer", f"trainer-{i}", fork=fork))
         for i in range(args.standby_trainers):

@@ -44,6 +44,7 @@ from tests.support.recovery import (
     submit,
     wait_for_job_incident,
 )
+from tests.support.stack_template import template_pid
 
 NO_MONITOR_GRACE_S = 6.0
 """The leader's `unreported_loss_after` in that test (15 s by default): more than the session
@@ -334,8 +335,8 @@ def test_a_killed_rollout_is_replaced_and_the_trainer_never_pauses(
     # The leader forked the replacement from the stack's template (no imports of its own).
     state = StackState.load(stack.home)
     assert state is not None
-    template = next(p for p in state.procs if p.role == "template")
-    assert parent_of(int(member(stack, rec["replacements"][0])["pid"])) == template.pid
+    template = template_pid(state)
+    assert parent_of(int(member(stack, rec["replacements"][0])["pid"])) == template
     run = runs_of(stack) / "rc"
     assert_nothing_lost_or_trained_twice(stack, "rc", run, steps_run=steps)
     # The trainer kept stepping through the recovery, at its normal pace or near it, also

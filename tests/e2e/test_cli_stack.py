@@ -15,18 +15,28 @@ from pathlib import Path
 import pytest
 
 from robustrl.cli.stack import StackState, find_etcd, is_running
-from tests.support import eventually_sync
+from tests.support import eventually_sync, process_state
 from tests.support.cli import Cli
 from tests.support.paths import EXAMPLE, REPO
 from tests.support.processes import parent_of
 from tests.support.recovery import end_after_recoveries
+from tests.support.stack_template import template_pid
 
 TTL = 5.0  # the default session TTL the stack runs with
 
 
 @pytest.fixture
 def cli(tmp_path: Path) -> Iterator[Cli]:
-    cli = Cli(tmp_path / "home")
+    yield from up_and_down(Cli(tmp_path / "home"))
+
+
+@pytest.fixture
+def cli_own_template(tmp_path: Path) -> Iterator[Cli]:
+    """A stack whose `up` starts its warm template, as it does outside the tests."""
+    yield from up_and_down(Cli(tmp_path / "home", own_template=True))
+
+
+def up_and_down(cli: Cli) -> Iterator[Cli]:
     up = cli.run("up", "--trainers", "1", "--rollouts", "1")
     assert "stack up" in up.stdout
     try:
@@ -193,7 +203,8 @@ def test_a_member_killed_with_9_leaves_and_the_monitor_reports_it(cli: Cli) -> N
 
 
 @pytest.mark.slow
-def test_down_stops_exactly_what_up_started(cli: Cli) -> None:
+def test_down_stops_exactly_what_up_started(cli_own_template: Cli) -> None:
+    cli = cli_own_template
     state = StackState.load(cli.home)
     assert state is not None and len(state.procs) == 7  # etcd, the warm template, 5 services
     # The trainer and the rollout were forked from the stack's template (their imports done).
@@ -231,7 +242,13 @@ def test_down_then_up_keeps_every_job_and_a_running_one_goes_on(cli: Cli, model_
     cli.run("submit", str(EXAMPLE), "--id", "kept", "rollout.replicas=3")  # waits for rollouts
     before = StackState.load(cli.home)
     assert before is not None
+    # A stack given a template (`--template-socket`) forks from it and does not stop it.
+    shared = template_pid(before)
+    assert before.template_shared and "template" not in {p.role for p in before.procs}
+    forked = [p.pid for p in before.procs if p.role in ("trainer", "rollout")]
+    assert forked and all(parent_of(pid) == shared for pid in forked)
     cli.run("down")
+    assert Path(before.template_socket).exists() and process_state(shared) != "Z"
     cli.run("up", "--trainers", "1", "--rollouts", "1")
     after = StackState.load(cli.home)
     assert after is not None

@@ -13,15 +13,19 @@ from typing import Any
 
 from robustrl.cli.stack import StackState, find_etcd
 from robustrl.contracts import packed
+from tests.support import stack_template
 from tests.support.paths import REPO
 from tests.support.reader import StackReader
 
 
 class Cli:
-    def __init__(self, home: Path) -> None:
+    def __init__(self, home: Path, *, own_template: bool = False) -> None:
+        """`own_template`: `up` starts the stack's own warm template, instead of forking from
+        the one this test process shares between its stacks (`tests/support/stack_template`)."""
         self.home = home
         self.env = {k: v for k, v in os.environ.items() if not k.startswith("ROBUSTRL_")}
         self.env["ROBUSTRL_HOME"] = str(home)
+        self.own_template = own_template
         self._reader: StackReader | None = None
 
     def run(
@@ -29,6 +33,8 @@ class Cli:
     ) -> subprocess.CompletedProcess[str]:
         if args and args[0] in ("up", "down"):
             self.close_reader()  # the stack's etcd changes
+        if args and args[0] == "up" and not self.own_template:
+            self.env["ROBUSTRL_TEMPLATE_SOCKET"] = stack_template.socket()
         result = subprocess.run(
             self.argv(*args),
             input=stdin,
