@@ -573,20 +573,22 @@ async def test_a_prepared_standby_lost_is_fenced_its_holder_records_go_and_it_is
         await client.put(wkeys.holder("sj", 7, "rollout-s"), b"{}")
         asks = driver.provisioner = ExternalProvisioner(etcd_settings)
 
-        await driver.free_member_lost(
-            IncidentRecord(
-                incident_id="i-standby",
+        def lost(instance_id: str, evidence: str, at: float) -> IncidentRecord:
+            """A free member's loss, as the monitor reports it (naming no job)."""
+            return IncidentRecord(
+                incident_id=f"i-{instance_id}",
                 job_id="",
                 role="rollout",
-                instance_id="standby-x",
+                instance_id=instance_id,
                 rank=0,
                 kind="MEMBER_LOST",
-                evidence="its session lapsed",
+                evidence=evidence,
                 confidence=1.0,
-                detected_at=1.0,
+                detected_at=at,
                 epoch=0,
             )
-        )
+
+        await driver.free_member_lost(lost("standby-x", "its session lapsed", 1.0))
 
         fence = await client.get(runtime.keys.fence("standby-x"))
         assert fence is not None
@@ -607,19 +609,7 @@ async def test_a_prepared_standby_lost_is_fenced_its_holder_records_go_and_it_is
 
         await eventually(cached, timeout=10)
         assert "standby-y" not in driver.binder.prepared
-        lost = IncidentRecord(
-            incident_id="i-late",
-            job_id="",
-            role="rollout",
-            instance_id="standby-y",
-            rank=0,
-            kind="MEMBER_LOST",
-            evidence="refused",
-            confidence=1.0,
-            detected_at=2.0,
-            epoch=0,
-        )
-        await driver.free_member_lost(lost)
+        await driver.free_member_lost(lost("standby-y", "refused", 2.0))
         fence = await client.get(runtime.keys.fence("standby-y"))
         assert fence is not None and json.loads(fence.value)["job_id"] == "sj", fence
         assert [p.message.standby for p in asks.pending.values()] == [True, True]
