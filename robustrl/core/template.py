@@ -75,7 +75,8 @@ def request_fork(
         request = {"module": module, "env": env, "log": str(log_path), "args": list(args)}
         payload = json.dumps(request).encode() + b"\n"
         sent = socket.send_fds(conn, [payload], list(stdio)) if stdio else 0
-        conn.sendall(payload[sent:])
+        if sent < len(payload):  # an empty send after the template answered is EPIPE
+            conn.sendall(payload[sent:])
         line = conn.makefile("rb").readline()
     try:
         reply = json.loads(line)

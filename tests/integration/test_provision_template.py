@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import asyncio
 import os
+import select
 import signal
+import socket
 from pathlib import Path
 from typing import Any
 
@@ -120,3 +122,26 @@ async def test_the_template_runs_only_what_it_preloaded_with_the_args_and_pipes_
             return out.exists() and out.read_text() == '{"b":1}\n'
 
         await eventually(logged, timeout=30)
+
+
+async def test_a_fork_with_pipes_stands_when_the_template_answered_before_the_client_went_on(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The request with its pipes goes in one message; the template may fork, answer and close
+    the connection before the client's next call. Here the client always comes second."""
+    sent_whole = socket.send_fds
+
+    def then_wait_for_the_template(conn: socket.socket, *args: Any) -> int:
+        sent = sent_whole(conn, *args)
+        hung_up = select.poll()
+        hung_up.register(conn, select.POLLRDHUP)
+        assert hung_up.poll(30_000), "the template never answered"
+        return sent
+
+    monkeypatch.setattr(socket, "send_fds", then_wait_for_the_template)
+    with template("json.tool") as warm:
+        proc = await warm.spawn("json.tool", ["--compact"], dict(os.environ), tmp_path / "err")
+        proc.stdin.write(b"[3]\n")
+        proc.stdin.close()
+        assert await asyncio.wait_for(proc.stdout.read(), 30) == b"[3]\n"
+        await asyncio.wait_for(proc.wait(), 30)
