@@ -221,7 +221,7 @@ def collective_hangs(
                     laggard.instance_id,
                     job_id,
                     laggard.rank,
-                    f"ranks {others} have waited {waited:.0f}s in collective #{seq:.0f}; "
+                    f"ranks {others} have waited {waited:.1f}s in collective #{seq:.0f}; "
                     f"rank {laggard.rank} {where}",
                     0.9,
                     key=f"collective@{seq:.0f}",

@@ -19,6 +19,7 @@ from tests.support import eventually_sync
 from tests.support.accounting import assert_nothing_lost_or_trained_twice
 from tests.support.cli import Cli
 from tests.support.detection import (
+    RANKS_SILENCE,
     detection_stack,
     step_of,
     submit,
@@ -33,16 +34,9 @@ past that adds time."""
 pytestmark = [pytest.mark.chaos, pytest.mark.slow, pytest.mark.timeout(420)]
 
 
-SILENCE = 6.0
-"""The monitor's silence window here (2 s in the other detection tests). A stopped rank goes
-silent as rank 0 enters the collective it misses; the collective's budget (2 s) must run out
-before the silence window and its probe would report the rank as a TRAINER_HANG. With 2 s,
-rank 0 waiting a moment longer for its batch (a loaded host) lost that race."""
-
-
 @pytest.fixture
 def stack(tmp_path: Path) -> Iterator[Cli]:
-    env = {"ROBUSTRL_MONITOR_SILENCE_WINDOW": str(SILENCE)}
+    env = {"ROBUSTRL_MONITOR_SILENCE_WINDOW": str(RANKS_SILENCE)}
     with detection_stack(tmp_path, "--trainers", "2", env=env) as cli:
         yield cli
 

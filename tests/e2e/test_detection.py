@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import time
 from collections.abc import Iterator
@@ -18,6 +19,7 @@ from tests.support.detection import (
     COLLECTIVE_BUDGET,
     PROBE_DEADLINE,
     PROBE_WAIT,
+    RANKS_SILENCE,
     SILENCE,
     SLACK,
     TTL,
@@ -107,7 +109,8 @@ def test_a_nan_loss_is_reported_in_the_step_it_happens(
 
 @pytest.fixture
 def two_trainers(tmp_path: Path) -> Iterator[Cli]:
-    with detection_stack(tmp_path, "--trainers", "2") as cli:
+    env = {"ROBUSTRL_MONITOR_SILENCE_WINDOW": str(RANKS_SILENCE)}
+    with detection_stack(tmp_path, "--trainers", "2", env=env) as cli:
         yield cli
 
 
@@ -129,8 +132,11 @@ def test_a_trainer_rank_stopped_mid_job_is_named_by_a_collective_hang(
     finally:
         os.kill(pid, signal.SIGCONT)
     assert incident["rank"] == 1 and "rank 1" in incident["evidence"]
-    # Rank 0 enters the collective rank 1 misses within one step (well under a second here).
-    took = incident["detected_at"] - stopped_at
-    bound = COLLECTIVE_BUDGET + 1.0 + SLACK
-    assert took <= bound, f"named {took:.1f}s after SIGSTOP (bound {bound:.1f}s)"
+    # Named once rank 0 has waited the collective's budget in the collective rank 1 misses
+    # (which rank 0 enters when its next batch comes: a moment, or seconds on a loaded host).
+    waited = re.search(r"have waited ([0-9.]+)s", incident["evidence"])
+    assert waited is not None, incident["evidence"]
+    bound = COLLECTIVE_BUDGET + SLACK
+    assert float(waited[1]) <= bound, f"{incident['evidence']} (bound {bound:.1f}s)"
+    assert incident["detected_at"] - stopped_at <= TTL
     assert [i["kind"] for i in incidents(stack)] == ["COLLECTIVE_HANG"]

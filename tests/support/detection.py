@@ -30,6 +30,14 @@ EVALUATE = 0.2
 COLLECTIVE_BUDGET = 2.0
 
 
+RANKS_SILENCE = 6.0
+"""The monitor's silence window in the stacks that stop a trainer rank (SILENCE elsewhere). A
+stopped rank goes silent as rank 0 enters the collective it misses once its next batch comes;
+the collective's budget must run out before the silence window and its probe would report the
+rank as a TRAINER_HANG. With SILENCE, rank 0 waiting a few seconds for its batch (rollouts on a
+loaded host) lost that race."""
+
+
 LEDGER_PAGE_SIZE = 4
 
 
