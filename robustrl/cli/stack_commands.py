@@ -37,10 +37,11 @@ def cmd_up(args: argparse.Namespace) -> int:
         etcd = stack.start_etcd(state, args.etcd_history)
         # Importing torch takes the template 5-10 s of a core: it does so while etcd, the
         # monitors and the coordinators start (decision 0023).
-        shared = bool(members and args.template and args.template_socket)
+        wanted = bool(members and args.template)
+        shared = wanted and bool(args.template_socket)
         if shared:
             state.template_socket, state.template_shared = args.template_socket, True
-        template = stack.start_template(state) if members and args.template and not shared else None
+        template = stack.start_template(state) if wanted and not shared else None
         wait_for_etcd(state, etcd)
         services = [
             stack.start_service(state, "monitor", f"monitor-{i}") for i in range(args.monitors)

@@ -352,8 +352,7 @@ class Binder:
         members, _ = await self.jobs.members.list()
         for member in members:
             if member.instance_id == instance_id and policy.is_standby(member):
-                prepared = not member.job_id and PREPARED_LABEL in member.labels
-                return member if prepared else None
+                return member if policy.is_prepared_standby(member) else None
         return None
 
     async def release(self, job_id: str, members: list[MemberRecord]) -> None:

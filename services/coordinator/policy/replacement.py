@@ -200,6 +200,11 @@ def standbys_to_prepare(
     return chosen
 
 
+def is_prepared_standby(member: MemberRecord) -> bool:
+    """A free standby labelled as prepared for a job (which job: its PREPARED_LABEL)."""
+    return is_standby(member) and not member.job_id and PREPARED_LABEL in member.labels
+
+
 def prepared_standbys(
     known: Mapping[str, MemberRecord], members: list[MemberRecord], running: Sequence[str]
 ) -> dict[str, MemberRecord]:
@@ -214,7 +219,7 @@ def prepared_standbys(
         if name not in registered and m.labels.get(PREPARED_LABEL) in running
     }
     for m in members:
-        if is_standby(m) and not m.job_id and m.labels.get(PREPARED_LABEL) in running:
+        if is_prepared_standby(m) and m.labels[PREPARED_LABEL] in running:
             held[m.instance_id] = m
     return held
 
