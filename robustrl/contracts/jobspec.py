@@ -36,10 +36,24 @@ class ModelSpec(_Strict):
 
 class TaskSpec(_Strict):
     name: str = "arithmetic"
-    """Built-in task that generates the dataset when `dataset` is empty."""
+    """Built-in task: `arithmetic` (generates its data when `dataset` is empty) or `math`
+    (a dataset's problems, scored by math-verify; needs `dataset` and `eval_dataset`)."""
 
     dataset: str = ""
-    """JSONL file of {id, prompt, answer}; empty: generate the built-in task's data."""
+    """The training rows: a JSONL, parquet or arrow file on the coordinator's host, read when
+    the job is submitted (a missing, empty or malformed file is refused then, naming the row
+    and the column). Empty: generate the built-in task's data."""
+
+    eval_dataset: str = ""
+    """The held-out rows the trainer scores greedily (`eval_size` of them), in the same
+    formats, on the trainer's host. Empty: the built-in task's held-out split."""
+
+    prompt_column: str = Field(default="prompt", min_length=1)
+    """The column with each row's prompt: a string, or a list of chat messages ({role,
+    content}) that the model tokenizer's chat template renders, with the generation prompt."""
+
+    answer_column: str = Field(default="answer", min_length=1)
+    """The column with each row's reference answer (a string or a number)."""
 
     reward: str = "robustrl.generation.rewards:arithmetic_exact"
     """Reward plug-in, `module:function` or `path/to/file.py:function`."""

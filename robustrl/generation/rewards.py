@@ -19,6 +19,7 @@ import importlib.util
 import math
 import re
 import sys
+import threading
 from collections.abc import Callable
 from pathlib import Path
 
@@ -109,3 +110,22 @@ def arithmetic_exact(prompt: str, completion: str, answer: str) -> float:
         return 1.0 if int(match.group(0)) == int(answer) else 0.0
     except ValueError:
         return 0.0
+
+
+def math_verified(prompt: str, completion: str, answer: str) -> float:
+    """1.0 if the completion's answer equals ``answer`` as mathematics, else 0.0: math-verify
+    extracts it (a \\boxed{} answer first, else the last expression) and compares equivalent
+    forms (1/2, 0.5 and \\frac{1}{2}; 3 and 3.0). Completions it cannot parse score 0.0.
+
+    Its time limits use SIGALRM, which only the main thread may set: elsewhere they are off.
+    """
+    del prompt
+    from math_verify import parse, verify  # only the hosts that score the math task need it
+
+    limit = 5 if threading.current_thread() is threading.main_thread() else None
+    latex = "$" in answer or "\\" in answer
+    gold = parse(answer if latex else f"${answer}$", parsing_timeout=limit)
+    found = parse(completion, parsing_timeout=limit)
+    if not gold or not found:
+        return 0.0
+    return 1.0 if verify(gold, found, timeout_seconds=limit) else 0.0

@@ -1,10 +1,12 @@
-"""Built-in verifiable tasks and the JSONL dataset format they travel in.
+"""Built-in verifiable tasks, and the dataset files a job may train and evaluate on.
 
-A task turns a seed into prompts whose answers can be checked exactly. The coordinator
-uses this module to materialise a job's dataset and the fixed eval split, so it must stay
-free of torch (the coordinator's image carries no model stack).
+A task turns a seed into prompts whose answers can be checked exactly (arithmetic), or scores
+the rows of a dataset it is given (math). The coordinator uses this module to load a job's
+dataset or materialise the generated one, so it must stay free of torch (the coordinator's
+image carries no model stack).
 
-Dataset file format: one JSON object per line, ``{"id": str, "prompt": str, "answer": str}``.
+Dataset files: JSON lines, parquet or arrow, one row per prompt, with a prompt column (a string
+or a list of chat messages), an answer column, and optionally an id column (`Columns`).
 """
 
 from __future__ import annotations
@@ -25,12 +27,23 @@ class UnknownTaskError(ValueError):
 
 
 @dataclass(frozen=True)
+class Message:
+    """One chat message of a prompt."""
+
+    role: str
+    content: str
+
+
+@dataclass(frozen=True)
 class TaskItem:
-    """One prompt with its reference answer; ``id`` is stable across regenerations."""
+    """One prompt with its reference answer; ``id`` is stable across regenerations. A chat
+    prompt has ``messages`` and an empty ``prompt``: the model's chat template renders it
+    (robustrl/generation/prompts.py)."""
 
     id: str
     prompt: str
     answer: str
+    messages: tuple[Message, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -44,8 +57,12 @@ class TaskSpec:
     """``eval_split(n)`` -> the first n items of the fixed held-out split."""
     default_reward: str
     """Reward plug-in spec (``module:function``) that scores this task."""
-    alphabet: str
-    """Every character a prompt or a correct completion can contain (sizes the tokenizer)."""
+    generated: bool = True
+    """False: the task has no data of its own (`generate` and `eval_split` raise): a job names
+    its rows (``task.dataset``) and its held-out rows (``task.eval_dataset``)."""
+    alphabet: str = ""
+    """Every character a prompt or a correct completion can contain (sizes the tiny model's
+    tokenizer); empty for a task meant for real tokenizers."""
 
 
 # --- arithmetic -------------------------------------------------------------------------
@@ -140,6 +157,10 @@ def _arithmetic_eval(n: int) -> list[TaskItem]:
     return arithmetic_eval_split(n)
 
 
+def _no_data_of_its_own(task: str) -> list[TaskItem]:
+    raise ValueError(f"the {task} task has no data of its own: name task.dataset and eval_dataset")
+
+
 TASKS: Mapping[str, TaskSpec] = {
     "arithmetic": TaskSpec(
         name="arithmetic",
@@ -147,6 +168,15 @@ TASKS: Mapping[str, TaskSpec] = {
         eval_split=_arithmetic_eval,
         default_reward="robustrl.generation.rewards:arithmetic_exact",
         alphabet=ARITH_ALPHABET,
+    ),
+    # Math problems from the job's own dataset (GSM8K, MATH, ...), scored by math-verify: the
+    # completion's \boxed{} answer (or its last expression) against the reference.
+    "math": TaskSpec(
+        name="math",
+        generate=lambda n, seed: _no_data_of_its_own("math"),
+        eval_split=lambda n: _no_data_of_its_own("math"),
+        default_reward="robustrl.generation.rewards:math_verified",
+        generated=False,
     ),
 }
 
@@ -174,44 +204,136 @@ def write_dataset(items: Iterable[TaskItem], path: str | Path) -> int:
     count = 0
     with tmp.open("w", encoding="utf-8") as f:
         for item in items:
-            row = {"id": item.id, "prompt": item.prompt, "answer": item.answer}
+            prompt: object = item.prompt
+            if item.messages:
+                prompt = [{"role": m.role, "content": m.content} for m in item.messages]
+            row = {"id": item.id, "prompt": prompt, "answer": item.answer}
             f.write(json.dumps(row, ensure_ascii=False) + "\n")
             count += 1
     tmp.replace(path)
     return count
 
 
-def load_dataset(path: str | Path) -> list[TaskItem]:
-    """Read a JSONL dataset; a malformed line raises ValueError naming the file and line.
+DATASET_SUFFIXES = (".jsonl", ".json", ".parquet", ".arrow")
+"""The files a dataset may be: JSON lines, parquet, or an arrow file (`Dataset.save_to_disk`'s
+shards, or `datasets`' own cache files)."""
 
-    Blank lines are skipped. Ids must be unique: trajectories are keyed by them.
-    """
+
+@dataclass(frozen=True)
+class Columns:
+    """Where a dataset's rows keep the prompt, the answer and (optionally) the row's id."""
+
+    prompt: str = "prompt"
+    answer: str = "answer"
+    id: str = "id"
+
+
+def load_dataset(path: str | Path, columns: Columns = Columns()) -> list[TaskItem]:
+    """Every row of a JSONL, parquet or arrow file as a TaskItem. ValueError naming the file,
+    the row (1-based: a JSONL file's line) and the column where a row is malformed, where a
+    mapped column is missing, or where the file has no rows; OSError where it cannot be read.
+
+    A prompt is a non-empty string, or a list of chat messages ({role, content}), which the
+    model's chat template renders where the prompt is used. An answer is a string or a number.
+    Ids come from the id column where the file has one (unique: trajectories are keyed by
+    them), else from the row's number."""
     path = Path(path)
+    if path.suffix not in DATASET_SUFFIXES:
+        raise ValueError(f"{path}: a dataset is one of {', '.join(DATASET_SUFFIXES)} files")
+    if not path.is_file():
+        raise FileNotFoundError(2, "no such file", str(path))
+    rows = _jsonl_rows(path) if path.suffix in (".jsonl", ".json") else _table_rows(path)
     items: list[TaskItem] = []
     seen: dict[str, int] = {}
+    for number, row in rows:
+        item = _item(path, number, row, columns)
+        if item.id in seen:
+            raise ValueError(
+                f"{path}, row {number}: duplicate id {item.id!r} in column {columns.id!r} "
+                f"(first in row {seen[item.id]})"
+            )
+        seen[item.id] = number
+        items.append(item)
+    if not items:
+        raise ValueError(f"{path}: no rows")
+    return items
+
+
+def _jsonl_rows(path: Path) -> Iterable[tuple[int, Mapping[str, object]]]:
+    """Each non-blank line as (line number, object): read here, not by `datasets`, whose JSON
+    reader names neither the line nor the file of a malformed row."""
     with path.open("r", encoding="utf-8") as f:
         for lineno, line in enumerate(f, start=1):
             if not line.strip():
                 continue
-            where = f"{path}:{lineno}"
             try:
                 row = json.loads(line)
             except json.JSONDecodeError as e:
-                raise ValueError(f"{where}: not valid JSON ({e.msg})") from None
+                raise ValueError(f"{path}, row {lineno}: not valid JSON ({e.msg})") from None
             if not isinstance(row, dict):
-                raise ValueError(f"{where}: expected a JSON object, got {type(row).__name__}")
-            for field in ("id", "prompt", "answer"):
-                if field not in row:
-                    raise ValueError(f"{where}: missing field {field!r}")
-                if not isinstance(row[field], str):
-                    kind = type(row[field]).__name__
-                    raise ValueError(f"{where}: field {field!r} must be a string, got {kind}")
-            if not row["prompt"]:
-                raise ValueError(f"{where}: field 'prompt' is empty")
-            if row["id"] in seen:
-                raise ValueError(
-                    f"{where}: duplicate id {row['id']!r} (first on line {seen[row['id']]})"
-                )
-            seen[row["id"]] = lineno
-            items.append(TaskItem(id=row["id"], prompt=row["prompt"], answer=row["answer"]))
-    return items
+                kind = type(row).__name__
+                raise ValueError(f"{path}, row {lineno}: expected a JSON object, got {kind}")
+            yield lineno, row
+
+
+def _table_rows(path: Path) -> Iterable[tuple[int, Mapping[str, object]]]:
+    """A parquet or arrow file's rows, read with Hugging Face `datasets` (imported here: the
+    coordinator pays for it only when a job names such a file)."""
+    import datasets
+
+    datasets.disable_progress_bars()
+    try:
+        if path.suffix == ".parquet":
+            table = datasets.Dataset.from_parquet(str(path), keep_in_memory=True)
+        else:
+            table = datasets.Dataset.from_file(str(path), in_memory=True)
+    except Exception as exc:  # pyarrow's and datasets' own errors: the file is not a table
+        raise ValueError(f"{path}: not a readable {path.suffix[1:]} file ({exc})") from None
+    assert isinstance(table, datasets.Dataset)
+    for index, row in enumerate(table):
+        yield index + 1, row
+
+
+def _item(path: Path, number: int, row: Mapping[str, object], columns: Columns) -> TaskItem:
+    where = f"{path}, row {number}"
+    for column in (columns.prompt, columns.answer):
+        if column not in row:
+            present = ", ".join(sorted(map(str, row))) or "none"
+            raise ValueError(f"{where}: no column {column!r} (columns: {present})")
+    prompt, answer = row[columns.prompt], row[columns.answer]
+    if isinstance(answer, bool) or not isinstance(answer, str | int | float):
+        kind = type(answer).__name__
+        raise ValueError(
+            f"{where}: column {columns.answer!r} must be a string or a number, got {kind}"
+        )
+    raw_id = row.get(columns.id)
+    item_id = str(raw_id) if raw_id is not None and raw_id != "" else f"row-{number}"
+    if isinstance(prompt, str):
+        if not prompt:
+            raise ValueError(f"{where}: column {columns.prompt!r} is empty")
+        return TaskItem(id=item_id, prompt=prompt, answer=str(answer))
+    if isinstance(prompt, list) and prompt:
+        return TaskItem(
+            id=item_id, prompt="", answer=str(answer), messages=_messages(where, columns, prompt)
+        )
+    kind = "an empty list" if isinstance(prompt, list) else type(prompt).__name__
+    raise ValueError(
+        f"{where}: column {columns.prompt!r} must be a string or a list of chat messages, "
+        f"got {kind}"
+    )
+
+
+def _messages(where: str, columns: Columns, prompt: list[object]) -> tuple[Message, ...]:
+    out = []
+    for i, message in enumerate(prompt):
+        ok = isinstance(message, dict) and all(
+            isinstance(message.get(key), str) for key in ("role", "content")
+        )
+        if not ok:
+            raise ValueError(
+                f"{where}: column {columns.prompt!r}, message {i}: a chat message is "
+                "{role: string, content: string}"
+            )
+        assert isinstance(message, dict)
+        out.append(Message(message["role"], message["content"]))
+    return tuple(out)

@@ -430,6 +430,7 @@ class PromptGroup(_message.Message):
     ANSWER_FIELD_NUMBER: _builtins.int
     GROUP_SIZE_FIELD_NUMBER: _builtins.int
     LEASE_DEADLINE_FIELD_NUMBER: _builtins.int
+    MESSAGES_FIELD_NUMBER: _builtins.int
     group_id: _builtins.str
     """Stable across re-leases: trajectory ids derive from it, so a group re-generated after a
     rollout failure de-duplicates against what already reached the trainer.
@@ -440,6 +441,12 @@ class PromptGroup(_message.Message):
     group_size: _builtins.int
     @_builtins.property
     def lease_deadline(self) -> _timestamp_pb2.Timestamp: ...
+    @_builtins.property
+    def messages(self) -> _containers.RepeatedCompositeFieldContainer[Global___ChatMessage]:
+        """A chat prompt (prompt is then empty): the rollout renders it with the model tokenizer's
+        chat template, with the generation prompt.
+        """
+
     def __init__(
         self,
         *,
@@ -449,14 +456,37 @@ class PromptGroup(_message.Message):
         answer: _builtins.str = ...,
         group_size: _builtins.int = ...,
         lease_deadline: _timestamp_pb2.Timestamp | None = ...,
+        messages: _abc.Iterable[Global___ChatMessage] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["lease_deadline", b"lease_deadline"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["answer", b"answer", "group_id", b"group_id", "group_size", b"group_size", "item_id", b"item_id", "lease_deadline", b"lease_deadline", "prompt", b"prompt"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["answer", b"answer", "group_id", b"group_id", "group_size", b"group_size", "item_id", b"item_id", "lease_deadline", b"lease_deadline", "messages", b"messages", "prompt", b"prompt"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___PromptGroup: _TypeAlias = PromptGroup  # noqa: Y015
+
+@_typing.final
+class ChatMessage(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ROLE_FIELD_NUMBER: _builtins.int
+    CONTENT_FIELD_NUMBER: _builtins.int
+    role: _builtins.str
+    content: _builtins.str
+    def __init__(
+        self,
+        *,
+        role: _builtins.str = ...,
+        content: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["content", b"content", "role", b"role"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ChatMessage: _TypeAlias = ChatMessage  # noqa: Y015
 
 @_typing.final
 class LeaseWorkRequest(_message.Message):

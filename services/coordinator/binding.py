@@ -27,7 +27,7 @@ from robustrl.core.runtime import ServiceRuntime
 from services.coordinator import policy
 from services.coordinator.asks import ProvisioningAsks
 from services.coordinator.control import BIND, PREPARE, RELEASE, control, control_quietly
-from services.coordinator.datasets import Datasets, dataset_for
+from services.coordinator.datasets import Datasets
 from services.coordinator.job_records import JobRecords
 from services.coordinator.jobs import JobRecord, Phase
 from services.coordinator.ledgers import Ledgers
@@ -127,7 +127,8 @@ class Binder:
                 await self.jobs.update(record.job_id, {"message": start.waiting})
             return
         try:
-            dataset = dataset_for(spec)
+            # Read at submit; again where this leader did not take the submission.
+            dataset = await asyncio.to_thread(self.datasets.of, record.job_id, spec)
         except InvalidArgument as exc:
             await self.jobs.update(record.job_id, {}, Phase.FAILED, exc.message)
             return

@@ -5,27 +5,33 @@ from __future__ import annotations
 
 from robustrl.contracts.errors import InvalidArgument
 from robustrl.contracts.jobspec import JobSpec
-from robustrl.generation.tasks import TaskItem, UnknownTaskError, get_task, load_dataset
+from robustrl.generation.tasks import Columns, TaskItem, UnknownTaskError, get_task, load_dataset
 
 
 def dataset_for(spec: JobSpec) -> list[TaskItem]:
-    """The job's training items; InvalidArgument naming the field when they cannot be had."""
+    """The job's training items; InvalidArgument naming the field (and the file, row and
+    column) when they cannot be had."""
+    try:
+        task = get_task(spec.task.name)
+    except UnknownTaskError as exc:
+        raise InvalidArgument(f"task.name: {exc}") from exc
+    if not task.generated and not spec.task.eval_dataset:
+        raise InvalidArgument(
+            f"task.eval_dataset: the {task.name} task has no built-in held-out rows; "
+            "name a file of them"
+        )
     if spec.task.dataset:
+        columns = Columns(spec.task.prompt_column, spec.task.answer_column)
         try:
-            items = load_dataset(spec.task.dataset)
+            return load_dataset(spec.task.dataset, columns)
         except OSError as exc:
             raise InvalidArgument(
                 f"task.dataset: cannot read {spec.task.dataset}: {exc.strerror}"
             ) from exc
         except ValueError as exc:
             raise InvalidArgument(f"task.dataset: {exc}") from exc
-        if not items:
-            raise InvalidArgument(f"task.dataset: {spec.task.dataset} has no rows")
-        return items
-    try:
-        task = get_task(spec.task.name)
-    except UnknownTaskError as exc:
-        raise InvalidArgument(f"task.name: {exc}") from exc
+    if not task.generated:
+        raise InvalidArgument(f"task.dataset: the {task.name} task trains on a dataset; name it")
     # Sized by the planned steps, not the budget: an update of the budget must not change
     # which item a group index maps to (a leader after a failover loads the data again).
     size = max(1024, 2 * spec.trainer.planned_steps * spec.trainer.groups_per_step)

@@ -26,6 +26,7 @@ from robustrl.v1 import (
 )
 from services.coordinator import jobs
 from services.coordinator.config import CoordinatorSettings
+from services.coordinator.datasets import dataset_for
 from services.coordinator.driver import JobDriver
 from services.coordinator.jobs import Phase
 from services.coordinator.leadership import Leadership
@@ -60,10 +61,13 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
         guard = await self.leadership.require_leader()
         job_id = request.job_id or spec.id or f"{spec.name}-{secrets.token_hex(3)}"
         validate_job_id(job_id)
+        # The rows are read now: a job whose data cannot be had is refused, not recorded.
+        items = await asyncio.to_thread(dataset_for, spec)
         record = jobs.new_job(
             job_id, spec.model_copy(update={"id": job_id}).model_dump(mode="json"), jobs.now()
         )
         revision = await self.store.create(record, guard)
+        self.driver.datasets.keep(job_id, items)
         log.info("coordinator.job_submitted", job=job_id, name=spec.name)
         return jobs.to_proto(record, revision)
 

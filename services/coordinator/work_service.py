@@ -114,6 +114,10 @@ class WorkService:
                     prompt=item.prompt,
                     answer=item.answer,
                     group_size=spec.rollout.group_size,
+                    messages=[
+                        coordinator_pb2.ChatMessage(role=m.role, content=m.content)
+                        for m in item.messages
+                    ],
                 )
                 msg.lease_deadline.FromNanoseconds(int(deadline * 1e9))
         if saved is not None:

@@ -42,6 +42,7 @@ from robustrl.generation.engine import (
     SourceGone,
     WeightsRefused,
 )
+from robustrl.generation.prompts import NoChatTemplate, prompt_text, render
 from robustrl.generation.rewards import RewardError, RewardFn, load_reward, score
 from robustrl.v1 import coordinator_pb2, trainer_pb2
 from robustrl.weights import (
@@ -373,9 +374,13 @@ class RolloutWorker:
             seed=zlib.crc32(f"{spec.seed}/{groups[0].group_id}/{version}".encode()),
         )
         try:
+            prompts = [render(self.engine.tokenizer, g.prompt, g.messages) for g in groups]
+        except NoChatTemplate as exc:  # the job's input: the model cannot take it
+            raise JobError(f"cannot render group {groups[0].group_id}: {exc}") from exc
+        try:
             with self.meter.generating(len(groups)):
                 outputs = await asyncio.to_thread(
-                    self.engine.generate, [g.prompt for g in groups], params, self.meter.on_tokens
+                    self.engine.generate, prompts, params, self.meter.on_tokens
                 )
         except ContextExceeded as exc:  # the job's input: name the row to fix
             group = groups[exc.index]
@@ -385,6 +390,7 @@ class RolloutWorker:
         except ValueError as exc:
             raise JobError(f"cannot generate: {exc}") from exc
         for group, completions in zip(groups, outputs, strict=True):
+            asked = prompt_text(group.prompt, group.messages)
             nonfinite = sum(not math.isfinite(lp) for c in completions for lp in c.logprobs)
             if nonfinite:
                 self.meter.count_nonfinite(nonfinite)
@@ -401,7 +407,7 @@ class RolloutWorker:
                 continue
             for index, completion in enumerate(completions):
                 try:
-                    reward = score(self.reward, group.prompt, completion.text, group.answer)
+                    reward = score(self.reward, asked, completion.text, group.answer)
                 except RewardError as exc:
                     raise JobError(str(exc)) from exc
                 out.trajectories.append(

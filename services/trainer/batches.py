@@ -50,13 +50,16 @@ def step_inputs(batch: list[Group], step: int) -> StepInputs:
 def step_metrics(
     batch: list[Group], inputs: StepInputs, samples: int, result: grpo.StepMetrics | None
 ) -> dict[str, float]:
-    """What a step reports: the batch's reward, tokens and staleness, and the GRPO step's
-    loss and its parts (`result`; None when no sample carried a gradient)."""
-    tokens = float(sum(len(t.completion_ids) for g in batch for t in g.trajectories.values()))
+    """What a step reports: the batch's reward, tokens (the completions'; the prompts' as a
+    mean) and staleness, and the GRPO step's loss and its parts (`result`; None when no
+    sample carried a gradient)."""
+    trajectories = [t for g in batch for t in g.trajectories.values()]
+    tokens = float(sum(len(t.completion_ids) for t in trajectories))
     staleness = inputs.staleness
     metrics = {
         "reward": sum(inputs.rewards) / len(inputs.rewards),
         "tokens": tokens,
+        "prompt_tokens_mean": sum(len(t.prompt_ids) for t in trajectories) / len(trajectories),
         "samples": float(samples),
         "staleness_mean": sum(staleness) / len(staleness),
         "staleness_max": float(max(staleness)),

@@ -1,5 +1,6 @@
-"""The trainer's evaluation: greedy generations for the task's held-out prompts under the
-current weights, scored by the job's reward. Their mean is the run's `eval_reward`."""
+"""The trainer's evaluation: greedy generations for the held-out prompts (the task's own split,
+or the first `eval_size` rows of `task.eval_dataset`) under the current weights, scored by the
+job's reward. Their mean is the run's `eval_reward`."""
 
 from __future__ import annotations
 
@@ -11,8 +12,9 @@ from typing import Any
 from robustrl.contracts.errors import InvalidArgument
 from robustrl.contracts.jobspec import JobSpec
 from robustrl.generation.engine import SamplingParams, TorchEngine
+from robustrl.generation.prompts import prompt_text, render
 from robustrl.generation.rewards import RewardError, RewardFn, load_reward, score
-from robustrl.generation.tasks import TaskItem, UnknownTaskError, get_task
+from robustrl.generation.tasks import Columns, TaskItem, UnknownTaskError, get_task, load_dataset
 
 
 @dataclass(frozen=True)
@@ -29,10 +31,22 @@ class Evaluation:
             task = get_task(spec.task.name)
         except UnknownTaskError as exc:
             raise InvalidArgument(f"task.name: {exc}") from exc
-        try:
-            items = task.eval_split(spec.task.eval_size)
-        except ValueError as exc:
-            raise InvalidArgument(f"task.eval_size: {exc}") from exc
+        if spec.task.eval_dataset:
+            columns = Columns(spec.task.prompt_column, spec.task.answer_column)
+            try:
+                items = load_dataset(spec.task.eval_dataset, columns)[: spec.task.eval_size]
+            except OSError as exc:
+                why = f"cannot read {spec.task.eval_dataset}: {exc.strerror}"
+                raise InvalidArgument(f"task.eval_dataset: {why}") from exc
+            except ValueError as exc:
+                raise InvalidArgument(f"task.eval_dataset: {exc}") from exc
+        elif not task.generated:
+            raise InvalidArgument(f"task.eval_dataset: the {task.name} task needs one")
+        else:
+            try:
+                items = task.eval_split(spec.task.eval_size)
+            except ValueError as exc:
+                raise InvalidArgument(f"task.eval_size: {exc}") from exc
         try:
             reward = load_reward(spec.task.reward)
         except RewardError as exc:
@@ -50,7 +64,7 @@ class Evaluation:
         with `agree` (TorchEngine.agree): each forward is a collective. Blocks."""
         engine = TorchEngine(model, tokenizer)
         engine.agree = agree
-        prompts = [item.prompt for item in self.items]
+        prompts = [render(tokenizer, item.prompt, item.messages) for item in self.items]
         params = SamplingParams(
             n=1, temperature=0.0, max_new_tokens=self.max_new_tokens, seed=self.seed
         )
@@ -60,5 +74,6 @@ class Evaluation:
         """The mean reward of `completions`, one a held-out item in order."""
         total = 0.0
         for item, text in zip(self.items, completions, strict=True):
-            total += score(self.reward, item.prompt, text, item.answer)
+            prompt = prompt_text(item.prompt, item.messages)
+            total += score(self.reward, prompt, text, item.answer)
         return total / max(1, len(self.items))

@@ -151,7 +151,6 @@ def test_bad_job_input_fails_the_job_with_a_clear_message_and_no_crash(
     dataset.write_text("".join(json.dumps(row) + "\n" for row in rows))
     cases = {
         "no-model": (["model.path=/nonexistent/model"], "model.path"),
-        "no-task": ([f"model.path={model_dir}", "task.name=chess"], "unknown task"),
         "no-plugin": ([f"model.path={model_dir}", "task.reward=nowhere:fn"], "task.reward"),
         "raises": ([f"model.path={model_dir}", f"task.reward={plugin}:raises"], "boom"),
         "not-a-number": (
@@ -172,6 +171,18 @@ def test_bad_job_input_fails_the_job_with_a_clear_message_and_no_crash(
         assert isinstance(status, dict)
         assert status["phase"] == "FAILED", (job, status["phase"], status["message"])
         assert text in str(status["message"]), (job, status["message"])
+    # Input the leader can judge alone is refused at submit: no job is recorded.
+    refused = stack.run(
+        "submit",
+        str(EXAMPLE),
+        "--id",
+        "no-task",
+        f"model.path={model_dir}",
+        "task.name=chess",
+        check=False,
+    )
+    assert refused.returncode != 0 and "unknown task 'chess'" in refused.stderr, refused
+    assert "no-task" not in {job["job_id"] for job in stack.json("jobs")}
     # Every service survived all of that and is free for the next job.
     members = stack.members()
     assert sorted(str(m["instance_id"]) for m in members) == [

@@ -7,6 +7,7 @@ import json
 import os
 import sys
 import time
+from pathlib import Path
 
 import grpc
 import pytest
@@ -159,6 +160,42 @@ async def test_bad_requests_get_the_right_code_and_change_nothing(
         assert error.code() == grpc.StatusCode.UNAVAILABLE
         assert leader.address in (error.details() or "")
         assert dict(error.trailing_metadata() or ())[LEADER_METADATA_KEY] == leader.address
+
+
+async def test_a_job_whose_data_cannot_be_had_is_refused_at_submit_and_not_recorded(
+    coordinators: list[ServiceRuntime], tmp_path: Path
+) -> None:
+    leader, _ = coordinators
+    good = {"id": "r", "prompt": "1+1=", "answer": "2"}
+    rows = [json.dumps({**good, "id": f"r{i}"}) for i in range(1, 7)]
+    (tmp_path / "bad-row.jsonl").write_text("\n".join([*rows, "{oops", ""]))
+    (tmp_path / "empty.jsonl").write_text("")
+    (tmp_path / "rows.jsonl").write_text("\n".join(rows) + "\n")
+    cases = [
+        ("task.dataset=/nowhere/rows.jsonl", "/nowhere/rows.jsonl"),
+        (f"task.dataset={tmp_path / 'empty.jsonl'}", "empty.jsonl: no rows"),
+        (
+            f"task.dataset={tmp_path / 'rows.jsonl'}",
+            "rows.jsonl, row 1: no column 'question' (columns: answer, id, prompt)",
+            "task.prompt_column=question",
+        ),
+        (f"task.dataset={tmp_path / 'bad-row.jsonl'}", "bad-row.jsonl, row 7: not valid JSON"),
+        ("task.name=math", "task.eval_dataset: the math task has no built-in held-out rows"),
+    ]
+    channel, api = stub(leader)
+    async with channel:
+        for override, text, *more in cases:
+            request = pb.SubmitJobRequest(spec=SPEC, job_id="data", overrides=[override, *more])
+            error = await code_of(api.SubmitJob(request, timeout=10))
+            assert error.code() == grpc.StatusCode.INVALID_ARGUMENT, (override, error.details())
+            assert text in (error.details() or ""), error.details()
+            assert "task." in (error.details() or "")
+        listed = await api.ListJobs(pb.ListJobsRequest(), timeout=5)
+        assert list(listed.jobs) == []
+        ok = pb.SubmitJobRequest(
+            spec=SPEC, job_id="data", overrides=[f"task.dataset={tmp_path / 'rows.jsonl'}"]
+        )
+        assert (await api.SubmitJob(ok, timeout=10)).job_id == "data"
 
 
 async def test_a_lost_compare_and_swap_is_aborted(coordinators: list[ServiceRuntime]) -> None:

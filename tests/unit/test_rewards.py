@@ -2,12 +2,20 @@
 
 from __future__ import annotations
 
+import concurrent.futures
 import math
 from pathlib import Path
 
 import pytest
 
-from robustrl.generation.rewards import RewardError, arithmetic_exact, load_reward, score
+from robustrl.generation.rewards import (
+    RewardError,
+    arithmetic_exact,
+    load_reward,
+    math_verified,
+    score,
+)
+from robustrl.generation.tasks import get_task
 
 
 @pytest.mark.parametrize(
@@ -122,3 +130,26 @@ def test_score_accepts_ints_and_floats() -> None:
     assert score(lambda p, c, a: 1, "", "", "") == 1.0
     assert isinstance(score(lambda p, c, a: 1, "", "", ""), float)
     assert score(lambda p, c, a: -0.25, "", "", "") == -0.25
+
+
+@pytest.mark.parametrize(
+    ("completion", "answer", "expected"),
+    [
+        ("Half of it: \\boxed{0.5}", "1/2", 1.0),
+        ("so the total is \\boxed{\\frac{3}{4}}", "0.75", 1.0),
+        ("The answer is 12.", "12", 1.0),
+        ("\\boxed{13}", "12", 0.0),
+        ("I cannot tell.", "12", 0.0),
+        ("\\boxed{x^2 + 2x + 1}", "$(x+1)^2$", 1.0),
+    ],
+)
+def test_math_verified_compares_equivalent_forms(
+    completion: str, answer: str, expected: float
+) -> None:
+    fn = load_reward(get_task("math").default_reward)
+    assert score(fn, "a problem", completion, answer) == expected
+
+
+def test_math_verified_scores_off_the_main_thread() -> None:
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        assert pool.submit(math_verified, "", "\\boxed{4}", "4").result(timeout=60) == 1.0

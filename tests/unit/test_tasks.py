@@ -7,10 +7,14 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
 
 from robustrl.generation.tasks import (
     TASKS,
+    Columns,
+    Message,
     TaskItem,
     UnknownTaskError,
     arithmetic_eval_split,
@@ -95,18 +99,70 @@ def test_blank_lines_are_skipped(tmp_path: Path) -> None:
     [
         ("{not json", "not valid JSON"),
         ('["a", "b"]', "expected a JSON object"),
-        ('{"id": "b", "prompt": "2+2="}', "missing field 'answer'"),
-        ('{"id": "b", "prompt": "2+2=", "answer": 4}', "field 'answer' must be a string"),
+        ('{"id": "b", "prompt": "2+2="}', "no column 'answer'"),
+        ('{"id": "b", "prompt": "2+2=", "answer": [4]}', "'answer' must be a string or a number"),
         ('{"id": "b", "prompt": "", "answer": "4"}', "'prompt' is empty"),
+        ('{"id": "b", "prompt": [], "answer": "4"}', "got an empty list"),
+        ('{"id": "b", "prompt": [{"role": "user"}], "answer": "4"}', "message 0: a chat"),
         ('{"id": "a", "prompt": "2+2=", "answer": "4"}', "duplicate id 'a'"),
     ],
 )
-def test_malformed_lines_name_the_line(tmp_path: Path, line: str, message: str) -> None:
+def test_malformed_lines_name_the_file_and_the_row(tmp_path: Path, line: str, message: str) -> None:
     path = tmp_path / "bad.jsonl"
     path.write_text('{"id": "a", "prompt": "1+1=", "answer": "2"}\n' + line + "\n")
     with pytest.raises(ValueError, match=message) as err:
         load_dataset(path)
-    assert f"{path}:2" in str(err.value)
+    assert f"{path}, row 2" in str(err.value)
+
+
+def test_a_parquet_file_of_chat_messages_maps_its_columns(tmp_path: Path) -> None:
+    path = tmp_path / "chat.parquet"
+    question = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "2+3?"}]
+    again = [{"role": "user", "content": "7-1?"}]
+    pq.write_table(pa.table({"question": [question, again], "solution": [5, 6]}), path)
+    columns = Columns(prompt="question", answer="solution")
+    first, second = load_dataset(path, columns)
+    assert first == TaskItem(
+        "row-1", "", "5", (Message("system", "Be brief."), Message("user", "2+3?"))
+    )
+    assert second == TaskItem("row-2", "", "6", (Message("user", "7-1?"),))
+    with pytest.raises(ValueError, match="row 1: no column 'prompt'") as err:
+        load_dataset(path)
+    assert str(path) in str(err.value) and "columns: question, solution" in str(err.value)
+
+
+def test_an_arrow_file_is_read_and_written_rows_come_back(tmp_path: Path) -> None:
+    items = [TaskItem("q1", "", "1", (Message("user", "1?"),)), TaskItem("q2", "2?", "2")]
+    jsonl = tmp_path / "rows.jsonl"
+    write_dataset(items, jsonl)
+    assert load_dataset(jsonl) == items
+    arrow = tmp_path / "rows.arrow"
+    table = pa.table({"prompt": ["a?", "b?"], "answer": ["1", "2"], "id": ["x", "y"]})
+    with pa.OSFile(str(arrow), "wb") as sink, pa.ipc.new_stream(sink, table.schema) as out:
+        out.write_table(table)
+    assert [i.id for i in load_dataset(arrow)] == ["x", "y"]
+
+
+@pytest.mark.parametrize(
+    ("name", "content", "message"),
+    [
+        ("missing.jsonl", None, "no such file"),
+        ("empty.jsonl", "\n\n", "no rows"),
+        ("empty.parquet", b"", "not a readable parquet file"),
+        ("rows.csv", "prompt,answer\n", "a dataset is one of"),
+    ],
+)
+def test_files_that_are_not_datasets_are_refused_naming_them(
+    tmp_path: Path, name: str, content: str | bytes | None, message: str
+) -> None:
+    path = tmp_path / name
+    if isinstance(content, bytes):
+        path.write_bytes(content)
+    elif content is not None:
+        path.write_text(content)
+    with pytest.raises((ValueError, OSError), match=message) as err:
+        load_dataset(path)
+    assert str(path) in str(err.value)
 
 
 def test_tasks_module_does_not_import_torch() -> None:
@@ -116,3 +172,12 @@ def test_tasks_module_does_not_import_torch() -> None:
         [sys.executable, "-c", code], cwd=Path(__file__).resolve().parents[2], check=False
     )
     assert result.returncode == 0
+
+
+def test_the_math_task_has_no_data_of_its_own() -> None:
+    math_task = get_task("math")
+    assert not math_task.generated and math_task.default_reward.endswith(":math_verified")
+    with pytest.raises(ValueError, match="no data of its own"):
+        math_task.generate(4, 0)
+    with pytest.raises(ValueError, match="no data of its own"):
+        math_task.eval_split(4)
