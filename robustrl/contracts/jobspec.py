@@ -82,6 +82,49 @@ class TrainerSpec(_Strict):
     """Weight of the KL penalty to the initial policy; 0 keeps no reference model."""
 
     clip_eps: float = Field(default=0.2, gt=0, lt=1)
+    """The ratio's lower clip: a token's ratio counts down to 1 - clip_eps; and its upper one,
+    1 + clip_eps, unless `clip_eps_high` sets that apart."""
+
+    clip_eps_high: float | None = Field(default=None, gt=0, le=10)
+    """The ratio's upper clip apart from the lower (DAPO's clip-higher, e.g. 0.28): a token's
+    ratio counts up to 1 + clip_eps_high. None: `clip_eps`."""
+
+    max_grad_norm: float = Field(default=1.0, gt=0, le=1e6)
+    """The gradient's total norm is clipped to this before each optimizer step."""
+
+    weight_decay: float = Field(default=0.0, ge=0, le=1)
+    """AdamW's decoupled weight decay."""
+
+    loss_agg: Literal["token_mean", "seq_mean"] = "token_mean"
+    """How the step's per-token losses add up. token_mean: every completion token of the batch
+    weighs the same (a long completion counts more). seq_mean: each completion's token mean,
+    then the mean over completions (each completion counts the same)."""
+
+    entropy_coef: float = Field(default=0.0, ge=0, le=1)
+    """Weight of an entropy bonus: the loss subtracts this times the policy's mean entropy
+    over the completion tokens (computed chunk by chunk, as the logprobs are). 0: none."""
+
+    tis_cap: float = Field(default=0.0, ge=0, le=1e4)
+    """Truncated importance sampling for the gap between the engine's logprobs and the
+    trainer's (samplers differ; async steps add staleness). 0: off, the ratio is taken against
+    the engine's logprobs and clipped. C >= 1: the ratio is taken against the trainer's own
+    logprobs at the step's weights (clipped as above), and each token's loss is weighted by
+    min(trainer prob / engine prob, C), a constant in the gradient."""
+
+    scale_advantages: bool = True
+    """Divide a group's centred rewards by their standard deviation (GRPO); false: centred
+    rewards alone (Dr. GRPO), which does not weigh groups of nearly equal rewards up."""
+
+    micro_batch_tokens: int = Field(default=0, ge=0, le=10_000_000)
+    """The most tokens one forward and backward holds, counted as a padded micro-batch holds
+    them (rows x its longest prompt plus completion); gradients accumulate to one optimizer
+    step over the whole batch. A sample longer than this goes alone. 0: the whole batch at
+    once."""
+
+    activation_checkpointing: bool = False
+    """Recompute each decoder layer's activations in the backward pass instead of keeping
+    them (Hugging Face models' gradient checkpointing): less memory, about a third more
+    compute."""
     max_staleness: int = Field(default=1, ge=0)
     """k: a trajectory made with weight version v may train step s only if s - v <= k (0: sync)."""
 
@@ -138,6 +181,8 @@ class TrainerSpec(_Strict):
     def _supported(self) -> TrainerSpec:
         if self.dtype == "bf16" and self.device == "cpu":
             raise ValueError("dtype: bf16 needs device cuda (or auto on a CUDA host), not cpu")
+        if 0 < self.tis_cap < 1:
+            raise ValueError("tis_cap: 0 (off) or at least 1, the most one token may weigh")
         if self.strategy == "fsdp" and self.kl_coef > 0:
             raise ValueError(
                 "kl_coef: the KL reference model is not sharded; use strategy ddp with kl_coef > 0"

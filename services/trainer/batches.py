@@ -23,14 +23,19 @@ class StepInputs:
     """Every trajectory's steps behind: the step it trains at less its weight version."""
 
 
-def step_inputs(batch: list[Group], step: int) -> StepInputs:
-    """The batch's samples, in trajectory-id order within each group, with their advantages."""
+def step_inputs(batch: list[Group], step: int, *, scale_advantages: bool = True) -> StepInputs:
+    """The batch's samples, in trajectory-id order within each group, with their advantages
+    (centred rewards, divided by the group's std with `scale_advantages`)."""
     out = StepInputs()
     for group in batch:
         trajectories = sorted(group.trajectories.values(), key=lambda t: t.trajectory_id)
         group_rewards = [t.reward for t in trajectories]
         out.rewards += group_rewards
-        for traj, adv in zip(trajectories, grpo.group_advantages(group_rewards), strict=True):
+        for traj, adv in zip(
+            trajectories,
+            grpo.group_advantages(group_rewards, scale_by_std=scale_advantages),
+            strict=True,
+        ):
             out.staleness.append(step - traj.weight_version)
             if adv == 0.0:
                 # No gradient; leaving it out keeps the per-token normalisation about the
@@ -70,6 +75,8 @@ def step_metrics(
             "grad_norm": result.grad_norm,
             "clip_frac": result.clip_frac,
             "kl": result.kl,
+            "entropy": result.entropy,
+            "tis_capped_frac": result.tis_capped,
             "lr": result.lr,
             "nonfinite": float(result.nonfinite),
         }

@@ -75,6 +75,16 @@ class GRPOConfig:
     betas: tuple[float, float] = (0.9, 0.99)
     micro_batch_size: int = 0
     """Samples per forward/backward (gradients accumulate); 0 = the whole batch at once."""
+    micro_batch_tokens: int = 0
+    """Padded tokens (rows x the longest row) per forward/backward; 0: no token budget."""
+    loss_agg: str = "token_mean"
+    """token_mean: every completion token weighs the same; seq_mean: every completion."""
+    entropy_coef: float = 0.0
+    """Weight of the entropy bonus; 0 computes no entropy."""
+    tis_cap: float = 0.0
+    """0: the ratio against the behaviour logprobs, clipped. C >= 1: the ratio against the
+    trainer's own (at the step's weights), and min(trainer/behaviour, C) as a token weight."""
+    activation_checkpointing: bool = False
     decay_steps: int = 0
     """Decay lr linearly to ``min_lr_ratio * lr`` over this many steps; 0 keeps it constant."""
     min_lr_ratio: float = 0.1
@@ -113,6 +123,10 @@ class StepMetrics:
     nonfinite_where: str = ""
     """Where *this* rank saw a non-finite value: "loss", "grad" or "" (none). Under data
     parallelism another rank's NaN makes `nonfinite` true here while this stays empty."""
+    entropy: float = 0.0
+    """Mean entropy of the policy over the completion tokens (0 unless entropy_coef > 0)."""
+    tis_capped: float = 0.0
+    """Fraction of tokens whose importance weight was capped at tis_cap (0 unless on)."""
 
 
 def batch_tensors(
@@ -154,7 +168,22 @@ def token_logprobs(
     *,
     chunk: int = LOGPROB_CHUNK_POSITIONS,
 ) -> torch.Tensor:
-    """``[B, T-1]`` logprob of each next token under ``model`` at ``temperature``.
+    """``[B, T-1]`` logprob of each next token under ``model`` at ``temperature``
+    (`logprobs_and_entropy` without the entropy)."""
+    return logprobs_and_entropy(model, input_ids, attention_mask, temperature, chunk=chunk)[0]
+
+
+def logprobs_and_entropy(
+    model: torch.nn.Module,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    temperature: float,
+    *,
+    chunk: int = LOGPROB_CHUNK_POSITIONS,
+    entropy: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``[B, T-1]`` logprob of each next token under ``model`` at ``temperature``, and with
+    `entropy` the entropy of each position's distribution (else None).
 
     Rows are right-padded, so the causal mask alone keeps padding out of real positions. The
     output head runs `chunk` positions at a time, each chunk's logits recomputed in the
@@ -167,33 +196,46 @@ def token_logprobs(
     head, decoder = get_head() if callable(get_head) else None, getattr(model, "model", None)
     if chunk <= 0 or not _head_apart(model, head, decoder):
         logits = model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits
-        logp = torch.log_softmax(logits[:, :-1].float() / scale, dim=-1)
-        return logp.gather(-1, input_ids[:, 1:, None]).squeeze(-1)
+        picked, spread = _picked(logits[:, :-1], input_ids[:, 1:], scale, entropy)
+        return picked, spread
     assert isinstance(head, torch.nn.Module) and isinstance(decoder, torch.nn.Module)
     hidden = decoder(
         input_ids=input_ids, attention_mask=attention_mask, use_cache=False
     ).last_hidden_state[:, :-1]
     rows, positions, width = hidden.shape
     flat, targets = hidden.reshape(rows * positions, width), input_ids[:, 1:].reshape(-1)
-    pieces = []
+    pieces, spreads = [], []
     for start in range(0, rows * positions, chunk):
         h, t = flat[start : start + chunk], targets[start : start + chunk]
         if torch.is_grad_enabled():
-            piece = torch.utils.checkpoint.checkpoint(
-                _chunk_logprobs, head, h, t, scale, use_reentrant=False
+            piece, spread = torch.utils.checkpoint.checkpoint(
+                _chunk_logprobs, head, h, t, scale, entropy, use_reentrant=False
             )
         else:
-            piece = _chunk_logprobs(head, h, t, scale)
-        assert isinstance(piece, torch.Tensor)
+            piece, spread = _chunk_logprobs(head, h, t, scale, entropy)
         pieces.append(piece)
-    return torch.cat(pieces).view(rows, positions)
+        spreads.append(spread)
+    spread_all = torch.cat(spreads).view(rows, positions) if entropy else None
+    return torch.cat(pieces).view(rows, positions), spread_all
 
 
 def _chunk_logprobs(
-    head: torch.nn.Module, hidden: torch.Tensor, targets: torch.Tensor, scale: float
-) -> torch.Tensor:
-    logp = torch.log_softmax(head(hidden).float() / scale, dim=-1)
-    return logp.gather(-1, targets[:, None]).squeeze(-1)
+    head: torch.nn.Module, hidden: torch.Tensor, targets: torch.Tensor, scale: float, entropy: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    picked, spread = _picked(head(hidden), targets, scale, entropy)
+    # checkpoint needs tensors: an empty one stands for "no entropy asked".
+    return picked, spread if spread is not None else picked.new_empty(0)
+
+
+def _picked(
+    logits: torch.Tensor, targets: torch.Tensor, scale: float, entropy: bool
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The logprob of each target under `logits` at `scale`, and the entropy if asked."""
+    logp = torch.log_softmax(logits.float() / scale, dim=-1)
+    picked = logp.gather(-1, targets[..., None]).squeeze(-1)
+    if not entropy:
+        return picked, None
+    return picked, -(logp.exp() * logp).sum(-1)
 
 
 def _head_apart(model: torch.nn.Module, head: object, decoder: object) -> bool:
@@ -225,6 +267,8 @@ class LossParts:
     ratio_sum: float
     clipped: float
     kl_sum: float
+    entropy_sum: float = 0.0
+    capped: float = 0.0
 
 
 def policy_loss(
@@ -238,19 +282,39 @@ def policy_loss(
     ref_logp: torch.Tensor | None = None,
     kl_coef: float = 0.0,
     num_tokens: int | None = None,
+    weights: torch.Tensor | None = None,
+    entropy: torch.Tensor | None = None,
+    entropy_coef: float = 0.0,
+    tis_cap: float = 0.0,
 ) -> LossParts:
-    """Clipped-ratio GRPO loss, summed over masked tokens and divided by ``num_tokens``.
+    """Clipped-ratio GRPO loss, summed over masked tokens and divided by ``num_tokens``, or
+    summed with each token's ``weights`` (zero off the completions) where given.
 
     ``advantages`` broadcasts against ``logp`` ([B, 1] per sequence or [B, T] per token).
     Dividing by the token count of the whole batch (not per sequence) keeps long and short
     completions weighted per token, and lets micro-batches add up to the full-batch loss.
-    The KL term is the k3 estimator ``exp(ref - logp) - (ref - logp) - 1`` (>= 0, unbiased).
+    The KL term is the k3 estimator ``exp(ref - logp) - (ref - logp) - 1`` (>= 0, unbiased);
+    the entropy bonus subtracts ``entropy_coef`` times each token's ``entropy``.
+
+    ``tis_cap`` > 0: the ratio is taken against ``logp`` itself at these weights (1 in value,
+    the policy gradient in its gradient), and each token's policy term is weighted by
+    ``min(exp(logp - old_logp), tis_cap)``, held constant: the engine's logprobs (``old_logp``)
+    correct the trainer's only through that capped weight.
     """
     denom = float(num_tokens if num_tokens is not None else mask.sum().item())
     denom = max(denom, 1.0)
-    ratio = torch.exp(logp - old_logp)
+    importance, capped = None, 0.0
+    base = old_logp
+    if tis_cap > 0:
+        base = logp.detach()
+        raw = torch.exp(base - old_logp)
+        importance = raw.clamp(max=tis_cap)
+        capped = float(((raw > tis_cap).float() * mask).sum())
+    ratio = torch.exp(logp - base)
     clipped_ratio = ratio.clamp(1.0 - clip_eps_low, 1.0 + clip_eps_high)
     per_token = -torch.minimum(ratio * advantages, clipped_ratio * advantages)
+    if importance is not None:
+        per_token = per_token * importance
     # Tokens where the clipped branch won: the update there is cut off.
     was_clipped = ((ratio * advantages) > (clipped_ratio * advantages)).float()
     kl_sum = 0.0
@@ -259,12 +323,18 @@ def policy_loss(
         kl = torch.exp(delta) - delta - 1.0
         per_token = per_token + kl_coef * kl
         kl_sum = float((kl * mask).sum().detach())
-    loss = (per_token * mask).sum() / denom
+    entropy_sum = 0.0
+    if entropy is not None:
+        per_token = per_token - entropy_coef * entropy
+        entropy_sum = float((entropy.detach() * mask).sum())
+    loss = (per_token * weights).sum() if weights is not None else (per_token * mask).sum() / denom
     return LossParts(
         loss=loss,
         ratio_sum=float((ratio.detach() * mask).sum()),
         clipped=float((was_clipped * mask).sum()),
         kl_sum=kl_sum,
+        entropy_sum=entropy_sum,
+        capped=capped,
     )
 
 
@@ -286,6 +356,13 @@ class GRPOTrainer:
         self.pad_id = pad_id
         self.autocast = autocast
         self.device = next(model.parameters()).device
+        if config.activation_checkpointing:
+            enable = getattr(model, "gradient_checkpointing_enable", None)
+            if not callable(enable):
+                raise ValueError(
+                    "activation_checkpointing: this model has no gradient checkpointing"
+                )
+            enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         self.ref_model: torch.nn.Module | None = None
         if config.kl_coef > 0:
             self.ref_model = copy.deepcopy(model).eval()
@@ -314,6 +391,7 @@ class GRPOTrainer:
         samples: Sequence[Sample],
         *,
         token_normaliser: int | None = None,
+        sequence_normaliser: int | None = None,
         before_optimizer: Callable[[bool], bool] | None = None,
         passes: int | None = None,
     ) -> StepMetrics:
@@ -322,7 +400,8 @@ class GRPOTrainer:
         Data parallelism (services/trainer/ranks/) passes this rank's shard, the whole
         batch's completion-token count as ``token_normaliser`` (so the shards' losses and
         gradients add up to the batch's, and the token-averaged metrics are this rank's
-        share of the batch's), and ``before_optimizer``: called after backward, before
+        share of the batch's), its sample count as ``sequence_normaliser`` (the same for
+        ``loss_agg`` seq_mean), and ``before_optimizer``: called after backward, before
         clipping, with whether this rank saw a non-finite loss or gradient; it sums the
         gradients over the ranks and returns whether any rank saw one. A shard may then be
         empty: the rank still joins the sum with zero gradients.
@@ -339,10 +418,10 @@ class GRPOTrainer:
         self.optimizer.zero_grad(set_to_none=True)
         num_tokens = sum(len(s.completion_ids) for s in samples)
         denom = token_normaliser if token_normaliser is not None else num_tokens
-        size = cfg.micro_batch_size or max(1, len(samples))
-        loss_total, ratio_sum, clipped, kl_sum = 0.0, 0.0, 0.0, 0.0
+        sequences = sequence_normaliser if sequence_normaliser is not None else len(samples)
+        loss_total, ratio_sum, clipped, kl_sum, entropy_sum, capped = (0.0,) * 6
         where = ""
-        chunks = [samples[start : start + size] for start in range(0, len(samples), size)]
+        chunks = micro_batches(samples, cfg.micro_batch_size, cfg.micro_batch_tokens)
         if passes is not None:
             chunks += [[]] * (passes - len(chunks))
         for chunk in chunks:
@@ -353,7 +432,9 @@ class GRPOTrainer:
                 t.to(self.device) for t in batch_tensors(chunk, self.pad_id)
             )
             with self._precision():
-                logp = token_logprobs(self.model, input_ids, attention, cfg.temperature)
+                logp, entropy = logprobs_and_entropy(
+                    self.model, input_ids, attention, cfg.temperature, entropy=cfg.entropy_coef > 0
+                )
             ref_logp = None
             if self.ref_model is not None:
                 with torch.no_grad(), self._precision():
@@ -368,6 +449,10 @@ class GRPOTrainer:
                 ref_logp=ref_logp,
                 kl_coef=cfg.kl_coef,
                 num_tokens=denom,
+                weights=sequence_weights(mask, sequences) if cfg.loss_agg == "seq_mean" else None,
+                entropy=entropy,
+                entropy_coef=cfg.entropy_coef,
+                tis_cap=cfg.tis_cap,
             )
             if not torch.isfinite(parts.loss):
                 where = "loss"
@@ -382,6 +467,8 @@ class GRPOTrainer:
             ratio_sum += parts.ratio_sum
             clipped += parts.clipped
             kl_sum += parts.kl_sum
+            entropy_sum += parts.entropy_sum
+            capped += parts.capped
 
         nonfinite = bool(where)
         if before_optimizer is not None:
@@ -422,12 +509,14 @@ class GRPOTrainer:
             stepped=not nonfinite,
             nonfinite=nonfinite,
             nonfinite_where=where,
+            entropy=entropy_sum / count,
+            tis_capped=capped / count,
         )
 
-    def passes_for(self, samples: int) -> int:
-        """Forward/backward passes a step over `samples` samples takes."""
-        size = self.config.micro_batch_size or max(1, samples)
-        return -(-samples // size)
+    def passes_for(self, samples: Sequence[Sample]) -> int:
+        """Forward/backward passes a step over `samples` takes."""
+        cfg = self.config
+        return len(micro_batches(samples, cfg.micro_batch_size, cfg.micro_batch_tokens))
 
     def _idle_pass(self) -> None:
         """A forward and backward that change no gradient: an FSDP2 rank with nothing (more)
@@ -441,6 +530,37 @@ class GRPOTrainer:
         if self.autocast is None:
             return contextlib.nullcontext()
         return torch.autocast(self.device.type, dtype=self.autocast)
+
+
+def micro_batches(samples: Sequence[Sample], size: int, tokens: int) -> list[Sequence[Sample]]:
+    """`samples` in order, cut into forward/backward passes: at most `size` samples each (0:
+    any number) and, with a `tokens` budget, at most that many padded tokens (rows x the
+    longest row) each; a sample over the budget goes alone."""
+    if tokens <= 0:
+        step = size or max(1, len(samples))
+        return [samples[start : start + step] for start in range(0, len(samples), step)]
+    out: list[Sequence[Sample]] = []
+    current: list[Sample] = []
+    longest = 0
+    for sample in samples:
+        length = len(sample.prompt_ids) + len(sample.completion_ids)
+        wider = max(longest, length)
+        full = bool(size) and len(current) >= size
+        if current and (full or wider * (len(current) + 1) > tokens):
+            out.append(current)
+            current, wider = [], length
+        current.append(sample)
+        longest = wider
+    if current:
+        out.append(current)
+    return out
+
+
+def sequence_weights(mask: torch.Tensor, sequences: int) -> torch.Tensor:
+    """Each target position's weight in a seq_mean loss: 1 / (its completion's length x the
+    batch's completions), so that each completion's token mean counts the same."""
+    lengths = mask.sum(dim=1, keepdim=True).clamp(min=1.0)
+    return mask / (lengths * max(sequences, 1))
 
 
 def _grads_finite(model: torch.nn.Module) -> bool:
@@ -461,8 +581,15 @@ def grpo_config(spec: JobSpec) -> GRPOConfig:
         lr=spec.trainer.lr,
         temperature=spec.rollout.temperature,
         clip_eps_low=spec.trainer.clip_eps,
-        clip_eps_high=spec.trainer.clip_eps,
+        clip_eps_high=spec.trainer.clip_eps_high or spec.trainer.clip_eps,
         kl_coef=spec.trainer.kl_coef,
+        max_grad_norm=spec.trainer.max_grad_norm,
+        weight_decay=spec.trainer.weight_decay,
+        micro_batch_tokens=spec.trainer.micro_batch_tokens,
+        loss_agg=spec.trainer.loss_agg,
+        entropy_coef=spec.trainer.entropy_coef,
+        tis_cap=spec.trainer.tis_cap,
+        activation_checkpointing=spec.trainer.activation_checkpointing,
         decay_steps=spec.trainer.planned_steps,
         min_lr_ratio=spec.trainer.min_lr_ratio,
     )

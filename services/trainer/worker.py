@@ -446,7 +446,7 @@ class TrainerWorker:
                 "trainer.fault_injected", job=self.job_id, step=self.step + 1, fault="error"
             )
             raise InjectedError(f"step {self.step + 1} failed (injected fault)")
-        inputs = step_inputs(batch, self.step)
+        inputs = step_inputs(batch, self.step, scale_advantages=self.spec.trainer.scale_advantages)
         samples = self._inject(inputs.samples)
         self.progress.enter("forward_backward")
         result: grpo.StepMetrics | None = None

@@ -10,6 +10,9 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+from robustrl.contracts.jobspec import JobSpec
+from robustrl.v1 import trainer_pb2
+from services.trainer.batches import step_inputs
 from services.trainer.grpo import (
     GRPOConfig,
     GRPOTrainer,
@@ -17,10 +20,14 @@ from services.trainer.grpo import (
     batch_tensors,
     completion_logprobs,
     group_advantages,
+    grpo_config,
+    logprobs_and_entropy,
     lr_at,
+    micro_batches,
     policy_loss,
     token_logprobs,
 )
+from services.trainer.intake import Group
 
 PAD = 0
 
@@ -412,3 +419,176 @@ def test_a_model_whose_head_is_not_a_plain_linear_layer_takes_the_whole_batch(
     got = token_logprobs(model, input_ids, attention, 1.0, chunk=1)
     assert calls == [1]  # the model's own forward, logits and all
     torch.testing.assert_close(got, expected)
+
+
+# --- the loss options a job spec sets (trainer.*) --------------------------------------------
+
+
+PROMPTS = [[1, 5, 4, 6, 16], [1, 7, 4, 8, 16], [1, 9, 4, 9, 16]]
+COMPLETIONS = [[7, 2], [8, 9, 2, 3, 5], [10]]
+
+
+def _batch(
+    model: torch.nn.Module, advantages: tuple[float, ...] = (1.0, 0.5, -0.25)
+) -> list[Sample]:
+    rows = zip(PROMPTS, COMPLETIONS, advantages, strict=True)
+    return [_on_policy(model, p, c, a) for p, c, a in rows]
+
+
+def test_micro_batches_by_tokens_pack_padded_rows_under_the_budget() -> None:
+    samples = [Sample([1] * 4, [2] * n, [0.0] * n, 1.0) for n in (2, 2, 6, 1, 30)]
+    # Rows of 6, 6, 10, 5, 34 tokens; padded, two rows of 10 are 20 tokens.
+    cuts = micro_batches(samples, 0, 20)
+    assert [len(c) for c in cuts] == [2, 2, 1]  # 2 x 6; 10 and 5 padded to 2 x 10; 34 alone
+    assert [s for c in cuts for s in c] == samples
+    assert [len(c) for c in micro_batches(samples, 2, 1000)] == [2, 2, 1]
+    assert [len(c) for c in micro_batches(samples, 0, 0)] == [5]
+
+
+def test_micro_batches_by_tokens_give_the_same_update(tiny_model_dir: Path) -> None:
+    results = []
+    for budget in (0, 12):
+        model = _policy(tiny_model_dir)
+        trainer = GRPOTrainer(model, GRPOConfig(lr=1e-2, micro_batch_tokens=budget), pad_id=PAD)
+        batch = _batch(model)
+        assert trainer.passes_for(batch) == (1 if budget == 0 else 3)
+        results.append((trainer.step(batch), {k: v.clone() for k, v in model.state_dict().items()}))
+    (whole, whole_state), (cut, cut_state) = results
+    assert cut.loss == pytest.approx(whole.loss, rel=1e-5, abs=1e-7)
+    for k, v in whole_state.items():
+        assert torch.allclose(v, cut_state[k], atol=1e-6), k
+
+
+def test_sequence_mean_weighs_every_completion_the_same(tiny_model_dir: Path) -> None:
+    model = _policy(tiny_model_dir)
+    batch = _batch(model)
+    alone = [
+        GRPOTrainer(_policy(tiny_model_dir), GRPOConfig(lr=1e-12), pad_id=PAD).step([s]).loss
+        for s in batch
+    ]
+    seq = GRPOTrainer(model, GRPOConfig(lr=1e-12, loss_agg="seq_mean"), pad_id=PAD).step(batch)
+    token = GRPOTrainer(_policy(tiny_model_dir), GRPOConfig(lr=1e-12), pad_id=PAD).step(batch)
+    assert seq.loss == pytest.approx(sum(alone) / len(alone), rel=1e-5)
+    lengths = [len(c) for c in COMPLETIONS]
+    assert token.loss == pytest.approx(
+        sum(loss * n for loss, n in zip(alone, lengths, strict=True)) / sum(lengths), rel=1e-5
+    )
+    assert seq.loss != pytest.approx(token.loss, rel=1e-3)
+
+
+def test_the_entropy_bonus_lowers_the_loss_by_its_weight_times_the_entropy(
+    tiny_model_dir: Path,
+) -> None:
+    plain = GRPOTrainer(_policy(tiny_model_dir), GRPOConfig(lr=1e-12), pad_id=PAD)
+    bonus = GRPOTrainer(_policy(tiny_model_dir), GRPOConfig(lr=1e-12, entropy_coef=0.1), pad_id=PAD)
+    batch = _batch(_policy(tiny_model_dir))
+    without, with_bonus = plain.step(batch), bonus.step(batch)
+    assert without.entropy == 0.0 and with_bonus.entropy > 0.0
+    # The entropy of a 33-token vocabulary's distribution is at most log(33).
+    assert with_bonus.entropy <= math.log(33) + 1e-4
+    assert with_bonus.loss == pytest.approx(without.loss - 0.1 * with_bonus.entropy, rel=1e-5)
+    # The same entropy as computed whole, without chunks.
+    ids, attention, mask, _, _ = batch_tensors(batch, PAD)
+    with torch.no_grad():
+        _, spread = logprobs_and_entropy(bonus.model, ids, attention, 1.0, chunk=0, entropy=True)
+    assert spread is not None
+    assert float((spread * mask).sum() / mask.sum()) == pytest.approx(with_bonus.entropy, rel=1e-4)
+
+
+def test_truncated_importance_sampling_weights_each_token_and_caps_the_weight() -> None:
+    # The trainer's prob 0.5, the engine's 0.1 and 0.4: weights 5 (capped at 2) and 1.25.
+    logp = torch.full((1, 2), math.log(0.5), requires_grad=True)
+    engine = torch.tensor([[math.log(0.1), math.log(0.4)]])
+    parts = policy_loss(
+        logp,
+        engine,
+        torch.ones(1, 1),
+        torch.ones(1, 2),
+        clip_eps_low=0.2,
+        clip_eps_high=0.2,
+        tis_cap=2.0,
+    )
+    parts.loss.backward()
+    assert float(parts.loss.detach()) == pytest.approx(-(2.0 + 1.25) / 2)
+    assert parts.capped == 1.0 and parts.clipped == 0.0 and parts.ratio_sum == pytest.approx(2.0)
+    assert logp.grad is not None
+    assert logp.grad[0].tolist() == pytest.approx([-1.0, -0.625])  # -weight x A / tokens
+    # Off, the ratio against the engine's logprobs is clipped instead.
+    off = policy_loss(
+        logp.detach(),
+        engine,
+        torch.ones(1, 1),
+        torch.ones(1, 2),
+        clip_eps_low=0.2,
+        clip_eps_high=0.2,
+    )
+    assert off.clipped == 2.0 and float(off.loss) == pytest.approx(-1.2)
+
+
+def test_activation_checkpointing_gives_the_same_update(tiny_model_dir: Path) -> None:
+    states = []
+    for on in (False, True):
+        model = _policy(tiny_model_dir)
+        trainer = GRPOTrainer(model, GRPOConfig(lr=1e-2, activation_checkpointing=on), pad_id=PAD)
+        assert model.is_gradient_checkpointing == on
+        trainer.step(_batch(model))
+        states.append({k: v.clone() for k, v in model.state_dict().items()})
+    for k, v in states[0].items():
+        assert torch.allclose(v, states[1][k], atol=1e-6), k
+
+
+def test_every_loss_setting_of_the_spec_reaches_the_trainer(tiny_model_dir: Path) -> None:
+    spec = JobSpec.model_validate(
+        {
+            "name": "x",
+            "trainer": {
+                "clip_eps": 0.1,
+                "clip_eps_high": 0.28,
+                "max_grad_norm": 0.5,
+                "weight_decay": 0.01,
+                "loss_agg": "seq_mean",
+                "entropy_coef": 0.001,
+                "tis_cap": 2.0,
+                "micro_batch_tokens": 4096,
+                "activation_checkpointing": True,
+            },
+        }
+    )
+    config = grpo_config(spec)
+    assert (config.clip_eps_low, config.clip_eps_high, config.max_grad_norm) == (0.1, 0.28, 0.5)
+    assert (config.weight_decay, config.loss_agg, config.entropy_coef) == (0.01, "seq_mean", 0.001)
+    assert (config.tis_cap, config.micro_batch_tokens, config.activation_checkpointing) == (
+        2.0,
+        4096,
+        True,
+    )
+    assert grpo_config(JobSpec.model_validate({"name": "x"})).clip_eps_high == 0.2
+    trainer = GRPOTrainer(_policy(tiny_model_dir), config, pad_id=PAD)
+    assert {g["weight_decay"] for g in trainer.optimizer.param_groups} == {0.01}
+    with pytest.raises(ValueError, match="tis_cap"):
+        JobSpec.model_validate({"name": "x", "trainer": {"tis_cap": 0.5}})
+
+
+def test_a_step_clips_the_gradient_to_max_grad_norm(tiny_model_dir: Path) -> None:
+    model = _policy(tiny_model_dir)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    trainer = GRPOTrainer(model, GRPOConfig(lr=1e-2, max_grad_norm=1e-3), pad_id=PAD)
+    metrics = trainer.step(_batch(model, (4.0, -2.0, -2.0)))
+    assert metrics.grad_norm > 1e-3 and metrics.grad_norm_clipped == pytest.approx(1e-3)
+    assert any(not torch.equal(v, model.state_dict()[k]) for k, v in before.items())
+
+
+def test_advantages_scaled_by_the_groups_std_or_only_centred() -> None:
+    group = Group("g", 2)
+    for i, reward in enumerate((1.0, 0.0)):
+        group.trajectories[f"g/{i}"] = trainer_pb2.Trajectory(
+            trajectory_id=f"g/{i}",
+            prompt_ids=[1, 2],
+            completion_ids=[3],
+            logprobs=[-1.0],
+            reward=reward,
+        )
+    scaled = step_inputs([group], 0)
+    centred = step_inputs([group], 0, scale_advantages=False)
+    assert [s.advantage for s in scaled.samples] == [1.0, -1.0]
+    assert [s.advantage for s in centred.samples] == [0.5, -0.5]

@@ -103,12 +103,16 @@ def run_step(
         # FSDP2 gathers each layer's shards in forward and backward and reduce-scatters its
         # gradients: collectives all through the step, so the step is one watched collective.
         passes = max(
-            trainer.passes_for(len(shard(order.samples, r, group.world_size)))
+            trainer.passes_for(shard(order.samples, r, group.world_size))
             for r in range(group.world_size)
         )
         with group.collective("fsdp_step"):
             local = trainer.step(
-                mine, token_normaliser=tokens, before_optimizer=group.any_rank, passes=passes
+                mine,
+                token_normaliser=tokens,
+                sequence_normaliser=len(order.samples),
+                before_optimizer=group.any_rank,
+                passes=passes,
             )
     else:
 
@@ -117,7 +121,12 @@ def run_step(
             progress.enter("optimizer")
             return anywhere
 
-        local = trainer.step(mine, token_normaliser=tokens, before_optimizer=before_optimizer)
+        local = trainer.step(
+            mine,
+            token_normaliser=tokens,
+            sequence_normaliser=len(order.samples),
+            before_optimizer=before_optimizer,
+        )
     rows = group.gather_step(
         [
             local.loss,
@@ -126,10 +135,12 @@ def run_step(
             local.kl,
             float(local.num_tokens),
             float(local.num_samples),
+            local.entropy,
+            local.tis_capped,
             *fingerprint(trainer.model),
         ]
     )
-    summed = [math.fsum(column) for column in zip(*(row[:6] for row in rows), strict=True)]
+    summed = [math.fsum(column) for column in zip(*(row[:8] for row in rows), strict=True)]
     metrics = dataclasses.replace(
         local,
         loss=summed[0],
@@ -138,5 +149,7 @@ def run_step(
         kl=summed[3],
         num_tokens=int(summed[4]),
         num_samples=int(summed[5]),
+        entropy=summed[6],
+        tis_capped=summed[7],
     )
-    return StepOutcome(metrics, [(row[6], row[7]) for row in rows])
+    return StepOutcome(metrics, [(row[8], row[9]) for row in rows])
