@@ -61,6 +61,11 @@ class Sample:
             )
 
 
+LOGPROB_CHUNK_POSITIONS = 1024
+"""Positions whose logits `token_logprobs` holds at once: 1024 x a 151,936-token vocabulary is
+0.6 GB in fp32, where a batch of 512 sequences of 512 tokens would hold 160 GB."""
+
+
 @dataclass(frozen=True)
 class GRPOConfig:
     lr: float = 1e-3
@@ -85,6 +90,9 @@ class GRPOConfig:
     """0: the ratio against the behaviour logprobs, clipped. C >= 1: the ratio against the
     trainer's own (at the step's weights), and min(trainer/behaviour, C) as a token weight."""
     activation_checkpointing: bool = False
+    logprob_chunk: int = LOGPROB_CHUNK_POSITIONS
+    """Positions whose output-head logits are held at once (LOGPROB_CHUNK_POSITIONS); 0: the
+    whole micro-batch's (what benchmarks/logprob_memory.py compares against)."""
     decay_steps: int = 0
     """Decay lr linearly to ``min_lr_ratio * lr`` over this many steps; 0 keeps it constant."""
     min_lr_ratio: float = 0.1
@@ -153,11 +161,6 @@ def batch_tensors(
         old[i, p - 1 : p - 1 + c] = torch.tensor(s.behaviour_logprobs)
         adv[i, 0] = s.advantage
     return input_ids, attention, mask, old, adv
-
-
-LOGPROB_CHUNK_POSITIONS = 1024
-"""Positions whose logits `token_logprobs` holds at once: 1024 x a 151,936-token vocabulary is
-0.6 GB in fp32, where a batch of 512 sequences of 512 tokens would hold 160 GB."""
 
 
 def token_logprobs(
@@ -433,7 +436,12 @@ class GRPOTrainer:
             )
             with self._precision():
                 logp, entropy = logprobs_and_entropy(
-                    self.model, input_ids, attention, cfg.temperature, entropy=cfg.entropy_coef > 0
+                    self.model,
+                    input_ids,
+                    attention,
+                    cfg.temperature,
+                    chunk=cfg.logprob_chunk,
+                    entropy=cfg.entropy_coef > 0,
                 )
             ref_logp = None
             if self.ref_model is not None:
