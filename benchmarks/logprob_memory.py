@@ -30,6 +30,7 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 
@@ -64,24 +65,12 @@ def one(model_dir: str, rows: int, tokens: int, chunk: int, device: str, repeats
     generator = torch.Generator().manual_seed(0)
     ids = torch.randint(0, vocab, (rows, tokens), generator=generator).to(device)
     mask = torch.ones_like(ids)
-    if device == "cuda":
-        torch.cuda.reset_peak_memory_stats()
-        base = torch.cuda.memory_allocated()
-    base_rss = reset_peak()
-    seconds = []
-    for _ in range(repeats):
+
+    def forward_backward() -> None:
         model.zero_grad(set_to_none=True)
-        started = time.perf_counter()
-        logp = token_logprobs(model, ids, mask, 1.0, chunk=chunk)
-        logp.sum().backward()
-        if device == "cuda":
-            torch.cuda.synchronize()
-        seconds.append(time.perf_counter() - started)
-    if device == "cuda":
-        peak = (torch.cuda.max_memory_allocated() - base) / 2**20
-    else:
-        peak = (peak_kib() - base_rss) / 1024
-    return {"peak_mib": round(peak, 1), "seconds": round(statistics.median(seconds), 3)}
+        token_logprobs(model, ids, mask, 1.0, chunk=chunk).sum().backward()
+
+    return measure(forward_backward, device, repeats)
 
 
 def one_step(
@@ -114,6 +103,14 @@ def one_step(
     # A step on one token first: AdamW's moments and the gradients, which every step holds
     # whatever its batch, are then part of the baseline, not of the peak.
     trainer.step([Sample(samples[0].prompt_ids[:1], samples[0].completion_ids[:1], [-10.0], 1.0)])
+    return measure(lambda: trainer.step(samples), device, repeats)
+
+
+def measure(work: Callable[[], object], device: str, repeats: int) -> dict:
+    """The median seconds of `repeats` runs of `work`, and their peak memory in MiB over what
+    was held before them."""
+    import torch
+
     if device == "cuda":
         torch.cuda.reset_peak_memory_stats()
         base = torch.cuda.memory_allocated()
@@ -121,7 +118,7 @@ def one_step(
     seconds = []
     for _ in range(repeats):
         started = time.perf_counter()
-        trainer.step(samples)
+        work()
         if device == "cuda":
             torch.cuda.synchronize()
         seconds.append(time.perf_counter() - started)
@@ -132,24 +129,30 @@ def one_step(
     return {"peak_mib": round(peak, 1), "seconds": round(statistics.median(seconds), 3)}
 
 
+def run_one(args: argparse.Namespace, *one: str) -> dict | str:
+    """One measurement in a fresh process (`--one ...` or `--one-step ...`): its result, or
+    the last line of what it printed on failing."""
+    argv = [sys.executable, __file__, "--model", args.model, "--device", args.device]
+    argv += ["--repeats", str(args.repeats), *one]
+    done = subprocess.run(argv, capture_output=True, text=True, cwd=Path(__file__).parents[1])
+    if done.returncode:
+        return (done.stderr.strip().splitlines() or ["?"])[-1][:200]
+    result: dict = json.loads(done.stdout.splitlines()[-1])
+    return result
+
+
 def steps(args: argparse.Namespace) -> int:
     print(f"{'groups':>6} {'samples':>7} {'tokens':>6} {'path':>8} {'peak MiB':>9} {'s':>8}")
     table = {}
     sizes = [int(g) for g in args.groups.split(",")]
     for groups in sizes:
         for path, budget in (("micro", args.micro_batch_tokens), ("whole", 0)):
-            argv_one = [sys.executable, __file__, "--model", args.model, "--device", args.device]
-            argv_one += ["--repeats", str(args.repeats), "--one-step", str(groups)]
-            argv_one += [str(args.group_size), str(args.tokens), str(budget)]
-            done = subprocess.run(
-                argv_one, capture_output=True, text=True, cwd=Path(__file__).resolve().parents[1]
-            )
+            one = ("--one-step", str(groups), str(args.group_size), str(args.tokens), str(budget))
+            result = run_one(args, *one)
             samples = groups * args.group_size
-            if done.returncode:
-                why = done.stderr.strip().splitlines()[-1:] or ["?"]
-                print(f"{groups:>6} {samples:>7} {args.tokens:>6} {path:>8} failed: {why[0][:200]}")
+            if isinstance(result, str):
+                print(f"{groups:>6} {samples:>7} {args.tokens:>6} {path:>8} failed: {result}")
                 continue
-            result = json.loads(done.stdout.splitlines()[-1])
             table[(groups, path)] = result
             print(
                 f"{groups:>6} {samples:>7} {args.tokens:>6} {path:>8} "
@@ -195,25 +198,16 @@ def main(argv: list[str] | None = None) -> int:
         return steps(args)
     if args.one:
         rows, tokens, chunk = args.one
-        result = one(args.model, rows, tokens, chunk, args.device, args.repeats)
-        print(json.dumps(result))
+        print(json.dumps(one(args.model, rows, tokens, chunk, args.device, args.repeats)))
         return 0
     print(f"{'rows':>5} {'tokens':>6} {'path':>8} {'peak MiB':>9} {'s':>7}")
     table = {}
     for rows in (int(r) for r in args.rows.split(",")):
         for path, chunk in (("chunked", args.chunk), ("whole", 0)):
-            argv_one = [sys.executable, __file__, "--model", args.model, "--device", args.device]
-            argv_one += ["--repeats", str(args.repeats), "--one", str(rows), str(args.tokens)]
-            done = subprocess.run(
-                [*argv_one, str(chunk)],
-                capture_output=True,
-                text=True,
-                cwd=Path(__file__).resolve().parents[1],
-            )
-            if done.returncode:
-                print(f"{rows:>5} {args.tokens:>6} {path:>8} failed: {done.stderr[-300:]}")
+            result = run_one(args, "--one", str(rows), str(args.tokens), str(chunk))
+            if isinstance(result, str):
+                print(f"{rows:>5} {args.tokens:>6} {path:>8} failed: {result}")
                 continue
-            result = json.loads(done.stdout.splitlines()[-1])
             table[(rows, path)] = result
             print(
                 f"{rows:>5} {args.tokens:>6} {path:>8} {result['peak_mib']:>9.1f} "
