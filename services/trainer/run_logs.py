@@ -108,5 +108,10 @@ class RunLogs:
         self.append("trained.jsonl", line)
 
     def plot(self) -> None:
-        """reward.png from metrics.jsonl (matplotlib takes seconds: call it off the loop)."""
-        write_reward_plot(self.run_dir / "metrics.jsonl", self.run_dir / "reward.png")
+        """reward.png from metrics.jsonl (matplotlib takes seconds: call it off the loop). A
+        host without matplotlib writes none and says so: the plot is a view of metrics.jsonl,
+        which the job's success does not wait on."""
+        try:
+            write_reward_plot(self.run_dir / "metrics.jsonl", self.run_dir / "reward.png")
+        except ModuleNotFoundError as exc:
+            log.warning("trainer.no_reward_plot", run=str(self.run_dir), reason=str(exc))
