@@ -17,6 +17,8 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
+from robustrl.contracts.errors import InvalidArgument
+
 # Seed of the held-out eval split. Training data is generated from the job's seed and never
 # contains an eval prompt, so eval accuracy measures the policy, not recall of its data.
 EVAL_SEED = 1_000_003
@@ -257,6 +259,17 @@ def load_dataset(path: str | Path, columns: Columns = Columns()) -> list[TaskIte
     if not items:
         raise ValueError(f"{path}: no rows")
     return items
+
+
+def load_rows(field: str, path: str, columns: Columns) -> list[TaskItem]:
+    """`load_dataset` for the spec field `field` (`task.dataset`, `task.eval_dataset`):
+    InvalidArgument naming the field, the file, the row and the column."""
+    try:
+        return load_dataset(path, columns)
+    except OSError as exc:
+        raise InvalidArgument(f"{field}: cannot read {path}: {exc.strerror}") from exc
+    except ValueError as exc:
+        raise InvalidArgument(f"{field}: {exc}") from exc
 
 
 def _jsonl_rows(path: Path) -> Iterable[tuple[int, Mapping[str, object]]]:

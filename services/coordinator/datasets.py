@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from robustrl.contracts.errors import InvalidArgument
 from robustrl.contracts.jobspec import JobSpec
-from robustrl.generation.tasks import Columns, TaskItem, UnknownTaskError, get_task, load_dataset
+from robustrl.generation.tasks import Columns, TaskItem, UnknownTaskError, get_task, load_rows
 
 
 def dataset_for(spec: JobSpec) -> list[TaskItem]:
@@ -22,14 +22,7 @@ def dataset_for(spec: JobSpec) -> list[TaskItem]:
         )
     if spec.task.dataset:
         columns = Columns(spec.task.prompt_column, spec.task.answer_column)
-        try:
-            return load_dataset(spec.task.dataset, columns)
-        except OSError as exc:
-            raise InvalidArgument(
-                f"task.dataset: cannot read {spec.task.dataset}: {exc.strerror}"
-            ) from exc
-        except ValueError as exc:
-            raise InvalidArgument(f"task.dataset: {exc}") from exc
+        return load_rows("task.dataset", spec.task.dataset, columns)
     if not task.generated:
         raise InvalidArgument(f"task.dataset: the {task.name} task trains on a dataset; name it")
     # Sized by the planned steps, not the budget: an update of the budget must not change

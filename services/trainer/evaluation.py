@@ -14,7 +14,7 @@ from robustrl.contracts.jobspec import JobSpec
 from robustrl.generation.engine import SamplingParams, TorchEngine
 from robustrl.generation.prompts import prompt_text, render
 from robustrl.generation.rewards import RewardError, RewardFn, load_reward, score
-from robustrl.generation.tasks import Columns, TaskItem, UnknownTaskError, get_task, load_dataset
+from robustrl.generation.tasks import Columns, TaskItem, UnknownTaskError, get_task, load_rows
 
 
 @dataclass(frozen=True)
@@ -33,13 +33,8 @@ class Evaluation:
             raise InvalidArgument(f"task.name: {exc}") from exc
         if spec.task.eval_dataset:
             columns = Columns(spec.task.prompt_column, spec.task.answer_column)
-            try:
-                items = load_dataset(spec.task.eval_dataset, columns)[: spec.task.eval_size]
-            except OSError as exc:
-                why = f"cannot read {spec.task.eval_dataset}: {exc.strerror}"
-                raise InvalidArgument(f"task.eval_dataset: {why}") from exc
-            except ValueError as exc:
-                raise InvalidArgument(f"task.eval_dataset: {exc}") from exc
+            rows = load_rows("task.eval_dataset", spec.task.eval_dataset, columns)
+            items = rows[: spec.task.eval_size]
         elif not task.generated:
             raise InvalidArgument(f"task.eval_dataset: the {task.name} task needs one")
         else:

@@ -11,6 +11,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
+from robustrl.contracts.errors import InvalidArgument
 from robustrl.generation.tasks import (
     TASKS,
     Columns,
@@ -21,6 +22,7 @@ from robustrl.generation.tasks import (
     generate_arithmetic,
     get_task,
     load_dataset,
+    load_rows,
     write_dataset,
 )
 
@@ -181,3 +183,11 @@ def test_the_math_task_has_no_data_of_its_own() -> None:
         math_task.generate(4, 0)
     with pytest.raises(ValueError, match="no data of its own"):
         math_task.eval_split(4)
+
+
+def test_rows_for_a_spec_field_are_refused_naming_the_field(tmp_path: Path) -> None:
+    with pytest.raises(InvalidArgument, match=r"task.eval_dataset: cannot read .*gone.jsonl"):
+        load_rows("task.eval_dataset", str(tmp_path / "gone.jsonl"), Columns())
+    (tmp_path / "empty.parquet").write_bytes(b"")
+    with pytest.raises(InvalidArgument, match=r"^task.dataset: .*empty.parquet: not a readable"):
+        load_rows("task.dataset", str(tmp_path / "empty.parquet"), Columns())
