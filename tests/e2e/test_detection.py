@@ -121,7 +121,10 @@ def test_a_trainer_rank_stopped_mid_job_is_named_by_a_collective_hang(
 ) -> None:
     stack = two_trainers
     submit(stack, model_dir, "ranks", "trainer.steps=500", "trainer.world_size=2")
-    eventually_sync(lambda: step_of(stack, "ranks") >= 2, timeout=180)
+    # Some steps past the ranks' start (they take a fraction of a second each): in two CI runs
+    # rank 1 was stopped at step 2, before the monitor had a beat from it as rank 1 of the
+    # job, and the collective detector, which knows ranks by their beats, could not name it.
+    eventually_sync(lambda: step_of(stack, "ranks") >= 8, timeout=180)
     rank1 = member(stack, "trainer-1")
     assert (rank1["job_id"], rank1["rank"]) == ("ranks", 1)
     pid = int(rank1["pid"])
