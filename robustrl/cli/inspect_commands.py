@@ -12,7 +12,7 @@ from robustrl.cli import weights
 from robustrl.cli.client import DEFAULT_DEADLINE, StackClient
 from robustrl.cli.context import with_client
 from robustrl.cli.formatting import age, console, emit_json, plain_table
-from robustrl.contracts.members import MemberRecord
+from robustrl.contracts.members import member_rank
 from robustrl.v1 import coordinator_pb2
 
 
@@ -49,14 +49,6 @@ async def print_members(client: StackClient, as_json: bool) -> int:
     ]
     print(plain_table(["ROLE", "INSTANCE", "ADDRESS", "PID", "EPOCH", "JOB", ""], lines))
     return 0
-
-
-def member_rank(member: MemberRecord) -> int | None:
-    """A trainer's rank in its job's trainer group (ranks 1.. are labelled; the bound trainer
-    is rank 0); None for a member that is not a bound trainer."""
-    if member.role != "trainer" or not member.job_id:
-        return None
-    return int(member.labels.get("rank", "0"))
 
 
 def cmd_members(args: argparse.Namespace) -> int:

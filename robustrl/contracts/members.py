@@ -14,6 +14,10 @@ ENGINE_PID_LABEL = "engine_pid"
 engine core): that process's id, for tools that act on the engine alone (`robustrl chaos`)."""
 
 
+RANK_LABEL = "rank"
+"""The label of a trainer's rank (1..) in its job's group; the bound trainer has none."""
+
+
 class MemberRecord(BaseModel):
     """A member as stored in etcd (JSON)."""
 
@@ -41,6 +45,14 @@ class MemberRecord(BaseModel):
             merged = {**self.labels, **labels}
             fields["labels"] = {name: value for name, value in merged.items() if value is not None}
         return self.model_copy(update=fields)
+
+
+def member_rank(member: MemberRecord) -> int | None:
+    """A trainer's rank in its job's trainer group (ranks 1.. are labelled; the bound trainer
+    is rank 0); None for a member that is not a bound trainer."""
+    if member.role != "trainer" or not member.job_id:
+        return None
+    return int(member.labels.get(RANK_LABEL, "0"))
 
 
 def member_to_proto(member: MemberRecord, *, leader: bool = False) -> common_pb2.Member:

@@ -35,6 +35,7 @@ import pydantic
 from robustrl.contracts.binding import Binding, apply_control
 from robustrl.contracts.errors import FailedPrecondition, InvalidArgument, describe_validation_error
 from robustrl.contracts.jobspec import JobSpec
+from robustrl.contracts.members import RANK_LABEL
 from robustrl.contracts.roles import ROLE_TO_PROTO
 from robustrl.core.config import MemberSettings
 from robustrl.core.logs import get_logger
@@ -91,9 +92,9 @@ class Ranked(Protocol):
 RANK_ARG = "rank"
 """BIND's args[RANK_ARG]: the bound trainer's rank in its group (default 0)."""
 
-RANK_LABEL = "rank"
 FOLLOWER_LABEL = "follower"
-"""Registry labels of a trainer bound as rank r > 0: rank=<r>, follower=true."""
+"""With RANK_LABEL, the registry labels of a trainer bound as rank r > 0: rank=<r>,
+follower=true."""
 
 
 def rank_labels(rank: int) -> dict[str, str | None]:

@@ -191,6 +191,7 @@ def on_registered(
     address: str = "",
     job_id: str = "",
     lease: int = 0,
+    rank: int = 0,
 ) -> None:
     view = views.get(instance_id)
     if view is not None and view.state is State.LOST and _late(view, job_id, epoch):
@@ -201,6 +202,8 @@ def on_registered(
     view.lease = lease or view.lease
     view.address = address or view.address
     view.epoch = max(view.epoch, epoch)
+    signals = view.progress()
+    signals.assigned_job, signals.assigned_rank = job_id, rank
     if not view.last_seen:
         view.last_seen = now
 

@@ -75,6 +75,10 @@ class Signals:
     tokens_changed_at: float | None = None
     """When tokens last grew (or the member was last idle); None before the first beat."""
     last_beat_at: float | None = None
+    assigned_job: str = ""
+    assigned_rank: int = 0
+    """The job and rank of its registry record: what the coordinator bound it to, known before
+    (or without) a beat that says so."""
     reported: set[str] = field(default_factory=set)
     """Keys of the episodes already reported (see `ProgressFinding.key`)."""
 
@@ -183,7 +187,9 @@ def collective_hangs(
     members: list[Signals], now: float, cfg: ProgressConfig
 ) -> list[ProgressFinding]:
     """Ranks report `collective_seq` (the collective they are in, or last finished) and the
-    phase `collective` with its start; a rank behind the waiting ranks' seq is the laggard."""
+    phase `collective` with its start; a rank behind the waiting ranks' seq is the laggard.
+    A rank bound to the job in the registry whose beats do not (yet) say so is behind too:
+    it was stopped before the monitor had a beat from it as a rank of the job."""
     out = []
     by_job: dict[str, list[Signals]] = {}
     for m in members:
@@ -199,7 +205,12 @@ def collective_hangs(
             continue
         seq = max(r.counters["collective_seq"] for r in waiting)
         behind = [r for r in ranks if r.counters["collective_seq"] < seq]
-        if not behind:
+        unbeaten = [
+            m
+            for m in members
+            if m.role == "trainer" and m.assigned_job == job_id and m not in ranks
+        ]
+        if not behind and not unbeaten:
             # Every rank is inside #seq: the one that stopped beating is stuck in it.
             behind = [
                 r
@@ -208,26 +219,29 @@ def collective_hangs(
             ]
         waited = max(now - r.phase_started_at for r in waiting)
         others = sorted(r.rank for r in waiting if r not in behind)
-        for laggard in behind:
-            last = laggard.counters["collective_seq"]
-            where = (
-                f"has not entered it (last #{last:.0f}, phase {laggard.phase})"
-                if last < seq
-                else "stopped beating inside it"
-            )
+        found = [(r, r.rank, _behind(r, seq)) for r in behind]
+        found += [(m, m.assigned_rank, "has sent no beat as a rank of the job") for m in unbeaten]
+        for laggard, rank, where in found:
             out.append(
                 ProgressFinding(
                     "COLLECTIVE_HANG",
                     laggard.instance_id,
                     job_id,
-                    laggard.rank,
+                    rank,
                     f"ranks {others} have waited {waited:.1f}s in collective #{seq:.0f}; "
-                    f"rank {laggard.rank} {where}",
+                    f"rank {rank} {where}",
                     0.9,
-                    key=f"collective@{seq:.0f}",
+                    key=f"collective@{job_id}@{seq:.0f}",
                 )
             )
     return out
+
+
+def _behind(rank: Signals, seq: float) -> str:
+    last = rank.counters["collective_seq"]
+    if last < seq:
+        return f"has not entered it (last #{last:.0f}, phase {rank.phase})"
+    return "stopped beating inside it"
 
 
 def nonfinite(members: list[Signals]) -> list[ProgressFinding]:

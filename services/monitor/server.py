@@ -19,7 +19,7 @@ from robustrl.contracts.incidents import (
     new_incident,
     to_proto,
 )
-from robustrl.contracts.members import MemberRecord
+from robustrl.contracts.members import MemberRecord, member_rank
 from robustrl.contracts.roles import ROLE_FROM_PROTO, ROLE_TO_PROTO
 from robustrl.core.aio import cancel_and_wait
 from robustrl.core.assignment import assignment_key, owner
@@ -276,6 +276,7 @@ class MonitorServicer(monitor_pb2_grpc.MonitorServicer):
             member.address,
             member.job_id,
             member.lease_id,
+            member_rank(member) or 0,
         )
 
     def _monitors_changed(self, monitors: set[str]) -> None:
@@ -354,7 +355,7 @@ class MonitorServicer(monitor_pb2_grpc.MonitorServicer):
                 continue
             incident = new_incident(
                 view, progress.kind, progress.evidence, progress.confidence, progress.seen_at or now
-            )
+            ).model_copy(update={"job_id": progress.job_id, "rank": progress.rank})
             failure = progress.kind in progress_detectors.FAILURE_KINDS
             mark = (
                 failure_mark(incident, view.lease)

@@ -116,15 +116,19 @@ def two_trainers(tmp_path: Path) -> Iterator[Cli]:
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
-def test_a_trainer_rank_stopped_mid_job_is_named_by_a_collective_hang(
-    two_trainers: Cli, model_dir: Path
+@pytest.mark.parametrize("when", ["at-bind", "mid-job"])
+def test_a_stopped_trainer_rank_is_named_by_a_collective_hang(
+    two_trainers: Cli, model_dir: Path, when: str
 ) -> None:
     stack = two_trainers
     submit(stack, model_dir, "ranks", "trainer.steps=500", "trainer.world_size=2")
-    # Some steps past the ranks' start (they take a fraction of a second each): in two CI runs
-    # rank 1 was stopped at step 2, before the monitor had a beat from it as rank 1 of the
-    # job, and the collective detector, which knows ranks by their beats, could not name it.
-    eventually_sync(lambda: step_of(stack, "ranks") >= 8, timeout=180)
+    if when == "at-bind":
+        # Before its first beat as rank 1 of the job, while rank 0 waits for the group to
+        # form: the monitor knows it is rank 1 from its registry record.
+        eventually_sync(lambda: member(stack, "trainer-1")["job_id"] == "ranks", timeout=180)
+    else:
+        # Some steps past the ranks' start: inside the job's collectives.
+        eventually_sync(lambda: step_of(stack, "ranks") >= 8, timeout=180)
     rank1 = member(stack, "trainer-1")
     assert (rank1["job_id"], rank1["rank"]) == ("ranks", 1)
     pid = int(rank1["pid"])
@@ -134,7 +138,8 @@ def test_a_trainer_rank_stopped_mid_job_is_named_by_a_collective_hang(
         incident = wait_for_incident(stack, "COLLECTIVE_HANG", "trainer-1", timeout=TTL)
     finally:
         os.kill(pid, signal.SIGCONT)
-    assert incident["rank"] == 1 and "rank 1" in incident["evidence"]
+    assert (incident["job_id"], incident["rank"]) == ("ranks", 1), incident
+    assert "rank 1" in incident["evidence"]
     # Named once rank 0 has waited the collective's budget in the collective rank 1 misses
     # (which rank 0 enters when its next batch comes: a moment, or seconds on a loaded host).
     waited = re.search(r"have waited ([0-9.]+)s", incident["evidence"])

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from services.monitor import detectors as d
 from services.monitor import progress_detectors as pd
 
 CFG = pd.ProgressConfig(rollout_hang_window=10.0, collective_budget=30.0)
@@ -151,3 +152,28 @@ def test_a_rank_frozen_inside_the_collective_the_others_wait_in_is_named() -> No
     )
     [finding] = pd.collective_hangs(ranks, 140.0, CFG)
     assert finding.rank == 1 and "stopped beating inside it" in finding.evidence
+
+
+def test_a_rank_bound_in_the_registry_but_stopped_before_its_first_beat_as_rank_is_named() -> None:
+    waiting = pd.Signals(role="trainer", instance_id="t0", job_id="j", rank=0)
+    pd.observe(
+        waiting, phase="collective", phase_started_at=0.0, counters={"collective_seq": 3}, now=0.0
+    )
+    # Its last beat was sent while it was free; the registry says the coordinator bound it.
+    frozen = pd.Signals(role="trainer", instance_id="t1", assigned_job="j", assigned_rank=1)
+    pd.observe(frozen, phase="idle", phase_started_at=0.0, counters={}, now=0.0)
+    other_job = pd.Signals(role="trainer", instance_id="t2", assigned_job="k", assigned_rank=1)
+    assert pd.collective_hangs([waiting, frozen, other_job], 29.0, CFG) == []
+    [finding] = pd.collective_hangs([waiting, frozen, other_job], 31.0, CFG)
+    assert (finding.instance_id, finding.job_id, finding.rank) == ("t1", "j", 1)
+    assert "ranks [0] have waited 31.0s in collective #3" in finding.evidence
+    assert "rank 1 has sent no beat as a rank of the job" in finding.evidence
+
+
+def test_the_registry_record_gives_the_signals_their_job_and_rank() -> None:
+    views: d.Views = {}
+    d.on_registered(views, "trainer", "t1", 4, 0.0, "h:1", "j", lease=7, rank=1)
+    signals = views["t1"].progress()
+    assert (signals.assigned_job, signals.assigned_rank) == ("j", 1)
+    d.on_registered(views, "trainer", "t1", 4, 1.0, "h:1", "", lease=7)  # released
+    assert (signals.assigned_job, signals.assigned_rank) == ("", 0)

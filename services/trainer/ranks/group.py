@@ -131,14 +131,21 @@ class RankGroup:
             store = self._store
             waiting = [_JOINED.format(rank=r) for r in range(1, self.world_size)]
             deadline = time.monotonic() + self.timeout.total_seconds()
-            while waiting and not store.check(waiting):
-                if check is not None:
-                    check()
-                if time.monotonic() > deadline:
-                    raise TimeoutError(
-                        f"trainer ranks did not join within {self.timeout.total_seconds():.0f}s"
-                    )
-                time.sleep(0.05)
+            # The join is collective #0: a rank that never joins is named like a rank that
+            # never enters a collective, without counting it (every rank's numbers start at 1).
+            before = self.progress.phase
+            self.progress.enter("collective")
+            try:
+                while waiting and not store.check(waiting):
+                    if check is not None:
+                        check()
+                    if time.monotonic() > deadline:
+                        raise TimeoutError(
+                            f"trainer ranks did not join within {self.timeout.total_seconds():.0f}s"
+                        )
+                    time.sleep(0.05)
+            finally:
+                self.progress.enter(before)
         else:
             store = dist.TCPStore(
                 self.host, self.port, self.world_size, is_master=False, timeout=self.timeout
